@@ -1,0 +1,172 @@
+"""Miners in dml_nb.miners: validity of every tuple, determinism, empty and NaN cases, and agreement with
+pytorch-metric-learning (PML, a test-only reference) where the definitions coincide."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dml_nb.core import MINERS
+from dml_nb.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
+                           distance_weights, pairwise_distance)
+
+pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
+
+RELATION = {"random": "class", "semihard": "class", "distance_weighted": "class", "shared": "shared",
+            "intra": "intra", "grouping": "class"}
+
+
+def batch(n_classes=8, k=4, dim=32, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n_classes).repeat_interleave(k)
+    emb = 0.8 * torch.randn(n_classes, dim, generator=g, dtype=dtype)[labels] + torch.randn(len(labels), dim, generator=g, dtype=dtype)
+    return F.normalize(emb, dim=1), labels
+
+
+def as_set(*tensors):
+    return set(zip(*(t.tolist() for t in tensors)))
+
+
+@pytest.mark.parametrize("name", sorted(RELATION))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triplet_miners_valid_and_deterministic(name, seed):
+    emb, labels = batch(seed=seed)
+    miner = MINERS.build(name)
+    kw = {"groups": labels % 3} if name == "grouping" else {}
+    ref = (labels % 3) if name == "grouping" else labels
+    t1 = miner(emb, labels, generator=torch.Generator().manual_seed(seed), **kw)
+    t2 = miner(emb, labels, generator=torch.Generator().manual_seed(seed), **kw)
+    assert len(t1) == 3 and len(t1[0]) > 0
+    assert all(u.dtype == torch.long and len(u) == len(t1[0]) for u in t1)
+    assert check_triplets(t1, ref, RELATION[name])
+    assert all(torch.equal(u, v) for u, v in zip(t1, t2))
+
+
+def test_unconstrained_distinct_and_ignores_labels():
+    emb, labels = batch()
+    a, p, n = MINERS.build("unconstrained")(emb, labels, generator=torch.Generator().manual_seed(0))
+    assert ((a != p) & (a != n) & (p != n)).all() and len(a) == len(labels)
+    assert (labels[a] == labels[p]).any()            # positives of the same class occur: no label constraint
+
+
+@pytest.mark.parametrize("name", ["random", "semihard", "distance_weighted", "shared", "intra", "unconstrained"])
+def test_empty_and_nan_cases(name):
+    miner = MINERS.build(name)
+    one = F.normalize(torch.randn(2, 8), dim=1)
+    out = miner(one, torch.zeros(2, dtype=torch.long))       # two samples of one class: nothing valid
+    assert len(out) == 3 and all(len(u) == 0 and u.dtype == torch.long for u in out)
+    emb, labels = batch(n_classes=4, k=3, dim=8)
+    emb = emb.clone(); emb[0] = float("nan")
+    out = miner(emb, labels, generator=torch.Generator().manual_seed(0))
+    if name != "unconstrained": assert check_triplets(out, labels, RELATION.get(name, "class"))
+    assert all(((u >= 0) & (u < len(labels))).all() for u in out)
+
+
+def test_semihard_all_equals_pml():
+    for seed in range(3):
+        emb, labels = batch(seed=seed, dtype=torch.float64)
+        ours = SemiHardMiner(margin=0.2, mode="all")(emb, labels)
+        theirs = pml_miners.TripletMarginMiner(margin=0.2, type_of_triplets="semihard")(emb, labels)
+        assert len(theirs[0]) > 0 and as_set(*ours) == as_set(*theirs)
+
+
+def test_semihard_sample_picks_semihard_when_available():
+    emb, labels = batch(seed=4)
+    a, p, n = SemiHardMiner(margin=0.2)(emb, labels, generator=torch.Generator().manual_seed(0))
+    d = pairwise_distance(emb)
+    allsemi = SemiHardMiner(margin=0.2, mode="all")(emb, labels)
+    has = {(x, y) for x, y, _ in as_set(*allsemi)}
+    picked_semi = [(d[i, k] > d[i, j]) & (d[i, k] <= d[i, j] + 0.2) for i, j, k in zip(a.tolist(), p.tolist(), n.tolist())
+                   if (i, j) in has]
+    assert len(picked_semi) > 0 and all(picked_semi)
+
+
+def test_multi_similarity_equals_pml():
+    for seed in range(3):
+        emb, labels = batch(seed=seed, dtype=torch.float64)
+        miner = MultiSimilarityMiner(epsilon=0.1)
+        a1, p, a2, n = miner(emb, labels)
+        t = pml_miners.MultiSimilarityMiner(epsilon=0.1)(emb, labels)
+        assert as_set(a1, p) == as_set(t[0], t[1]) and as_set(a2, n) == as_set(t[2], t[3])
+        assert len(a1) > 0 and len(a2) > 0
+        informative = torch.zeros(len(labels), dtype=torch.bool); informative[torch.cat([t[0], t[2]])] = True
+        assert torch.equal(miner.informative, informative)
+
+
+def _reference_weights(dist, dim, allowed, cutoff=0.5, upper=1.4):
+    d = dist.clamp_min(cutoff).double()
+    logw = -(dim - 2) * d.log() - (dim - 3) / 2 * torch.log(1 - d ** 2 / 4)
+    w = torch.zeros_like(d)
+    for i in range(len(d)):
+        ok = allowed[i] & (dist[i] < upper)
+        if ok.any():
+            wi = torch.exp(logw[i][ok] - logw[i][ok].max())
+            w[i][ok] = wi / wi.sum()
+    return w
+
+
+def test_distance_weights_match_formula_and_guard_rows():
+    emb, labels = batch(dim=16, seed=2)
+    dist = pairwise_distance(emb)
+    allowed = labels[:, None] != labels[None, :]
+    allowed[0] = False                                          # a row with nothing allowed
+    w = distance_weights(dist, 16, allowed)
+    torch.testing.assert_close(w.double(), _reference_weights(dist, 16, allowed), rtol=1e-4, atol=1e-6)
+    assert (w[0] == 0).all() and torch.isfinite(w).all()
+    assert not w.requires_grad
+    torch.testing.assert_close(w[1:].sum(1)[w[1:].sum(1) > 0], torch.ones(int((w[1:].sum(1) > 0).sum())))
+
+
+def test_distance_weighted_draws_follow_weights():
+    emb, labels = batch(n_classes=4, k=2, dim=8, seed=3)
+    miner = DistanceWeightedMiner()
+    counts = torch.zeros(len(labels), len(labels))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        a, p, n = miner(emb, labels, generator=g)
+        counts.index_put_((a, n), torch.ones(len(a)), accumulate=True)
+    w = distance_weights(pairwise_distance(emb), 8, labels[:, None] != labels[None, :])
+    freq = counts / counts.sum(1, keepdim=True)
+    assert (freq[w == 0] == 0).all()
+    assert (freq - w).abs().max() < 0.08
+
+
+def test_distance_weighted_fallback_uniform_when_all_far():
+    emb = F.normalize(torch.eye(6), dim=1)                      # all distances sqrt(2) >= 1.4
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    a, p, n = DistanceWeightedMiner()(emb, labels, generator=torch.Generator().manual_seed(0))
+    assert len(a) == 6 and check_triplets((a, p, n), labels)
+
+
+def test_all_far_rows_zero_weights_but_pml_returns_nothing():
+    # Every negative at distance >= 1.4: the weight rows are all zero (never NaN). PML's miner then returns no
+    # triplet at all; ours falls back to uniform negatives (documented in the notebook).
+    emb = F.normalize(torch.eye(6), dim=1)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    w = distance_weights(pairwise_distance(emb), 6, labels[:, None] != labels[None, :])
+    assert (w == 0).all()
+    assert len(pml_miners.DistanceWeightedMiner()(emb, labels)[0]) == 0
+    assert len(DistanceWeightedMiner()(emb, labels)[0]) == 6
+
+
+def test_shared_nearest_positive():
+    emb, labels = batch(seed=5)
+    a, p, n = MINERS.build("shared", positive="nearest")(emb, labels, generator=torch.Generator().manual_seed(0))
+    d = pairwise_distance(emb).masked_fill(labels[:, None] == labels[None, :], math.inf)
+    assert torch.equal(p, d.argmin(1)[a])
+
+
+def test_intra_code_variant_and_strict():
+    emb, labels = batch(n_classes=4, k=2)
+    assert all(len(u) == 0 for u in MINERS.build("intra")(emb, labels))     # K=2: no three distinct samples
+    a, p, n = MINERS.build("intra", distinct=False)(emb, labels, generator=torch.Generator().manual_seed(0))
+    assert len(a) == len(labels) and ((labels[a] == labels[p]) & (labels[a] == labels[n])).all()
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="one label per embedding row"):
+        MINERS.build("random")(torch.randn(4, 3), torch.arange(3))
+    with pytest.raises(ValueError, match="groups="):
+        MINERS.build("grouping")(torch.randn(4, 3), torch.arange(4))
+    with pytest.raises(TypeError, match="Did you mean 'margin'"):
+        MINERS.build("semihard", margn=0.1)

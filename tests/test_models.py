@@ -1,0 +1,250 @@
+"""Checks of dml_nb.models too heavy for the notebook: full-size forwards, ImageNet weight files, and the
+two-process all_gather path of MemoryQueue."""
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dml_nb.core import seed_everything
+from dml_nb.models import (BNInception, EmbeddingModel, GoogLeNet, MemoryQueue, MomentumEncoder, MultiHead,
+                           ResNet50, SmallCNN, batchnorm_modules, build_backbone, global_pool)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch):
+    "An empty torch cache: `pretrained=True` looks in <tmp>/hub/checkpoints."
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    return tmp_path / "hub" / "checkpoints"
+
+
+def _bn_stats(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+
+
+# ResNet50 ------------------------------------------------------------------------------------------------------
+
+def test_resnet50_224_frozen_bn_train_step():
+    seed_everything(0)
+    model = ResNet50(frozen_bn=True).train()
+    assert model.training and not any(bn.training for bn in batchnorm_modules(model))
+    stats = _bn_stats(model)
+    gamma = model.bn1.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 224, 224)
+    feats = model(x)
+    assert feats.shape == (2, 2048)
+    feats.pow(2).mean().backward()
+    opt.step()
+    model.train()  # calling train() again must not switch BatchNorm back on
+    model(x)
+    for k, v in _bn_stats(model).items():
+        assert torch.equal(v, stats[k]), k
+    assert not torch.equal(model.bn1.weight.detach(), gamma)  # affine parameters still train by default
+
+
+def test_resnet50_frozen_affine_and_pooling():
+    seed_everything(0)
+    model = ResNet50(frozen_bn=True, frozen_bn_affine=True, pooling="avg+max").eval()
+    assert all(not p.requires_grad for bn in batchnorm_modules(model) for p in bn.parameters())
+    assert any(p.requires_grad for p in model.parameters())
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        fmap = model.forward_features(x)
+        torch.testing.assert_close(model(x), fmap.mean((2, 3)) + fmap.amax((2, 3)))
+        torch.testing.assert_close(global_pool(fmap, "max"), fmap.amax((2, 3)))
+
+
+def test_resnet50_loads_torchvision_file_and_cache(torch_home):
+    from torchvision.models import resnet50
+    seed_everything(0)
+    ref = resnet50(weights=None).eval()  # laid out like resnet50-0676ba61.pth, classifier included
+    torch_home.mkdir(parents=True)
+    torch.save(ref.state_dict(), torch_home / "resnet50-0676ba61.pth")
+    ours = build_backbone("resnet50", pretrained=True).eval()
+    ref.fc = nn.Identity()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x))
+    by_path = build_backbone("resnet50", pretrained=str(torch_home / "resnet50-0676ba61.pth"))
+    torch.testing.assert_close(by_path.conv1.weight, ours.conv1.weight)
+
+
+def test_pretrained_true_without_file_is_a_fast_clear_error(torch_home):
+    for name, fname in [("resnet50", "resnet50-0676ba61.pth"), ("bninception", "bn_inception-52deb4733.pth"),
+                        ("googlenet", "googlenet-1378be20.pth")]:
+        t0 = time.perf_counter()
+        with pytest.raises(FileNotFoundError) as e:
+            build_backbone(name, pretrained=True)
+        assert time.perf_counter() - t0 < 30  # no network attempt, nothing hangs
+        msg = str(e.value)
+        assert fname in msg and str(torch_home) in msg and "never downloads" in msg
+
+
+def test_wrong_weight_file_is_refused(tmp_path):
+    seed_everything(0)
+    torch.save(SmallCNN().state_dict(), tmp_path / "cnn.pth")
+    with pytest.raises(ValueError, match="does not match backbone 'bninception'.*missing.*unexpected"):
+        build_backbone("bninception", pretrained=tmp_path / "cnn.pth")
+    with pytest.raises(TypeError, match="pretrained must be"):
+        build_backbone("small_cnn", pretrained=3)
+
+
+# BN-Inception --------------------------------------------------------------------------------------------------
+
+# (key, shape) pairs of the commonly distributed converted file (pretrainedmodels' bn_inception-52deb4733.pth,
+# Caffe layer names), written out by hand from its published layout.
+PUBLISHED_BNINCEPTION = {
+    "conv1_7x7_s2.weight": (64, 3, 7, 7), "conv1_7x7_s2.bias": (64,), "conv1_7x7_s2_bn.running_var": (64,),
+    "conv2_3x3_reduce.weight": (64, 64, 1, 1), "conv2_3x3.weight": (192, 64, 3, 3),
+    "inception_3a_1x1.weight": (64, 192, 1, 1), "inception_3a_3x3_reduce.weight": (64, 192, 1, 1),
+    "inception_3a_3x3.weight": (64, 64, 3, 3), "inception_3a_double_3x3_reduce.weight": (64, 192, 1, 1),
+    "inception_3a_double_3x3_1.weight": (96, 64, 3, 3), "inception_3a_double_3x3_2.weight": (96, 96, 3, 3),
+    "inception_3a_pool_proj.weight": (32, 192, 1, 1), "inception_3a_pool_proj_bn.weight": (32,),
+    "inception_3b_3x3.weight": (96, 64, 3, 3), "inception_3b_pool_proj.weight": (64, 256, 1, 1),
+    "inception_3c_3x3_reduce.weight": (128, 320, 1, 1), "inception_3c_3x3.weight": (160, 128, 3, 3),
+    "inception_3c_double_3x3_2.weight": (96, 96, 3, 3),
+    "inception_4a_1x1.weight": (224, 576, 1, 1), "inception_4b_1x1.weight": (192, 576, 1, 1),
+    "inception_4c_double_3x3_2.weight": (160, 160, 3, 3), "inception_4d_double_3x3_reduce.weight": (160, 608, 1, 1),
+    "inception_4d_3x3.weight": (192, 128, 3, 3), "inception_4e_double_3x3_1.weight": (256, 192, 3, 3),
+    "inception_4e_double_3x3_2_bn.running_mean": (256,),
+    "inception_5a_1x1.weight": (352, 1056, 1, 1), "inception_5a_3x3.weight": (320, 192, 3, 3),
+    "inception_5a_double_3x3_reduce.weight": (160, 1056, 1, 1), "inception_5b_double_3x3_reduce.weight": (192, 1024, 1, 1),
+    "inception_5b_double_3x3_2_bn.bias": (224,), "inception_5b_pool_proj.weight": (128, 1024, 1, 1),
+}
+NO_1X1_OR_PROJ = {"3c", "4e"}  # the stride-2 modules: no 1x1 branch and no pool projection
+
+
+def _published_conv_names():
+    names = ["conv1_7x7_s2", "conv2_3x3_reduce", "conv2_3x3"]
+    for m in ["3a", "3b", "3c", "4a", "4b", "4c", "4d", "4e", "5a", "5b"]:
+        branches = ["3x3_reduce", "3x3", "double_3x3_reduce", "double_3x3_1", "double_3x3_2"]
+        if m not in NO_1X1_OR_PROJ: branches = ["1x1"] + branches + ["pool_proj"]
+        names += [f"inception_{m}_{b}" for b in branches]
+    return names
+
+
+def test_bninception_state_dict_matches_published_layout():
+    sd = BNInception().state_dict()
+    for k, shape in PUBLISHED_BNINCEPTION.items():
+        assert tuple(sd[k].shape) == shape, k
+    convs = _published_conv_names()
+    expected = {f"{c}.{p}" for c in convs for p in ("weight", "bias")}
+    expected |= {f"{c}_bn.{p}" for c in convs for p in ("weight", "bias", "running_mean", "running_var")}
+    assert len(convs) == 69
+    assert {k for k in sd if not k.endswith("num_batches_tracked")} == expected  # 414 tensors
+    n_params = sum(v.numel() for k, v in sd.items() if k.endswith(("weight", "bias")) and "running" not in k)
+    assert n_params + 1024 * 1000 + 1000 == 11_295_240  # with the 1000-way classifier: BN-Inception's 11.3M
+
+
+@pytest.mark.parametrize("size", [227, 224])
+def test_bninception_forward_full_size(size):
+    seed_everything(0)
+    model = BNInception(input_size=size).eval()
+    assert model.preprocessing.input_size == size and model.channel_order == "BGR"
+    with torch.no_grad():
+        fmap = model.forward_features(torch.randn(2, 3, size, size))
+    assert fmap.shape == (2, 1024, 7, 7)
+    assert model(torch.randn(1, 3, size, size)).shape == (1, 1024)
+
+
+def test_bninception_loads_published_format(tmp_path, torch_home):
+    "The distributed file: no num_batches_tracked, BatchNorm tensors stored as (1, C), a 1000-way last_linear."
+    seed_everything(0)
+    src = BNInception().eval()
+    published = {k: (v[None] if "_bn." in k else v) for k, v in src.state_dict().items()
+                 if not k.endswith("num_batches_tracked")}
+    assert published["conv1_7x7_s2_bn.weight"].shape == (1, 64)
+    published["last_linear.weight"], published["last_linear.bias"] = torch.randn(1000, 1024), torch.randn(1000)
+    torch_home.mkdir(parents=True)
+    torch.save(published, torch_home / "bn_inception-52deb4733.pth")
+    dst = build_backbone("bninception", pretrained=True).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x), src(x))
+    torch.save(src.state_dict(), tmp_path / "roundtrip.pth")  # our own checkpoint, plain round trip
+    again = build_backbone("bninception", pretrained=tmp_path / "roundtrip.pth").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), src(x))
+    broken = dict(published); broken["inception_4a_1x1.weight"] = torch.randn(10, 576, 1, 1)
+    torch.save(broken, tmp_path / "broken.pth")
+    with pytest.raises(ValueError, match=r"inception_4a_1x1.weight: file \(10, 576, 1, 1\) vs model \(224, 576, 1, 1\)"):
+        build_backbone("bninception", pretrained=tmp_path / "broken.pth")
+
+
+def test_bninception_bn_momentum_option():
+    assert BNInception().conv1_7x7_s2_bn.momentum == 0.1
+    assert BNInception(bn_momentum=0.9).inception_5b_pool_proj_bn.momentum == 0.9
+
+
+# GoogLeNet -----------------------------------------------------------------------------------------------------
+
+def test_googlenet_matches_torchvision_with_imagenet_layout(tmp_path):
+    from torchvision.models import googlenet
+    seed_everything(0)
+    ref = googlenet(weights=None, aux_logits=True, init_weights=True, transform_input=True).eval()
+    keys = ref.state_dict().keys()
+    assert any(k.startswith("aux1.") for k in keys)  # laid out like googlenet-1378be20.pth
+    torch.save(ref.state_dict(), tmp_path / "googlenet-1378be20.pth")
+    ours = build_backbone("googlenet", pretrained=tmp_path / "googlenet-1378be20.pth").eval()
+    assert ours.preprocessing.input_size == 227 and ours.feature_dim == 1024
+    ref.fc = nn.Identity()
+    x = torch.randn(2, 3, 227, 227)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x))
+
+
+# Momentum encoder on a real model, and the distributed queue ---------------------------------------------------
+
+def test_momentum_encoder_on_embedding_model():
+    seed_everything(0)
+    model = EmbeddingModel(SmallCNN(width=8, feature_dim=32), MultiHead(32, {"discriminative": 8, "dance": 8}))
+    key = MomentumEncoder(model, momentum=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(6, 3, 32, 32)
+    model.train(); key.train()
+    assert not any(bn.training for bn in batchnorm_modules(key))
+    before = {n: p.clone() for n, p in key.encoder.named_parameters()}
+    model(x)["dance"].sum().backward(); opt.step()
+    key.update(model)
+    q = dict(model.named_parameters())
+    for n, p in key.encoder.named_parameters():
+        torch.testing.assert_close(p, 0.5 * before[n] + 0.5 * q[n].detach())
+    emb = key.embed(x)
+    assert emb.shape == (6, 16) and not emb.requires_grad
+    torch.testing.assert_close(emb.norm(dim=1), torch.ones(6))
+
+
+def _gather_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        q = MemoryQueue(size=7, dim=2)
+        for step in range(3):  # 3 steps x 2 ranks x 2 keys = 12 keys into 7 slots
+            keys = torch.full((2, 2), float(100 * step + 10 * rank)) + torch.arange(2.)[:, None]
+            q.enqueue(keys)
+        torch.save(q.state_dict(), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_queue_all_gather_two_processes(tmp_path):
+    import torch.multiprocessing as mp
+    t0 = time.perf_counter()
+    mp.spawn(_gather_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    qs = []
+    for s in states:
+        q = MemoryQueue(7, 2); q.load_state_dict(s); qs.append(q)
+    torch.testing.assert_close(qs[0].queue, qs[1].queue)  # every rank holds the same queue
+    # enqueue order: per step rank 0's keys then rank 1's: step*100 + rank*10 + i
+    order = [100 * s + 10 * r + i for s in range(3) for r in range(2) for i in range(2)]
+    expected = torch.tensor(order[-7:], dtype=torch.float32)[:, None].expand(-1, 2)
+    torch.testing.assert_close(qs[0].ordered_keys(), expected)
+    assert qs[0].is_full and len(qs[0]) == 7
+    print(f"2-process gloo gather test: {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,280 @@
+"""Tests for dml_nb.proxy_nce: agreement with pytorch-metric-learning (PML, a dev-only reference), float64
+gradient checks, DaNCE against an independent loop implementation of DiVA eq. 6, and edge cases.
+
+Intended differences from PML (not tested as equalities):
+* ProxyNCALoss defaults to the paper's denominator without the positive proxy (`include_positive=False`);
+  PML always includes it, so the comparison uses `include_positive=True`. PML also silently drops samples
+  whose softmax probability underflows to exactly 0; we keep them (their loss is large, not infinite).
+* InfoNCELoss counts a negative pair mined twice once; PML counts it twice. PML also returns 0 whenever
+  there is at most one positive and at most one negative pair (`len(x) <= 1`); we compute the loss.
+"""
+from __future__ import annotations
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import gradcheck
+from torch.func import functional_call
+
+from dml_nb.proxy_nce import (DaNCELoss, Decorrelation, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss,
+                              grad_reverse)
+
+pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
+
+
+def _batch(n=24, dim=8, num_classes=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g, dtype=dtype)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    return x, y
+
+
+def _grads(loss_fn, x, params=()):
+    x = x.clone().requires_grad_(True)
+    loss = loss_fn(x)
+    grads = torch.autograd.grad(loss, [x, *params])
+    return loss.detach(), grads
+
+
+# ---------------------------------------------------------------- PML agreement
+
+@pytest.mark.parametrize("scale", [1.0, 9.0])
+def test_proxy_nca_matches_pml(scale):
+    x, y = _batch(num_classes=6)
+    ours = ProxyNCALoss(6, 8, scale=scale, include_positive=True).double()
+    ref = pml_losses.ProxyNCALoss(6, 8, softmax_scale=scale)
+    with torch.no_grad(): ref.proxies.data = ours.proxies.data.clone()
+    l1, g1 = _grads(lambda e: ours(e, y), x, [ours.proxies])
+    l2, g2 = _grads(lambda e: ref(e, y), x, [ref.proxies])
+    torch.testing.assert_close(l1, l2)
+    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+
+
+def test_proxy_nca_paper_denominator_excludes_positive():
+    x, y = _batch(num_classes=4)
+    loss = ProxyNCALoss(4, 8, scale=9.0).double()
+    logits = -9.0 * torch.cdist(F.normalize(x, dim=1), F.normalize(loss.proxies.detach(), dim=1)) ** 2
+    per = [-logits[i, y[i]] + torch.logsumexp(torch.cat([logits[i, :y[i]], logits[i, y[i] + 1:]]), 0)
+           for i in range(len(x))]
+    torch.testing.assert_close(loss(x, y).detach(), torch.stack(per).mean())
+
+
+@pytest.mark.parametrize("num_classes", [5, 40])   # 40 > batch classes: many proxies without positives
+def test_proxy_anchor_matches_pml(num_classes):
+    x, y = _batch(num_classes=5)
+    ours = ProxyAnchorLoss(num_classes, 8).double()
+    ref = pml_losses.ProxyAnchorLoss(num_classes, 8, margin=0.1, alpha=32)
+    with torch.no_grad(): ref.proxies.data = ours.proxies.data.clone()
+    l1, g1 = _grads(lambda e: ours(e, y), x, [ours.proxies])
+    l2, g2 = _grads(lambda e: ref(e, y), x, [ref.proxies])
+    torch.testing.assert_close(l1, l2)
+    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("temperature", [0.07, 0.5])
+def test_infonce_matches_pml_ntxent_with_labels(temperature):
+    x, y = _batch(n=20, num_classes=4)
+    ref = pml_losses.NTXentLoss(temperature=temperature)
+    l1, g1 = _grads(lambda e: InfoNCELoss(temperature)(e, y), x)
+    l2, g2 = _grads(lambda e: ref(e, y), x)
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(g1[0], g2[0])
+
+
+def test_infonce_matches_pml_ntxent_with_mined_pairs():
+    x, y = _batch(n=16, num_classes=4)
+    same = y[:, None] == y[None, :]
+    a1, p = (same & ~torch.eye(16, dtype=torch.bool)).nonzero(as_tuple=True)
+    a2, n = (~same).nonzero(as_tuple=True)
+    keep_p, keep_n = torch.arange(len(a1)) % 3 == 0, torch.arange(len(a2)) % 2 == 0   # a mined subset, no repeats
+    pairs = (a1[keep_p], p[keep_p], a2[keep_n], n[keep_n])
+    ref = pml_losses.NTXentLoss(temperature=0.1)
+    torch.testing.assert_close(InfoNCELoss(0.1)(x, y, pairs), ref(x, y, pairs))
+
+
+# ---------------------------------------------------------------- gradient checks (float64)
+
+def _params_as_inputs(module):
+    names = [n for n, _ in module.named_parameters()]
+    values = [p.detach().clone().requires_grad_(True) for _, p in module.named_parameters()]
+    return names, values
+
+
+def test_gradcheck_proxy_losses():
+    x, y = _batch(n=6, dim=4, num_classes=3)
+    x.requires_grad_(True)
+    for loss in [ProxyNCALoss(3, 4, scale=3.0).double(), ProxyNCALoss(3, 4, include_positive=True).double(),
+                 ProxyAnchorLoss(3, 4, alpha=4.0).double()]:
+        names, values = _params_as_inputs(loss)
+        fn = lambda e, *ps: functional_call(loss, dict(zip(names, ps)), (e, y))
+        assert gradcheck(fn, (x, *values))
+
+
+def test_gradcheck_infonce():
+    x, y = _batch(n=8, dim=4, num_classes=3)
+    assert gradcheck(lambda e: InfoNCELoss(0.5)(e, y), (x.requires_grad_(True),))
+
+
+def _qkq(b=5, dim=6, k=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, dim, generator=g, dtype=torch.float64, requires_grad=True) for s in (b, b, k)]
+
+
+@pytest.mark.parametrize("include_positive", [True, False])
+def test_gradcheck_queue_nce(include_positive):
+    q, k, queue = _qkq()
+    loss = QueueNCELoss(0.2, include_positive=include_positive)
+    assert gradcheck(lambda a, b, c: loss(a, keys=b, queue=c), (q, k, queue))
+
+
+@pytest.mark.parametrize("include_positive", [True, False])
+def test_dance_with_unit_weights_is_plain_nce(include_positive):
+    q, k, queue = _qkq()
+    dance = DaNCELoss(temperature=0.2, include_positive=include_positive)
+    dance._weights = lambda sim, dim: torch.ones_like(sim)
+    nce = QueueNCELoss(temperature=0.2, include_positive=include_positive)
+    torch.testing.assert_close(dance(q, keys=k, queue=queue), nce(q, keys=k, queue=queue))
+
+
+@pytest.mark.parametrize("include_positive", [False, True])
+def test_gradcheck_dance(include_positive):
+    """The weights are detached, so the gradient is that of eq. 6 with w held constant: check exactly that, by
+    freezing the weights at the evaluation point (finite differences would otherwise see w move)."""
+    q, k, queue = _qkq(dim=6)
+    loss = DaNCELoss(temperature=0.2, upper_cutoff=1.9, include_positive=include_positive)
+    w0 = loss.negative_weights(q, queue)
+    assert (w0 > 0).any(1).all()
+    frozen = DaNCELoss(temperature=0.2, upper_cutoff=1.9, include_positive=include_positive)
+    frozen._weights = lambda sim, dim: w0
+    assert gradcheck(lambda a, b, c: frozen(a, keys=b, queue=c), (q, k, queue))
+    # and the real loss has exactly that gradient at the evaluation point (weights carry no gradient)
+    g_real = torch.autograd.grad(loss(q, keys=k, queue=queue), (q, k, queue))
+    g_frozen = torch.autograd.grad(frozen(q, keys=k, queue=queue), (q, k, queue))
+    for a, b in zip(g_real, g_frozen): torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_decorrelation():
+    """Wrapping both inputs in a second reversal cancels the module's own, so finite differences apply; the
+    projector's parameters are checked as inputs too."""
+    torch.manual_seed(0)
+    decor = Decorrelation(5, 4, weight=2.0, hidden_dim=7).double()
+    src, tgt = [torch.randn(6, d, dtype=torch.float64, requires_grad=True) for d in (5, 4)]
+    names, values = _params_as_inputs(decor)
+    fn = lambda s, t, *ps: functional_call(decor, dict(zip(names, ps)), (grad_reverse(s), grad_reverse(t)))
+    assert gradcheck(fn, (src, tgt, *values))
+
+
+def test_decorrelation_gradient_signs():
+    torch.manual_seed(0)
+    decor = Decorrelation(5, 4, weight=3.0, hidden_dim=7).double()
+    src, tgt = [torch.randn(6, d, dtype=torch.float64, requires_grad=True) for d in (5, 4)]
+    params = list(decor.parameters())
+    g_loss = torch.autograd.grad(decor(src, tgt), [src, tgt, *params])
+    g_r = torch.autograd.grad(decor.correlation(src, tgt), [src, tgt, *params])
+    torch.testing.assert_close(g_loss[0], 3.0 * g_r[0])           # embeddings descend on +w r: r decreases
+    torch.testing.assert_close(g_loss[1], 3.0 * g_r[1])
+    for a, b in zip(g_loss[2:], g_r[2:]): torch.testing.assert_close(a, -3.0 * b)   # projector ascends r
+    assert Decorrelation.param_lr == 1e-5 and Decorrelation.param_weight_decay == 0.0
+
+
+# ---------------------------------------------------------------- DaNCE against a loop reference
+
+def _dance_reference(q, k, queue, tau, lower, upper, include_positive):
+    "DiVA eq. 6, one query at a time, written from the formula (no shared code with the library)."
+    q, k, queue = (F.normalize(t, dim=1) for t in (q, k, queue))
+    n = q.shape[1]
+    losses = []
+    for i in range(len(q)):
+        s = queue @ q[i]
+        d = torch.sqrt(torch.clamp(2 - 2 * s, min=0)).detach()
+        dc = torch.clamp(d, min=lower)
+        logw = -(n - 2) * torch.log(dc) - (n - 3) / 2 * torch.log(1 - dc ** 2 / 4)
+        w = torch.where(d < upper, torch.exp(logw - logw[d < upper].max()) if (d < upper).any() else 0 * logw, 0 * logw)
+        w = w / w.sum() if w.sum() > 0 else w
+        pos = q[i] @ k[i] / tau
+        neg = w * s / tau
+        den = torch.logsumexp(torch.cat([pos[None], neg]) if include_positive else neg, 0)
+        losses.append(den - pos)
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("include_positive", [False, True])
+@pytest.mark.parametrize("dim", [16, 128])
+def test_dance_matches_loop_reference(include_positive, dim):
+    q, k, queue = _qkq(b=7, dim=dim, k=200, seed=3)
+    with torch.no_grad():                       # put some keys close to the queries so all weight regimes occur
+        queue[:7] = q + 0.3 * torch.randn_like(q)
+    loss = DaNCELoss(temperature=0.01, include_positive=include_positive)
+    ref = _dance_reference(q, k, queue, 0.01, 0.5, 1.4, include_positive)
+    torch.testing.assert_close(loss(q, keys=k, queue=queue), ref)
+    g1 = torch.autograd.grad(loss(q, keys=k, queue=queue), (q, k, queue))
+    g2 = torch.autograd.grad(ref, (q, k, queue))
+    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+
+
+def test_dance_weights_per_query_not_per_key():
+    q, _, queue = _qkq(b=4, dim=8, k=50)
+    w = DaNCELoss().negative_weights(q, queue)
+    torch.testing.assert_close(w.sum(1), torch.ones(4, dtype=w.dtype))
+    assert not torch.allclose(w.sum(0), torch.ones(50, dtype=w.dtype))
+    assert not w.requires_grad
+
+
+# ---------------------------------------------------------------- edge cases
+
+def test_no_valid_pair_and_one_class_batches():
+    x = torch.randn(6, 4, requires_grad=True)
+    distinct, one = torch.arange(6), torch.zeros(6, dtype=torch.long)
+    l = InfoNCELoss()(x, distinct)
+    assert l.item() == 0 and l.grad_fn is not None
+    l.backward(); assert (x.grad == 0).all()
+    for loss in [InfoNCELoss(), ProxyNCALoss(3, 4), ProxyNCALoss(3, 4, include_positive=True), ProxyAnchorLoss(3, 4)]:
+        x.grad = None
+        l = loss(x, one)
+        l.backward()
+        assert torch.isfinite(l) and torch.isfinite(x.grad).all(), type(loss).__name__
+
+
+def test_empty_batch_is_zero_with_graph():
+    e = torch.randn(0, 4, requires_grad=True)
+    no = torch.zeros(0, dtype=torch.long)
+    for loss in [InfoNCELoss(), ProxyNCALoss(3, 4), ProxyAnchorLoss(3, 4)]:
+        l = loss(e, no)
+        assert l.item() == 0 and l.grad_fn is not None
+    for loss in [QueueNCELoss(), DaNCELoss()]:
+        l = loss(e, keys=torch.randn(0, 4), queue=torch.randn(5, 4))
+        assert l.item() == 0 and l.grad_fn is not None
+
+
+@pytest.mark.parametrize("cls", [QueueNCELoss, DaNCELoss])
+def test_queue_errors(cls):
+    q = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="empty queue"): cls()(q, keys=q, queue=torch.zeros(0, 4))
+    with pytest.raises(ValueError, match="one positive key per query"): cls()(q, keys=q[:2], queue=q)
+    with pytest.raises(ValueError, match=r"queue must be \(num_keys, 4\)"): cls()(q, keys=q, queue=torch.randn(5, 3))
+    with pytest.raises(TypeError): cls()(q)   # keys and queue are required keyword arguments
+
+
+def test_dance_all_keys_far_is_finite():
+    q = F.normalize(torch.randn(1, 16), dim=1)
+    queue = -q.repeat(5, 1)                                      # every key at distance 2 > 1.4: weights 0
+    loss = DaNCELoss()(q, keys=q, queue=queue)
+    torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / 0.01))
+
+
+def test_dance_and_queue_nce_on_float32_at_diva_scale_are_finite():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(112, 128, generator=g, requires_grad=True)
+    k, queue = torch.randn(112, 128, generator=g), F.normalize(torch.randn(3360, 128, generator=g), dim=1)
+    for loss in [DaNCELoss(), DaNCELoss(include_positive=True), QueueNCELoss(0.01)]:
+        l = loss(q, keys=k, queue=queue)
+        g_q, = torch.autograd.grad(l, q)
+        assert torch.isfinite(l) and torch.isfinite(g_q).all()
+
+
+def test_declared_attributes():
+    assert ProxyNCALoss.default_miner is None and ProxyAnchorLoss.default_miner is None
+    assert ProxyNCALoss(2, 3, param_lr=1e-2).param_lr == 1e-2
+    assert ProxyAnchorLoss.param_lr == 1e-3 and ProxyNCALoss.param_lr == 5e-4
+    assert DaNCELoss.extra_inputs == ("keys", "queue")
