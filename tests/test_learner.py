@@ -1,0 +1,449 @@
+"""Checks of dml_nb.learner beyond the notebook: learning, schedules, parameter groups, callbacks, history,
+non-finite stops, bit-identical resume after a kill (with and without step checkpoints, with loader workers),
+checkpoint format (weights_only, atomic writes), multi-embedding evaluation, method state, and bad input.
+All on small shapes sets on the CPU."""
+import csv
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from dml_nb.data import load_dataset
+from dml_nb.learner import (Baseline, Callback, Learner, Method, NonFiniteLossError, Schedule, derive_seed,
+                            load_checkpoint, ProgressCallback, history_csv, SAMPLE)
+from dml_nb.models import EmbeddingHead, EmbeddingModel, MultiHead, build_backbone
+from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="module")
+def sets():
+    "shapes with 4 images per class: train (augmented), train with test transforms, test."
+    return (load_dataset("shapes", split="train", images_per_class=4),
+            load_dataset("shapes", split="train", images_per_class=4, augment=False),
+            load_dataset("shapes", split="test", images_per_class=4))
+
+
+def model(seed=0, width=8, dim=16):
+    torch.manual_seed(seed)
+    bb = build_backbone("small_cnn", width=width, feature_dim=4 * width)
+    return EmbeddingModel(bb, EmbeddingHead(bb.feature_dim, dim))
+
+
+def sampler_for(ds, steps=4, batch=16, seed=0):
+    return ClassBalancedBatchSampler(ds.labels, batch_size=batch, samples_per_class=4, seed=seed,
+                                     batches_per_epoch=steps)
+
+
+def learner(sets, run_dir=None, epochs=2, steps=4, method=None, **kw):
+    train, _, test = sets
+    method = method or Baseline(model(), "margin", loss_options={"num_classes": train.num_classes})
+    kw = {"lr": 1e-3, "eval_sets": {"test": test}, "metrics": ("recall@1",), "progress": False, "seed": 3, **kw}
+    return Learner(method, train, sampler_for(train, steps), epochs=epochs, run_dir=run_dir, **kw)
+
+
+def no_time(history):
+    return [{k: v for k, v in r.items() if k != "time"} for r in history]
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if isinstance(sa[k], torch.Tensor): assert torch.equal(sa[k], sb[k]), k
+
+
+class KillAt(Callback):
+    "Raise after step `step` of epoch `epoch`, as a killed process would stop."
+    def __init__(self, epoch, step): self.at = (epoch, step)
+    def after_step(self, learner, logs):
+        if (learner.epoch, learner.step) == self.at: raise KeyboardInterrupt("killed")
+
+
+# learning ------------------------------------------------------------------------------------------------------
+
+def test_short_run_learns():
+    train = load_dataset("shapes", split="train", images_per_class=8)
+    test = load_dataset("shapes", split="test", images_per_class=8)
+    method = Baseline(model(width=8, dim=32), "margin", loss_options={"num_classes": train.num_classes})
+    learn = Learner(method, train, sampler_for(train, steps=15, batch=32), epochs=3, lr=3e-3, weight_decay=0,
+                    eval_sets={"test": test}, metrics=("recall@1",), progress=False)
+    before = learn.evaluate()["test/recall@1"]
+    hist = learn.fit()
+    assert hist[-1]["loss"] < 0.85 * hist[0]["loss"]
+    print(before, hist)
+    assert hist[-1]["test/recall@1"] > before + 0.015, (before, hist)
+
+
+# schedules and parameter groups --------------------------------------------------------------------------------
+
+def test_multistep_and_cosine_change_lr_at_the_right_epochs(sets):
+    hist = learner(sets, epochs=5, steps=1, lr=1e-2, schedule=("multistep", [1, 3], 0.1), eval_sets={}).fit()
+    np.testing.assert_allclose([r["lr/backbone"] for r in hist], [1e-2, 1e-3, 1e-3, 1e-4, 1e-4])
+    np.testing.assert_allclose([r["lr/loss"] for r in hist], [5e-4, 5e-5, 5e-5, 5e-6, 5e-6])   # beta's own lr
+    hist = learner(sets, epochs=4, steps=1, lr=1e-2, schedule=("cosine", 0.1), eval_sets={}).fit()
+    f = [0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * e / 4)) for e in range(4)]
+    np.testing.assert_allclose([r["lr/heads"] for r in hist], 1e-2 * np.array(f))
+    hist = learner(sets, epochs=3, steps=1, lr=1e-2, schedule=lambda e: 1 / (e + 1), eval_sets={}).fit()
+    np.testing.assert_allclose([r["lr/backbone"] for r in hist], [1e-2, 5e-3, 1e-2 / 3])
+
+
+def test_param_groups_get_their_lr_and_weight_decay(sets):
+    learn = learner(sets, epochs=0, lr=1e-5, weight_decay=4e-4,
+                    group_options={"heads": {"lr": 1e-3}, "loss": {"weight_decay": 1e-6}})
+    learn.fit()
+    g = {grp["name"]: grp for grp in learn.optimizer.param_groups}
+    assert set(g) == {"loss", "backbone", "heads"}
+    assert (g["backbone"]["lr"], g["backbone"]["weight_decay"]) == (1e-5, 4e-4)
+    assert (g["heads"]["lr"], g["heads"]["weight_decay"]) == (1e-3, 4e-4)
+    assert (g["loss"]["lr"], g["loss"]["weight_decay"]) == (5e-4, 1e-6)
+    assert g["loss"]["params"][0] is learn.method.loss.beta
+    with pytest.raises(ValueError, match="unknown parameter group 'head'. Did you mean 'heads'"):
+        learner(sets, epochs=0, group_options={"head": {"lr": 1.0}}).fit()
+    with pytest.raises(ValueError, match="may set 'lr' and 'weight_decay'"):
+        learner(sets, epochs=0, group_options={"heads": {"momentum": 0.5}}).fit()
+
+
+def test_projector_modules_with_param_lr_get_own_groups_and_frozen_params_none():
+    class Projected(Method):
+        def __init__(self):
+            super().__init__()
+            self.model = model()
+            self.decorrelation = nn.ModuleDict({"a": nn.Linear(16, 16), "b": nn.Linear(16, 16)})
+            for m in self.decorrelation.values(): m.param_lr = 1e-5
+            self.frozen = nn.Linear(3, 3).requires_grad_(False)
+            self.extra = nn.Linear(2, 2)
+    groups = {g["name"]: g for g in Projected().param_groups(1e-3, 0.1)}
+    assert list(groups) == ["decorrelation.a", "decorrelation.b", "backbone", "heads", "other"]
+    assert (groups["decorrelation.a"]["lr"], groups["decorrelation.a"]["weight_decay"]) == (1e-5, 0.0)
+    assert len(groups["other"]["params"]) == 2    # extra's weight and bias; frozen is left out
+
+
+# callbacks: history, progress ------------------------------------------------------------------------------------
+
+def test_history_csv_metrics_json_and_progress(sets, tmp_path):
+    buf = io.StringIO()
+    _, train_eval, test = sets
+    learn = learner(sets, tmp_path, epochs=3, eval_every=2, eval_sets={"test": test, "train": train_eval},
+                    metrics=("recall@1", "recall@2"), callbacks=[ProgressCallback(file=buf)])
+    hist = learn.fit()
+    rows = list(csv.DictReader(open(tmp_path / "history.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert rows[0]["test/recall@1"] == ""                            # evaluated every 2 epochs and at the end
+    assert float(rows[1]["train/recall@2"]) == pytest.approx(hist[1]["train/recall@2"])
+    assert float(rows[2]["loss"]) == pytest.approx(hist[2]["loss"])
+    assert {"lr/backbone", "lr/heads", "lr/loss", "grad_norm", "tuples", "time"} <= set(rows[0])
+    import json
+    m = json.load(open(tmp_path / "metrics.json"))
+    assert m["metrics"]["test/recall@1"] == pytest.approx(hist[-1]["test/recall@1"])
+    assert m["reported"] == "last epoch"
+    out = buf.getvalue()
+    assert "epoch 3/3" in out and "loss=" in out and "R@1=" in out
+
+
+def test_history_csv_handles_rows_with_different_columns():
+    text = history_csv([{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.4, "test/recall@1": 0.3}])
+    assert text.splitlines() == ["epoch,loss,test/recall@1", "1,0.5,", "2,0.4,0.3"]
+
+
+# non-finite loss -------------------------------------------------------------------------------------------------
+
+class NaNAt(Baseline):
+    "Baseline whose loss (or gradient) turns non-finite at one (epoch, step)."
+    def __init__(self, *a, at=(1, 2), grad=False, **kw):
+        super().__init__(*a, **kw); self.at, self.grad = at, grad
+    def training_step(self, batch):
+        out = super().training_step(batch)
+        if (batch["epoch"], batch["step"]) == self.at:
+            if self.grad:   # finite loss, infinite gradient
+                out["loss"] = out["loss"] + _inf_grad(self.model.head.linear.bias)
+            else:
+                out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x.sum() * 0
+    @staticmethod
+    def backward(ctx, g): return torch.full((2,), float("inf"))
+
+
+def _inf_grad(bias): return _InfGrad.apply(bias[:2])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_nonfinite_stops_with_clear_message_and_keeps_last_good_checkpoint(sets, tmp_path, grad):
+    train = sets[0]
+    method = NaNAt(model(), "triplet", at=(1, 2), grad=grad)
+    learn = learner(sets, tmp_path, epochs=3, method=method, checkpoint_every_steps=1, eval_sets={})
+    what = "the gradient norm is inf" if grad else "the loss is nan"
+    with pytest.raises(NonFiniteLossError, match=f"{what} at epoch 1 \\(0-based\\), step 2.*last good checkpoint "
+                                                  f"is kept at .*checkpoint.pt \\(epoch 1, step 2\\)"):
+        learn.fit()
+    params = dict(learn.method.named_parameters())
+    ck = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert (ck["epoch"], ck["step"]) == (1, 2)
+    for k, v in ck["method"].items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point(): assert torch.isfinite(v).all(), k
+        if k in params: assert torch.equal(v, params[k].detach()), k     # no optimiser step after the checkpoint
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+# resume ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("every,kill,expect", [(2, (1, 3), (1, 2)), (None, (1, 3), (1, 0)), (3, (0, 4), (0, 3))])
+def test_kill_mid_epoch_and_resume_is_bit_identical(sets, tmp_path, every, kill, expect):
+    ref = learner(sets, tmp_path / "ref", epochs=2, steps=5, checkpoint_every_steps=every)
+    ref_hist = ref.fit()
+    killed = learner(sets, tmp_path / "run", epochs=2, steps=5, checkpoint_every_steps=every, callbacks=[KillAt(*kill)])
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit()
+    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert (ck["epoch"], ck["step"]) == expect
+    resumed = learner(sets, tmp_path / "run", epochs=2, steps=5, checkpoint_every_steps=every)
+    hist = resumed.fit()
+    assert resumed.resumed
+    assert no_time(hist) == no_time(ref_hist)
+    assert hist[-1]["test/recall@1"] == ref_hist[-1]["test/recall@1"]
+    assert_same_weights(resumed.method, ref.method)
+    for a, b in zip(resumed.optimizer.state_dict()["state"].values(), ref.optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    rows = list(csv.DictReader(open(tmp_path / "run" / "history.csv")))
+    assert len(rows) == 2
+
+
+def test_fit_again_after_an_interruption_continues_from_the_checkpoint(sets, tmp_path):
+    ref = learner(sets, tmp_path / "ref", epochs=2, steps=4)
+    ref.fit()
+    kill = KillAt(1, 3)
+    learn = learner(sets, tmp_path / "run", epochs=2, steps=4, checkpoint_every_steps=2, callbacks=[kill])
+    with pytest.raises(KeyboardInterrupt):
+        learn.fit()
+    learn.callbacks.remove(kill)
+    assert no_time(learn.fit()) == no_time(ref.history)
+    assert_same_weights(learn.method, ref.method)
+    nodir = learner(sets, None, epochs=2, steps=4, callbacks=[KillAt(0, 1)])
+    with pytest.raises(KeyboardInterrupt):
+        nodir.fit()
+    with pytest.raises(RuntimeError, match="no checkpoint to continue from"):
+        nodir.fit()
+
+
+def test_loader_workers_give_the_same_run_as_single_process(sets):
+    "Augmentations are seeded per sample, so the number of workers does not change the run."
+    a = learner(sets, epochs=1, steps=3, num_workers=0, eval_sets={})
+    b = learner(sets, epochs=1, steps=3, num_workers=2, eval_sets={})
+    assert no_time(a.fit()) == no_time(b.fit())
+    assert_same_weights(a.method, b.method)
+
+
+def test_resume_extends_a_finished_run_and_does_not_retrain(sets, tmp_path):
+    ref = learner(sets, tmp_path / "ref", epochs=3)
+    ref.fit()
+    short = learner(sets, tmp_path / "run", epochs=2)
+    short.fit()
+    again = learner(sets, tmp_path / "run", epochs=2, callbacks=[KillAt(0, 1)])   # finished: no step runs
+    assert no_time(again.fit()) == no_time(short.history)
+    longer = learner(sets, tmp_path / "run", epochs=3)
+    assert no_time(longer.fit()) == no_time(ref.history)
+    assert_same_weights(longer.method, ref.method)
+
+
+def test_resume_false_starts_over(sets, tmp_path):
+    learner(sets, tmp_path, epochs=1).fit()
+    fresh = learner(sets, tmp_path, epochs=1, resume=False)
+    fresh.fit()
+    assert not fresh.resumed and len(fresh.history) == 1
+
+
+# checkpoints ---------------------------------------------------------------------------------------------------
+
+def test_checkpoint_loads_weights_only_and_holds_everything(sets, tmp_path):
+    learner(sets, tmp_path, epochs=1).fit()
+    ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert {"method", "optimizer", "schedule", "sampler", "rng", "history", "epoch", "step", "callbacks"} <= set(ck)
+    assert "loss.beta" in ck["method"] and "model.head.linear.weight" in ck["method"]
+    assert ck["sampler"] == {"seed": 0, "epoch": 0}
+    assert set(ck["rng"]) == {"torch", "cuda", "numpy", "python"}
+
+
+def test_checkpoint_writes_are_atomic(sets, tmp_path, monkeypatch):
+    learn = learner(sets, tmp_path, epochs=2, eval_sets={})
+    learn.fit()
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+    real_save = torch.save
+    def crash(obj, f, *a, **kw):
+        f.write(b"half a checkpoint"); raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        learner(sets, tmp_path, epochs=3, eval_sets={}).fit()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "history.csv", "metrics.json"]
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(sets, tmp_path):
+    learner(sets, tmp_path, epochs=1).fit()
+    other = Baseline(model(dim=8), "triplet")
+    with pytest.raises(ValueError, match="different method or model"):
+        learner(sets, tmp_path, epochs=2, method=other).fit()
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        learner(sets, tmp_path, epochs=2).fit()
+
+
+class Counting(Baseline):
+    "Baseline with method state outside parameters: a buffer and extra state (NumPy, a generator)."
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.register_buffer("seen", torch.zeros(60, dtype=torch.long))
+        self.weights = np.ones(240)
+        self.generator = torch.Generator().manual_seed(7)
+    def training_step(self, batch):
+        self.seen += torch.bincount(batch["y"], minlength=60)
+        i = torch.randint(0, 240, (4,), generator=self.generator).numpy()
+        self.weights[i] *= 0.9                                         # e.g. SPL weights
+        out = super().training_step(batch)
+        out["loss"] = out["loss"] * float(self.weights.mean())
+        return out
+    def get_extra_state(self): return {"weights": self.weights, "generator": self.generator.get_state()}
+    def set_extra_state(self, state):
+        self.weights = state["weights"].numpy().copy(); self.generator.set_state(state["generator"])
+
+
+def test_method_state_survives_a_kill(sets, tmp_path):
+    mk = lambda: Counting(model(), "margin", loss_options={"num_classes": 60})
+    ref = learner(sets, tmp_path / "ref", epochs=2, steps=4, method=mk())
+    ref.fit()
+    with pytest.raises(KeyboardInterrupt):
+        learner(sets, tmp_path / "run", epochs=2, steps=4, method=mk(), checkpoint_every_steps=1,
+                callbacks=[KillAt(1, 2)]).fit()
+    res = learner(sets, tmp_path / "run", epochs=2, steps=4, method=mk())
+    res.fit()
+    assert int(res.method.seen.sum()) == 2 * 4 * 16
+    np.testing.assert_array_equal(res.method.weights, ref.method.weights)
+    assert_same_weights(res.method, ref.method)
+
+
+# recipes: views, groups, several embeddings, query/gallery ----------------------------------------------------------
+
+class TwoHeads(Method):
+    "Two heads and two augmentations: checks extra views, batch groups and per-head evaluation."
+    views = 2
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        bb = build_backbone("small_cnn", width=8, feature_dim=32)
+        self.model = EmbeddingModel(bb, MultiHead(32, {"a": 8, "b": 8}))
+        self.loss = Baseline(self.model, "triplet").loss
+        self.seen_groups, self.view_shapes = [], []
+    def training_step(self, batch):
+        self.seen_groups.append(batch["group"])
+        self.view_shapes.append(tuple(batch["extra_views"][0].shape))
+        assert not torch.equal(batch["x"], batch["extra_views"][0])
+        out = self.model(torch.cat([batch["x"], batch["extra_views"][0]]))
+        y = torch.cat([batch["y"], batch["y"]])
+        head = "a" if batch["group"] in (None, 0) else "b"
+        return {"loss": self.loss(out[head].float(), y)}
+    def embed(self, x):
+        f = self.model.features(x)
+        return {"concat": self.model.head.embed(f), **self.model.head(f)}
+
+
+def test_views_groups_and_per_head_evaluation(sets):
+    train, train_eval, test = sets
+    clusters = np.arange(len(train)) % 2
+    rr = RoundRobinBatchSampler.from_clusters(train.labels, clusters, batch_size=8, samples_per_class=2)
+    for s in rr.samplers: s.batches_per_epoch = 2
+    method = TwoHeads()
+    learn = Learner(method, train, rr, epochs=1, lr=1e-3, progress=False, metrics=("recall@1", "map@r"),
+                    eval_sets={"test": test, "retrieval": (test, test)})
+    hist = learn.fit()
+    assert method.seen_groups == [0, 1, 0, 1]
+    assert method.view_shapes == [(8, 3, 32, 32)] * 4
+    keys = {"test/recall@1", "test/map@r", "test/a/recall@1", "test/b/map@r", "retrieval/recall@1", "retrieval/b/recall@1"}
+    assert keys <= set(hist[-1])
+    assert hist[-1]["retrieval/recall@1"] == 1.0    # a gallery holding the queries themselves (no self-exclusion)
+
+
+def test_seeds_are_positional():
+    assert derive_seed(0, SAMPLE, 1, 2, 3) == derive_seed(0, SAMPLE, 1, 2, 3) != derive_seed(0, SAMPLE, 1, 2, 4)
+
+
+# GPU options on the CPU, bad input ---------------------------------------------------------------------------------
+
+def test_bf16_autocast_and_channels_last_run_on_cpu(sets):
+    learn = learner(sets, epochs=1, steps=2, amp="bf16", channels_last=True, eval_sets={"test": sets[2]})
+    hist = learn.fit()
+    assert np.isfinite(hist[-1]["loss"]) and 0 <= hist[-1]["test/recall@1"] <= 1
+    assert learn.method.model.backbone.body[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_bad_input_is_a_clear_error(sets):
+    with pytest.raises(ValueError, match="metrics=.*recal@1"):
+        learner(sets, metrics=("recal@1",))
+    with pytest.raises(ValueError, match="amp='fp16' needs a gradient scaler"):
+        learner(sets, amp="fp16")
+    with pytest.raises(ValueError, match="unknown optimizer 'adamm'"):
+        learner(sets, optimizer="adamm").fit()
+    with pytest.raises(TypeError, match="must be a dml_nb.learner.Method"):
+        Learner(model(), sets[0], sampler_for(sets[0]))
+    other = load_dataset("shapes", split="train", images_per_class=8)
+    with pytest.raises(IndexError, match="build the sampler from this dataset's labels"):
+        Learner(Baseline(model(), "triplet"), sets[0], sampler_for(other), progress=False).fit()
+    class NoLoss(Baseline):
+        def training_step(self, batch): return {"value": super().training_step(batch)["loss"]}
+    with pytest.raises(TypeError, match="must return a dict with a 'loss' entry"):
+        learner(sets, method=NoLoss(model(), "triplet"), eval_sets={}).fit()
+    with pytest.raises(ValueError, match="unknown schedule 'step'"):
+        Schedule.build(("step", [1], 0.1), 3)
+
+
+# distributed ---------------------------------------------------------------------------------------------------
+
+DDP_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+torch.set_num_threads(1)
+from dml_nb.data import load_dataset
+from dml_nb.learner import Baseline, Learner
+from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.samplers import ClassBalancedBatchSampler
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out = sys.argv[1]
+train = load_dataset("shapes", split="train", images_per_class=4)
+test = load_dataset("shapes", split="test", images_per_class=4)
+torch.manual_seed(rank)                      # different initial weights per rank: the learner must sync them
+bb = build_backbone("small_cnn", width=8, feature_dim=32)
+method = Baseline(EmbeddingModel(bb, EmbeddingHead(32, 16)), "margin", loss_options={"num_classes": 60})
+sampler = ClassBalancedBatchSampler(train.labels, batch_size=16, samples_per_class=4, batches_per_epoch=3,
+                                    rank=rank, world_size=world)
+learn = Learner(method, train, sampler, epochs=2, lr=1e-3, eval_sets={"test": test}, metrics=("recall@1",),
+                run_dir=out + "/run", progress=False)
+hist = learn.fit()
+torch.save({"params": {k: v for k, v in method.named_parameters()},
+            "buffers": {k: v for k, v in method.named_buffers()}, "hist": hist}, f"{out}/rank{rank}.pt")
+dist.destroy_process_group()
+'''
+
+
+def test_torchrun_two_processes_stay_in_sync(tmp_path):
+    import subprocess, sys
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
+    for k in a["params"]: assert torch.equal(a["params"][k], b["params"][k]), k
+    for k in a["buffers"]: assert torch.equal(a["buffers"][k], b["buffers"][k]), k
+    assert no_time(a["hist"]) == no_time(b["hist"])      # same mean loss and metrics on both ranks
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint.pt", "history.csv", "metrics.json"]
+    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    for k, v in a["params"].items(): assert torch.equal(ck["method"][k], v), k
