@@ -191,11 +191,11 @@ def test_against_pml_self_retrieval(seed):
     assert ours["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
     # same faiss k-means call -> identical NMI
     assert nmi(emb, labels, seed=1234, niter=20, nredo=1, backend="faiss") == pytest.approx(pml["NMI"], abs=1e-12)
-    # our Lloyd loop with its 5 restarts: as good as PML's single run (which can stall in a poor local optimum:
+    # our Lloyd loop with its default restarts (3): as good as PML's single run (which can stall in a poor local optimum:
     # seed 1 gives 0.83 against 0.96), and close to faiss given the same number of restarts
     ours_nmi = nmi(emb, labels)
     assert ours_nmi >= pml["NMI"] - 0.02
-    assert ours_nmi == pytest.approx(nmi(emb, labels, nredo=5, backend="faiss"), abs=0.05)
+    assert ours_nmi == pytest.approx(nmi(emb, labels, nredo=3, backend="faiss"), abs=0.05)
 
 
 def test_against_pml_gallery():

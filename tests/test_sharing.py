@@ -211,7 +211,7 @@ def test_table8_setups_give_the_right_triplets(sampling, sampler, relation):
 def test_proxy_loss_trains_phi_star_with_semihard_triplets():
     m = SharingMatters(backbone(), 6, Y, embedding_dim=8, loss="proxy_nca", alternate=False)
     assert type(m.tasks["shared"].loss).__name__ == "TripletLoss"
-    assert type(m.tasks["shared"].miner).__name__ == "SharedSemiHardMiner"
+    assert type(m.tasks["shared"].miner).__name__ == "SharedTripletMiner" and m.tasks["shared"].miner.negative == "semihard"
     assert m.tasks["discriminative"].miner is None
     assert torch.isfinite(m.training_step(batch())["loss"])
 
