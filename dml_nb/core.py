@@ -51,6 +51,8 @@ def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -
             elif isinstance(write, (bytes, bytearray)): f.write(write)
             else: write(f)
             f.flush(); os.fsync(f.fileno())
+        umask = os.umask(0); os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)   # mkstemp creates 0600: give the file the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp): os.unlink(tmp)

@@ -38,6 +38,8 @@ class DataConfig:
     label_noise: float = 0.0                # BSPML protocol: fraction of each training class relabelled
     test_split: str = "test"                # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
     eval_train: bool = True                 # also evaluate on the training set (generalisation gap)
+    cache: bool = False                     # decode once into a uint8 cache; augment in batches on the device
+    cache_dir: Optional[str] = None         # where the cache goes (None: .dml_nb_cache beside the images)
 
 @dataclass
 class ModelConfig:
@@ -69,6 +71,7 @@ class TrainConfig:
     num_workers: int = 0
     device: str = "auto"
     checkpoint_every_steps: Optional[int] = None
+    compile: bool = False                   # torch.compile the backbone(s)
 
 @dataclass
 class EvalConfig:
@@ -165,6 +168,9 @@ def _check_names(cfg: Config) -> None:
         raise ConfigError(str(unknown_name_error(f"data.test_split of {d.name!r}", d.test_split,
                                                  [s for s in SPLITS[d.name] if s != "train"])))
     if not 0 <= d.label_noise < 1: raise ConfigError(f"bad value for data.label_noise: {d.label_noise}; expected [0, 1)")
+    if d.cache_dir is not None and not d.cache:
+        raise ConfigError(f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
+                          "to use the image cache, or remove data.cache_dir")
     if cfg.model.backbone not in BACKBONES:
         raise ConfigError(str(unknown_name_error("backbone (model.backbone)", cfg.model.backbone, BACKBONES)))
     _check_options("backbone", cfg.model.backbone, cfg.model.options,
@@ -190,9 +196,17 @@ def _check_names(cfg: Config) -> None:
         _check_options("schedule", t.schedule["kind"], {k: v for k, v in t.schedule.items() if k != "kind"},
                        ["milestones", "gamma"] if t.schedule["kind"] == "multistep" else [])
 
+# fields added after runs were already cached: at their default values they are left out of the dict (and so of
+# the hash), so that every earlier config keeps its run directory
+_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None}, "train": {"compile": False}}
+
 def config_to_dict(cfg: Config) -> dict:
     "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."
-    return dataclasses.asdict(cfg)
+    out = dataclasses.asdict(cfg)
+    for section, defaults in _OMITTED_AT_DEFAULT.items():
+        for key, default in defaults.items():
+            if out[section].get(key, default) is default: out[section].pop(key, None)
+    return out
 
 # %% ../nbs/09_experiment.ipynb #10fe1f13
 def deep_merge(base: dict, update: dict) -> dict:
@@ -243,8 +257,8 @@ def load_config(*files: str | Path, overrides: Sequence[str] = ()) -> Config:
 # %% ../nbs/09_experiment.ipynb #49a5662f
 _PRESET_OF = {"resnet50": "resnet50", "googlenet": "resnet50", "bninception": "bninception", "small_cnn": "small"}
 
-def build_datasets(cfg: Config) -> tuple[Any, dict]:
-    "The training set (noisy labels applied) and the evaluation sets of `cfg`."
+def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
+    "The training set (noisy labels applied) and the evaluation sets of `cfg`; with `data.cache`, from the image cache."
     d = cfg.data
     preset = d.preset or _PRESET_OF.get(cfg.model.backbone, "resnet50")
     opts = {"preset": preset, "size": d.size}
@@ -262,13 +276,18 @@ def build_datasets(cfg: Config) -> tuple[Any, dict]:
     else:
         evals["test"] = load_dataset(d.name, split=d.test_split, **kw, **opts)
     if d.eval_train: evals["train"] = load_dataset(d.name, split="train", augment=False, **kw, **opts)
+    if d.cache:
+        from dml_nb.cache import cache_images
+        cached = lambda ds: cache_images(ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress)
+        train = cached(train)
+        evals = {k: tuple(map(cached, v)) if isinstance(v, tuple) else cached(v) for k, v in evals.items()}
     return train, evals
 
 def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool = True) -> Learner:
     "Datasets, sampler, backbone, recipe and `Learner` for `cfg`."
     cfg = make_config(cfg)
     seed_everything(cfg.seed)
-    train, evals = build_datasets(cfg)
+    train, evals = build_datasets(cfg, progress=progress)
     backbone = build_backbone(cfg.model.backbone, pretrained=cfg.model.pretrained, **cfg.model.options)
     method = METHODS.build(cfg.method.name, backbone=backbone, num_classes=train.num_classes,
                            train_labels=train.labels, **cfg.method.options)
@@ -285,7 +304,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
                    run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
                    device=t.device, amp=None if t.amp == "none" else t.amp,
                    channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],
-                   num_workers=t.num_workers, seed=cfg.seed)
+                   num_workers=t.num_workers, seed=cfg.seed, compile=t.compile)
 
 # %% ../nbs/09_experiment.ipynb #1ded757c
 @dataclass

@@ -14,15 +14,16 @@ import torch.nn as nn
 
 from .core import LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, unknown_name_error
 from .metrics import evaluate
+from .cache import RawItems, pad_collate
 
 # %% auto #0
-__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'SCHEDULES', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'derive_seed', 'seed_all',
-           'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline', 'EvalCallback',
-           'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError',
+__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'derive_seed',
+           'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline',
+           'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError',
            'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #fa64c9ac
-STEP, SAMPLE, EPOCH, EVAL = 1, 2, 3, 4   # domains of derive_seed, so that their seeds never coincide
+STEP, SAMPLE, EPOCH, EVAL, AUGMENT = 1, 2, 3, 4, 5   # domains of derive_seed, so that their seeds never coincide
 
 def derive_seed(*keys: int) -> int:
     "A 63-bit seed that depends on every (non-negative integer) key."
@@ -316,6 +317,7 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, wor
 def eval_view(ds):
     "A shallow copy of `ds` whose `make_transform` train pipeline is replaced by the matching test pipeline."
     import copy
+    if hasattr(ds, "eval_view"): return ds.eval_view()          # e.g. a dml_nb.cache.CachedImages
     from torchvision.transforms import v2
     from dml_nb.data import BNINCEPTION_MEAN, IMAGENET_MEAN, make_transform
     t = getattr(ds, "transform", None)
@@ -352,7 +354,7 @@ class Learner:
                  eval_batch_size: int = 256, run_dir: str | Path | None = None, resume: bool = True,
                  checkpoint_every_steps: int | None = None, callbacks: Sequence[Callback] = (),
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
-                 num_workers: int = 0, seed: int = 0):
+                 num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -376,6 +378,10 @@ class Learner:
         self.device = get_device(device)
         self.amp = self._resolve_amp(amp)
         self.channels_last = self.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+        if not isinstance(compile, (bool, Mapping)):
+            raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {compile!r}")
+        self.compile = compile
+        self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
         self.rank, self.world_size = _dist_info()
         self._optimizer_spec = optimizer
         self.callbacks = sorted([EvalCallback(eval_every), CSVLogger(),
@@ -434,10 +440,15 @@ class Learner:
         if self.optimizer is not None: return
         self.method.to(self.device)
         if self.channels_last: self.method.to(memory_format=torch.channels_last)
+        if self.compile: self._compile_backbones()
         self.optimizer = self._build_optimizer()
         self._batches = _BatchList()
+        # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
+        # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
+        items, collate = ((RawItems(self.train_ds), pad_collate) if self.batch_transform is not None
+                          else (SeededViews(self.train_ds, self.method.views), None))
         self._loader = torch.utils.data.DataLoader(
-            SeededViews(self.train_ds, self.method.views), batch_sampler=self._batches,
+            items, batch_sampler=self._batches, collate_fn=collate,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
             pin_memory=self.device.type == "cuda")
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
@@ -452,6 +463,14 @@ class Learner:
                                  f"{getattr(inner, 'rank', None)} of {getattr(inner, 'world_size', None)}: build it "
                                  "with rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()")
             broadcast_state(self.method)
+
+    def _compile_backbones(self):
+        "`torch.compile` every backbone of the recipe in place (state-dict keys unchanged: checkpoints still load)."
+        from dml_nb.models import Backbone
+        opts = {} if self.compile is True else dict(self.compile)
+        found = [m for m in self.method.modules() if isinstance(m, Backbone)]
+        if not found: raise ValueError(f"compile=True but {type(self.method).__name__} has no dml_nb.models.Backbone to compile")
+        for m in found: m.compile(**opts)
 
     def set_lr(self, epoch: int) -> None:
         "Each group's lr = its base lr x the schedule's factor at `epoch`."
@@ -541,15 +560,23 @@ class Learner:
         for cb in self.callbacks:
             if isinstance(cb, CheckpointCallback): cb.after_epoch(self)
 
-    def _to_device(self, batch: dict) -> dict:
+    def _to_device(self, batch: dict, transform=None, views: int = 1, generator=None) -> dict:
+        """Move `batch` to the device. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
+        it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device."""
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         def move(v):
             if isinstance(v, torch.Tensor):
                 v = v.to(self.device, non_blocking=True)
-                return v.contiguous(memory_format=fmt) if v.dim() == 4 else v
+                return v.contiguous(memory_format=fmt) if v.dim() == 4 and v.is_floating_point() else v
             if isinstance(v, list): return [move(u) for u in v]
             return v
-        return {k: move(v) for k, v in batch.items()}
+        batch = {k: move(v) for k, v in batch.items()}
+        if transform is not None:
+            raw, sizes = batch.pop("x"), batch.pop("sizes")
+            xs = [transform(raw, sizes, generator).contiguous(memory_format=fmt) for _ in range(views)]
+            batch["x"] = xs[0]
+            if views > 1: batch["extra_views"] = xs[1:]
+        return batch
 
     def autocast(self):
         "The autocast context of this run (bf16 or disabled)."
@@ -558,7 +585,10 @@ class Learner:
     def _train_step(self, batch: dict) -> dict:
         e, s = self.epoch, batch["step"]
         seed_all(derive_seed(self.seed, STEP, e, s, self.rank), cuda=self.device.type == "cuda")
-        batch = self._to_device(batch)
+        gen = None
+        if self.batch_transform is not None:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, AUGMENT, e, s, self.rank))
+        batch = self._to_device(batch, self.batch_transform, self.method.views, gen)
         with self.autocast(): out = self.method.training_step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
             raise TypeError(f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
@@ -633,8 +663,10 @@ class Learner:
         return self._embed_range(dataset, 0, n)
 
     def _embed_range(self, dataset, lo: int, hi: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
         loader = torch.utils.data.DataLoader(
-            SeededViews(dataset), num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
+            SeededViews(dataset) if transform is None else RawItems(dataset), collate_fn=None if transform is None else pad_collate,
+            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
             batch_sampler=[[(i, derive_seed(self.seed, EVAL, i)) for i in range(a, min(a + self.eval_batch_size, hi))]
                            for a in range(lo, hi, self.eval_batch_size)])
         was_training = self.method.training
@@ -642,7 +674,8 @@ class Learner:
         outs, labels = {}, []
         try:
             for batch in loader:
-                batch = self._to_device(batch)
+                gen = None if transform is None else torch.Generator().manual_seed(derive_seed(self.seed, EVAL, int(batch["index"][0])))
+                batch = self._to_device(batch, transform, 1, gen)
                 with self.autocast(): emb = self.method.embed(batch["x"])
                 if not isinstance(emb, Mapping) or not emb:
                     raise TypeError(f"{type(self.method).__name__}.embed must return a non-empty dict name -> embedding")

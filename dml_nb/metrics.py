@@ -14,8 +14,8 @@ from sklearn.metrics import normalized_mutual_info_score
 from .core import unknown_name_error
 
 # %% auto #0
-__all__ = ['KNN_BACKENDS', 'RETRIEVAL_METRICS', 'METRICS', 'knn', 'recall_at_k', 'map_at_r', 'kmeans', 'nmi',
-           'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'RETRIEVAL_METRICS', 'METRICS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r',
+           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -76,11 +76,35 @@ def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
         idx[s:s + b] = nn
     return dist, idx
 
-def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool):
-    "Exact k-NN with `faiss.IndexFlatL2` on the CPU."
+FAISS_GPU_MAX_K = 2048   # faiss-gpu's flat index returns at most this many neighbours
+_faiss_gpu_resources = {}
+
+def faiss_gpus() -> int:
+    "How many GPUs faiss can use: `faiss.get_num_gpus()` (0 with faiss-cpu)."
+    import faiss
+    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+def _faiss_gpu_device(x: torch.Tensor, required: bool) -> int | None:
+    "The GPU for a faiss call on `x` (its own CUDA device, else GPU 0), or None for the CPU; `required` makes no GPU an error."
+    if faiss_gpus() > 0: return (x.device.index or 0) if x.device.type == "cuda" else 0
+    if required:
+        raise RuntimeError("the 'faiss_gpu' back end needs faiss with GPU support (faiss.get_num_gpus() is 0 here): "
+                           "install faiss-gpu (the project's [gpu] extra) or use backend='faiss' (CPU) or 'torch'")
+    return None
+
+def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, gpu: bool | None = None):
+    """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
+    (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
     import faiss
     q, r = query.cpu().numpy(), reference.cpu().numpy()
     index = faiss.IndexFlatL2(r.shape[1])
+    dev = None if gpu is False else _faiss_gpu_device(query, required=bool(gpu))
+    if dev is not None and k + int(exclude_self) > FAISS_GPU_MAX_K:
+        if gpu: raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours, k={k} asked for: use backend='torch'")
+        dev = None                                     # beyond faiss-gpu's limit: the CPU index
+    if dev is not None:
+        if dev not in _faiss_gpu_resources: _faiss_gpu_resources[dev] = faiss.StandardGpuResources()
+        index = faiss.index_cpu_to_gpu(_faiss_gpu_resources[dev], dev, index)
     index.add(r)
     dist, idx = index.search(q, k + int(exclude_self))
     if exclude_self:
@@ -90,7 +114,11 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
         dist, idx = dist[keep].reshape(len(q), k), idx[keep].reshape(len(q), k)
     return (torch.from_numpy(dist).to(query.device), torch.from_numpy(idx).to(device=query.device, dtype=torch.long))
 
-KNN_BACKENDS: dict[str, Callable] = {"torch": _knn_torch, "faiss": _knn_faiss}
+KNN_BACKENDS: dict[str, Callable] = {
+    "torch": _knn_torch,                                                           # on the embeddings' device
+    "faiss": _knn_faiss,                                                           # faiss-gpu if present, else CPU
+    "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
+    "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
 
 def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "torch"):
     """Exact Euclidean `k` nearest neighbours of each `query` row among `reference` rows: (squared distances,
@@ -228,11 +256,14 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
     best = int(objective.argmin())
     return labels[:, best].clone(), centroids[best * k:(best + 1) * k].clone(), objective[best].item()
 
-def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int):
+def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gpu: bool | None = None):
+    "faiss k-means: on a GPU when faiss has GPU support (`gpu=None`), always (`gpu=True`) or never (`gpu=False`)."
     import faiss
     xn = x.cpu().numpy()
+    dev = None if gpu is False else _faiss_gpu_device(x, required=bool(gpu))
     km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=seed, verbose=False,
-                      max_points_per_centroid=len(xn), min_points_per_centroid=1)
+                      max_points_per_centroid=len(xn), min_points_per_centroid=1,
+                      **({} if dev is None else {"gpu": 1}))
     km.train(xn)
     dist, labels = km.index.search(xn, 1)
     return (torch.from_numpy(labels[:, 0]).to(device=x.device, dtype=torch.long),
@@ -248,8 +279,9 @@ def kmeans(emb, n_clusters: int, niter: int = 20, nredo: int | None = None, seed
     if niter < 0: raise ValueError(f"niter must be >= 0; got {niter}")
     nredo = _auto_nredo(len(x), int(n_clusters)) if nredo is None else nredo
     if nredo < 1: raise ValueError(f"nredo must be >= 1; got {nredo}")
-    if backend == "faiss": return _kmeans_faiss(x, int(n_clusters), niter, nredo, seed)
-    if backend != "torch": raise unknown_name_error("k-means backend", backend, ("torch", "faiss"))
+    gpu = {"faiss": None, "faiss_gpu": True, "faiss_cpu": False}
+    if backend in gpu: return _kmeans_faiss(x, int(n_clusters), niter, nredo, seed, gpu[backend])
+    if backend != "torch": raise unknown_name_error("k-means backend", backend, ("torch", *gpu))
     return _lloyd(x, int(n_clusters), niter, nredo, torch.Generator().manual_seed(seed))
 
 def nmi(emb, labels, n_clusters: int | None = None, seed: int = 0, niter: int = 20, nredo: int | None = None,

@@ -447,3 +447,80 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path):
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint.pt", "history.csv", "metrics.json"]
     ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     for k, v in a["params"].items(): assert torch.equal(ck["method"][k], v), k
+
+
+# the image cache: augmentation on the device, in batches (issue 6) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def cached_sets(sets):
+    from dml_nb.cache import cache_images
+    return tuple(cache_images(s) for s in sets)
+
+
+class Record(Method):
+    "A baseline that keeps every batch it trains on (to check what the learner hands the recipe)."
+    def __init__(self, base, views=1):
+        super().__init__()
+        self.base, self.views, self.seen = base, views, []
+        self.model = base.model
+    def training_step(self, batch):
+        self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()})
+        return self.base.training_step(batch)
+
+
+def test_cached_training_set_is_augmented_on_the_device_in_batches(cached_sets):
+    train = cached_sets[0]
+    rec = Record(Baseline(model(), "margin", loss_options={"num_classes": train.num_classes}), views=2)
+    learn = learner(cached_sets, epochs=1, steps=3, method=rec)
+    assert learn.batch_transform is train.batch_transform
+    learn.fit()
+    b = rec.seen[0]
+    assert b["x"].shape == (16, 3, 32, 32) and b["x"].dtype == torch.float32 and "sizes" not in b
+    assert len(b["extra_views"]) == 1 and not torch.equal(b["x"], b["extra_views"][0])
+    # the views are BatchAugment of the raw images with the generator of (seed, AUGMENT, epoch, step, rank)
+    from dml_nb.cache import RawItems, pad_collate
+    from dml_nb.learner import AUGMENT
+    raw = pad_collate([RawItems(train)[int(i)] for i in b["index"]])
+    g = torch.Generator().manual_seed(derive_seed(3, AUGMENT, 0, 0, 0))
+    x = train.batch_transform(raw["x"], raw["sizes"], g)
+    assert torch.equal(b["x"], x) and torch.equal(b["extra_views"][0], train.batch_transform(raw["x"], raw["sizes"], g))
+
+
+def test_cached_kill_and_resume_is_bit_identical(cached_sets, tmp_path):
+    ref = learner(cached_sets, run_dir=tmp_path / "a", checkpoint_every_steps=2)
+    ref_hist = ref.fit()
+    with pytest.raises(KeyboardInterrupt):
+        learner(cached_sets, run_dir=tmp_path / "b", checkpoint_every_steps=2, callbacks=[KillAt(1, 3)]).fit()
+    res = learner(cached_sets, run_dir=tmp_path / "b", checkpoint_every_steps=2)
+    assert no_time(res.fit()) == no_time(ref_hist) and res.resumed
+    assert_same_weights(ref.method, res.method)
+
+
+def test_cached_run_with_loader_workers_is_the_same_run(cached_sets):
+    a = learner(cached_sets, epochs=1, steps=3)
+    b = learner(cached_sets, epochs=1, steps=3, num_workers=2)
+    assert no_time(a.fit()) == no_time(b.fit())
+    assert_same_weights(a.method, b.method)
+
+
+def test_cached_evaluation_matches_the_per_item_path(sets, cached_sets):
+    "Evaluating a cached test set (batched resize + centre crop) gives the embeddings of the PIL/v2 path."
+    learn = learner(sets, epochs=0)
+    learn.fit()
+    e_plain, y_plain = learn.embed(sets[2])
+    e_cached, y_cached = learn.embed(cached_sets[2])
+    assert torch.equal(y_plain, y_cached)
+    assert torch.allclose(e_plain["embedding"], e_cached["embedding"], atol=1e-4)
+
+
+def test_compile_keeps_checkpoint_keys_and_trains(sets, tmp_path):
+    plain = learner(sets, epochs=1, steps=2)
+    plain.fit()
+    comp = learner(sets, run_dir=tmp_path, epochs=1, steps=2, compile={"backend": "eager"})
+    hist = comp.fit()
+    assert comp.method.model.backbone._compiled_call_impl is not None
+    assert comp.method.state_dict().keys() == plain.method.state_dict().keys()
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["method"].keys() == plain.method.state_dict().keys()
+    assert np.isfinite(hist[-1]["loss"])
+    with pytest.raises(TypeError, match="compile must be"):
+        learner(sets, compile="yes")

@@ -328,3 +328,81 @@ def test_cuda_matches_cpu():
     gpu = evaluate(torch.from_numpy(emb).cuda(), torch.from_numpy(labels).cuda(), metrics=("recall@1", "recall@8", "map@r"))
     assert gpu == pytest.approx(cpu, abs=2e-3)  # float32 products may order near-ties differently
     assert 0 <= nmi(torch.from_numpy(emb).cuda(), labels) <= 1
+
+
+# ---- faiss-gpu and device placement (issue 6) ----
+import faiss
+
+from dml_nb import metrics as M
+
+HAS_FAISS_GPU = M.faiss_gpus() > 0
+
+
+def _clustered(n=600, d=16, c=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(c, d, generator=g) * 4
+    y = torch.arange(n) % c
+    return centres[y] + torch.randn(n, d, generator=g), y
+
+
+@pytest.mark.skipif(HAS_FAISS_GPU, reason="faiss has GPU support here")
+def test_faiss_gpu_without_gpu_support_is_a_clear_error():
+    x, _ = _clustered()
+    with pytest.raises(RuntimeError, match="install faiss-gpu"):
+        knn(x, x, 3, exclude_self=True, backend="faiss_gpu")
+    with pytest.raises(RuntimeError, match="install faiss-gpu"):
+        kmeans(x, 4, backend="faiss_gpu")
+
+
+def test_faiss_backend_takes_the_gpu_branch_when_faiss_reports_gpus(monkeypatch):
+    "With faiss.get_num_gpus() > 0 the index goes through index_cpu_to_gpu (here a spy returning the CPU index)."
+    x, _ = _clustered(n=2100)
+    moved = []
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
+    monkeypatch.setattr(faiss, "StandardGpuResources", lambda: object(), raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu", lambda res, dev, index: moved.append(dev) or index, raising=False)
+    monkeypatch.setattr(M, "_faiss_gpu_resources", {})
+    d, i = knn(x, x, 5, exclude_self=True, backend="faiss")
+    assert moved == [0]
+    d_ref, i_ref = knn(x, x, 5, exclude_self=True, backend="faiss_cpu")
+    assert torch.equal(i, i_ref)
+    knn(x, x, M.FAISS_GPU_MAX_K, exclude_self=True, backend="faiss")     # beyond the GPU limit: stays on the CPU
+    assert moved == [0]
+    with pytest.raises(ValueError, match="at most 2048"):
+        knn(x, x, M.FAISS_GPU_MAX_K, exclude_self=True, backend="faiss_gpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "faiss", "faiss_cpu"])
+def test_knn_and_kmeans_backends_agree_with_faiss_cpu(backend):
+    x, y = _clustered()
+    d_ref, i_ref = knn(x, x, 7, exclude_self=True, backend="faiss_cpu")
+    d, i = knn(x, x, 7, exclude_self=True, backend=backend)
+    assert torch.allclose(d, d_ref, rtol=1e-4, atol=1e-3)
+    assert (i == i_ref).float().mean() > 0.99            # only float ties may swap
+    _, _, obj_ref = kmeans(x, 12, backend="faiss_cpu", nredo=3)
+    labels, centroids, obj = kmeans(x, 12, backend=backend, nredo=3)
+    assert obj <= 1.05 * obj_ref                          # at least as good an optimum as faiss-cpu's
+    if backend != "torch": assert obj == pytest.approx(obj_ref, rel=1e-6)   # the same faiss routine and seed
+    assert labels.device == x.device and centroids.device == x.device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_backend_runs_on_the_embeddings_device():
+    x, y = _clustered()
+    xc = x.cuda()
+    d, i = knn(xc, xc, 5, exclude_self=True)
+    assert d.is_cuda and i.is_cuda
+    assert torch.equal(i.cpu(), knn(x, x, 5, exclude_self=True, backend="faiss_cpu")[1])
+    labels, centroids, _ = kmeans(xc, 12)
+    assert labels.is_cuda and centroids.is_cuda
+
+
+@pytest.mark.skipif(not HAS_FAISS_GPU, reason="needs faiss with GPU support (faiss-gpu)")
+def test_faiss_gpu_matches_faiss_cpu():
+    x, y = _clustered()
+    d_gpu, i_gpu = knn(x, x, 7, exclude_self=True, backend="faiss_gpu")
+    d_cpu, i_cpu = knn(x, x, 7, exclude_self=True, backend="faiss_cpu")
+    assert torch.allclose(d_gpu, d_cpu, rtol=1e-4, atol=1e-3) and (i_gpu == i_cpu).float().mean() > 0.99
+    _, _, obj_gpu = kmeans(x, 12, backend="faiss_gpu", nredo=3)
+    _, _, obj_cpu = kmeans(x, 12, backend="faiss_cpu", nredo=3)
+    assert obj_gpu == pytest.approx(obj_cpu, rel=0.05)
