@@ -6,7 +6,7 @@
 from __future__ import annotations
 import hashlib, io, json, math, os, tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
