@@ -72,6 +72,7 @@ class TrainConfig:
     device: str = "auto"
     checkpoint_every_steps: Optional[int] = None
     compile: bool = False                   # torch.compile the backbone(s)
+    stop_on_empty_tuples: bool = True       # stop when a task gets no tuples for a whole epoch (it cannot learn)
 
 @dataclass
 class EvalConfig:
@@ -80,6 +81,7 @@ class EvalConfig:
     metrics: list = field(default_factory=lambda: ["recall@1", "recall@2", "recall@4", "recall@8", "nmi"])
     batch_size: int = 256
     save_embeddings: bool = True
+    report: Literal["last", "best"] = "last"   # the epoch whose metrics the run reports (best: highest test R@1)
 
 @dataclass
 class Config:
@@ -161,6 +163,13 @@ def _check_options(kind: str, name: str, given: dict, valid: Sequence[str]) -> N
             hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
             raise ConfigError(f"{kind} {name!r} has no option {k!r}.{hint} Valid options: {', '.join(valid)}")
 
+def _proxy_only(cfg: Config) -> bool:
+    "The recipe's class loss learns from proxies (it trains on any batch shape; Sharing's phi* then uses triplets of 3 classes)."
+    from .core import LOSSES
+    loss = cfg.method.options.get("loss", "margin")
+    return (isinstance(loss, str) and loss in LOSSES and "num_classes" in LOSSES.options(loss)
+            and "embedding_dim" in LOSSES.options(loss))
+
 def _check_names(cfg: Config) -> None:
     d = cfg.data
     if d.name not in DATASETS: raise ConfigError(str(unknown_name_error("dataset (data.name)", d.name, DATASETS)))
@@ -189,6 +198,12 @@ def _check_names(cfg: Config) -> None:
     if t.batch_size % t.samples_per_class:
         raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of train.samples_per_class "
                           f"({t.samples_per_class})")
+    if t.stop_on_empty_tuples and not _proxy_only(cfg) and (t.samples_per_class < 2 or t.batch_size // t.samples_per_class < 2):
+        raise ConfigError(f"train.batch_size {t.batch_size} with train.samples_per_class {t.samples_per_class} gives "
+                          f"{t.batch_size // t.samples_per_class} class(es) x {t.samples_per_class} image(s) per batch: "
+                          "a ranking loss needs at least 2 classes (negatives) and 2 images of a class (positives) in "
+                          "a batch, so the run could not learn. Use e.g. train.samples_per_class: 2 or 4 and a "
+                          "batch_size of at least twice that.")
     if t.schedule is not None:
         kinds = ("multistep", "cosine", "constant")
         if t.schedule.get("kind") not in kinds:
@@ -198,7 +213,8 @@ def _check_names(cfg: Config) -> None:
 
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
-_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None}, "train": {"compile": False}}
+_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None},
+                       "train": {"compile": False, "stop_on_empty_tuples": True}, "eval": {"report": "last"}}
 
 def config_to_dict(cfg: Config) -> dict:
     "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."
@@ -304,7 +320,8 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
                    run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
                    device=t.device, amp=None if t.amp == "none" else t.amp,
                    channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],
-                   num_workers=t.num_workers, seed=cfg.seed, compile=t.compile)
+                   num_workers=t.num_workers, seed=cfg.seed, compile=t.compile, report=cfg.eval.report,
+                   stop_on_empty_tuples=t.stop_on_empty_tuples)
 
 # %% ../nbs/09_experiment.ipynb #1ded757c
 @dataclass
@@ -362,9 +379,11 @@ def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Pat
     t0 = time.time()
     learner = build_learner(cfg, run_dir, progress=progress)
     learner.fit()
-    metrics = learner.latest_metrics or learner.evaluate()
+    if not learner.latest_metrics: learner.evaluate()
+    reported = learner.reported_metrics()
+    metrics = reported["metrics"]
     if learner.is_main:
-        info = {"metrics": metrics, "seed": cfg.seed, "epochs": cfg.train.epochs, "reported": "last epoch",
+        info = {**reported, "seed": cfg.seed, "epochs": cfg.train.epochs,
                 "versions": _versions(), "device": str(learner.device),
                 "device_name": torch.cuda.get_device_name(0) if learner.device.type == "cuda" else platform.processor() or platform.machine(),
                 "wall_time_s": round(time.time() - t0, 2),

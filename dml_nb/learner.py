@@ -17,10 +17,10 @@ from .metrics import evaluate
 from .cache import RawItems, pad_collate
 
 # %% auto #0
-__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'derive_seed',
+__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'REPORTS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'derive_seed',
            'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline',
            'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError',
-           'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
+           'NoTuplesError', 'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #fa64c9ac
 STEP, SAMPLE, EPOCH, EVAL, AUGMENT = 1, 2, 3, 4, 5   # domains of derive_seed, so that their seeds never coincide
@@ -262,6 +262,11 @@ class CheckpointCallback(Callback):
 class NonFiniteLossError(RuntimeError):
     "Training stopped because the loss or the gradient norm became NaN or infinite."
 
+class NoTuplesError(RuntimeError):
+    "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
+
+REPORTS = ("last", "best")
+
 CHECKPOINT_FORMAT = 1
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -354,7 +359,8 @@ class Learner:
                  eval_batch_size: int = 256, run_dir: str | Path | None = None, resume: bool = True,
                  checkpoint_every_steps: int | None = None, callbacks: Sequence[Callback] = (),
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
-                 num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False):
+                 num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
+                 stop_on_empty_tuples: bool = True):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -381,6 +387,8 @@ class Learner:
         if not isinstance(compile, (bool, Mapping)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {compile!r}")
         self.compile = compile
+        if report not in REPORTS: raise unknown_name_error("report (which epoch's metrics a run reports)", report, REPORTS)
+        self.report, self.stop_on_empty_tuples = report, bool(stop_on_empty_tuples)
         self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
         self.rank, self.world_size = _dist_info()
         self._optimizer_spec = optimizer
@@ -507,8 +515,7 @@ class Learner:
         try:
             while self.epoch < self.epochs: self._run_epoch()
             if self.is_main and self.run_dir is not None:
-                atomic_json({"epochs": self.epochs, "reported": "last epoch", "metrics": self.latest_metrics},
-                            self.run_dir / "metrics.json")
+                atomic_json({"epochs": self.epochs, **self.reported_metrics()}, self.run_dir / "metrics.json")
         except BaseException:
             self._interrupted = True
             raise
@@ -556,6 +563,7 @@ class Learner:
         self.method.on_epoch_end(self)
         for cb in self.callbacks:
             if not isinstance(cb, CheckpointCallback): cb.after_epoch(self)
+        if self.stop_on_empty_tuples: self._check_tuples(e)   # history.csv shows the epoch; the checkpoint does not
         self.epoch, self.step = e + 1, 0            # the checkpoint records the epoch as done
         for cb in self.callbacks:
             if isinstance(cb, CheckpointCallback): cb.after_epoch(self)
@@ -628,6 +636,38 @@ class Learner:
             f"training stopped: {what} at epoch {self.epoch} (0-based), step {step}. The optimiser step was not "
             f"taken (the parameters are those before this step); {kept}. Lower the learning rate (lr={self.lr:g}), "
             "set grad_clip, or check the loss and the data of this batch.")
+
+    def _check_tuples(self, epoch: int) -> None:
+        "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
+        empty = [k for k in self._sums if (k == "tuples" or k.startswith("tuples/")) and self._counts.get(k)
+                 and float(self._sums[k]) == 0.0]
+        if not empty: return
+        bs = getattr(self.sampler, "batch_size", None) or getattr(getattr(self.sampler, "base", None), "batch_size", None)
+        k = getattr(self.sampler, "samples_per_class", None) or getattr(getattr(self.sampler, "base", None), "samples_per_class", None)
+        shape = f" (this run: batches of {bs} = {bs // k} classes x {k} images)" if bs and k else ""
+        raise NoTuplesError(
+            f"training stopped: {', '.join(empty)} was 0 at every one of the {self._counts[empty[0]]} steps of epoch "
+            f"{epoch + 1}, so {'that task gets' if len(empty) == 1 else 'those tasks get'} no gradient and the run "
+            f"would finish without learning. Usual causes: fewer than 2 classes per batch or fewer than 2 images of a "
+            f"class per batch{shape} (raise train.batch_size / lower or raise train.samples_per_class; intra-class and "
+            "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement), "
+            "or, for Divide and Conquer, more learners than the clusters can fill (lower num_learners). The epoch's "
+            "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
+            "train.stop_on_empty_tuples: false.")
+
+    def reported_metrics(self) -> dict:
+        """What the run reports: {'reported', 'metrics', 'last_epoch', 'best_epoch', 'best_metrics'}. `report='best'`
+        reports the evaluated epoch with the highest test Recall@1 (the authors' code), 'last' the final epoch."""
+        last = dict(self.latest_metrics)
+        key = f"{next(iter(self.eval_sets))}/recall@1" if self.eval_sets else None
+        evaluated = [r for r in self.history if key is not None and key in r and r[key] == r[key]]
+        best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None     # ties: the earliest epoch
+        best = {k: float(v) for k, v in best_row.items() if k in last} if best_row else last
+        out = {"reported": "last epoch" if self.report == "last" else f"best epoch by {key}",
+               "metrics": last if self.report == "last" or best_row is None else best,
+               "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
+               "best_metrics": best}
+        return out
 
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."

@@ -1,0 +1,54 @@
+"""The experiment runner: which epoch a run reports, batch shapes that cannot learn refused before anything is
+written, and the run-directory hashes of configs that do not use the new switches left unchanged."""
+import json
+
+import pytest
+
+from dml_nb.core import config_hash
+from dml_nb.experiment import ConfigError, config_to_dict, make_config, run
+
+TINY = {"data": {"name": "shapes", "images_per_class": 4, "size": 32},
+        "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
+        "method": {"name": "baseline", "embedding_dim": 8, "loss": "triplet", "miner": "semihard"},
+        "train": {"epochs": 3, "batch_size": 16, "samples_per_class": 4, "batches_per_epoch": 3, "lr": 1e-3},
+        "eval": {"every": 1, "metrics": ["recall@1"], "save_embeddings": False}}
+
+
+def test_best_and_last_epoch_are_both_recorded(tmp_path):
+    last = run({**TINY}, runs_dir=tmp_path, progress=False)
+    best = run({**TINY, "eval": {**TINY["eval"], "report": "best"}}, runs_dir=tmp_path, progress=False)
+    assert last.run_dir != best.run_dir
+    r1 = [h["test/recall@1"] for h in last.history]
+    assert last.info["reported"] == "last epoch" and last.metrics["test/recall@1"] == pytest.approx(r1[-1])
+    assert last.info["best_epoch"] == r1.index(max(r1)) + 1
+    assert best.info["reported"] == "best epoch by test/recall@1"
+    assert best.metrics["test/recall@1"] == pytest.approx(max(r1))      # same training: only the report differs
+    stored = json.loads((best.run_dir / "metrics.json").read_text())
+    assert stored["best_metrics"]["test/recall@1"] == pytest.approx(max(r1))
+
+
+def test_new_switches_at_their_defaults_keep_the_hash():
+    a = config_to_dict(make_config(TINY))
+    assert "report" not in a["eval"] and "stop_on_empty_tuples" not in a["train"]
+    b = config_to_dict(make_config({**TINY, "eval": {**TINY["eval"], "report": "last"},
+                                    "train": {**TINY["train"], "stop_on_empty_tuples": True}}))
+    assert config_hash(a) == config_hash(b)
+    c = config_to_dict(make_config({**TINY, "eval": {**TINY["eval"], "report": "best"}}))
+    assert c["eval"]["report"] == "best" and config_hash(c) != config_hash(a)
+
+
+@pytest.mark.parametrize("batch, k", [(4, 4), (8, 1)])
+def test_batches_that_cannot_form_tuples_are_refused_before_training(tmp_path, batch, k):
+    raw = {**TINY, "train": {**TINY["train"], "batch_size": batch, "samples_per_class": k}}
+    with pytest.raises(ConfigError, match="needs at least 2 classes"):
+        run(raw, runs_dir=tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())                                   # nothing written
+    ok = {**raw, "train": {**raw["train"], "stop_on_empty_tuples": False}}
+    make_config(ok)                                                      # the switch lets a user insist
+    proxy = {**raw, "method": {"name": "baseline", "embedding_dim": 8, "loss": "proxy_nca"}}
+    make_config(proxy)                                                   # proxy losses need no tuples
+
+
+def test_unknown_report_is_a_config_error():
+    with pytest.raises(ConfigError, match="report"):
+        make_config({**TINY, "eval": {**TINY["eval"], "report": "median"}})
