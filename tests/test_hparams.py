@@ -1,0 +1,129 @@
+"""One source of truth for the papers' settings: every paper-scale parameter file (params/train/*.yaml and every
+row of params/repro_*/*.yaml) agrees with the paper's table in params/hparams/<paper>.csv."""
+from __future__ import annotations
+import inspect, math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from dml_nb.core import METHODS
+from dml_nb.experiment import config_to_dict, make_config, read_yaml
+from dml_nb.repro import Row, base_config
+
+ROOT = Path(__file__).resolve().parents[1]
+HPARAMS = ROOT / "params" / "hparams"
+PAPERS = ("diva", "sharing", "dnc", "bspml")
+EMBEDDED = ("shapes", "digits")
+COLUMNS = ["method", "dataset", "backbone", "key", "value", "reading", "source", "note"]
+# keys that a reproduction notebook's row varies on purpose (the swept or ablated variable): {notebook: {key, ...}}
+ABLATED: dict[str, set[str]] = {}
+
+
+def table(paper: str) -> pd.DataFrame:
+    path = HPARAMS / f"{paper}.csv"
+    if not path.exists(): return pd.DataFrame(columns=COLUMNS)
+    df = pd.read_csv(path, comment="#", dtype=str, keep_default_na=False)
+    return df
+
+
+def paper_of(method: str, source: Path) -> str | None:
+    "Which paper's protocol a config follows: the method's own paper; baselines follow the file's paper."
+    if method in PAPERS: return method
+    stem = source.parent.name
+    if stem == "repro_table3" or source.parent.name == "train": return "diva"
+    for p in PAPERS:
+        if stem.startswith(f"repro_{p}_"): return p
+    return None
+
+
+def resolved_configs():
+    "(file, row name, resolved config dict, keys the row sets itself) for every paper-scale config."
+    out = []
+    for f in sorted((ROOT / "params" / "train").glob("*.yaml")):
+        cfg = config_to_dict(make_config(read_yaml(f)))
+        if cfg["data"]["name"] not in EMBEDDED: out.append((f, "", cfg, set()))
+    for f in sorted((ROOT / "params").glob("repro_*/*.yaml")):
+        raw = yaml.safe_load(f.read_text()) or {}
+        base = base_config(raw.get("dataset", "shapes"), raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval"))
+        if base["data"]["name"] in EMBEDDED: continue
+        for name, spec in (raw.get("rows") or {}).items():
+            row = Row(name, spec)
+            cfg = config_to_dict(make_config(row.config(base)))
+            out.append((f, name, cfg, _flat_keys(spec if set(spec) & {"method", "train", "model", "data", "eval"}
+                                                  else {"method": spec})))
+    return out
+
+
+def _flat_keys(d: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in (d or {}).items():
+        path = f"{prefix}{k}"
+        if path.startswith("method.") and path.count(".") == 1 and k != "name": path = f"method.options.{k}"
+        keys.add(path)
+        if isinstance(v, dict): keys |= _flat_keys(v, path + ".")
+    return keys
+
+
+def lookup(cfg: dict, key: str):
+    "The value at dotted `key`, falling back to the recipe's default for an unset method option."
+    node = cfg
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node: node = node[part]
+        else: break
+    else: return node
+    parts = key.split(".")
+    if parts[:2] == ["method", "options"] and len(parts) == 3:
+        p = inspect.signature(METHODS.get(cfg["method"]["name"])).parameters.get(parts[2])
+        if p is not None and p.default is not inspect.Parameter.empty: return p.default
+    raise KeyError(key)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool): return a is b if isinstance(a, bool) and isinstance(b, bool) else False
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)): return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def matches(row, cfg: dict) -> bool:
+    return (row["method"] == cfg["method"]["name"]
+            and row["dataset"] in ("*", cfg["data"]["name"])
+            and row["backbone"] in ("*", cfg["model"]["backbone"]))
+
+
+@pytest.mark.parametrize("paper", PAPERS)
+def test_hparams_table_is_well_formed(paper):
+    df = table(paper)
+    if df.empty: pytest.skip(f"params/hparams/{paper}.csv not written yet")
+    assert list(df.columns[:7]) == COLUMNS[:7], f"{paper}.csv columns must start with {COLUMNS[:7]}"
+    assert set(df["reading"]) <= {"paper", "code", "both"}, f"{paper}.csv: reading is paper, code or both"
+    assert (df["source"].str.len() > 0).all(), f"{paper}.csv: every row names its source"
+    for v in df["value"]: yaml.safe_load(v)                                  # every value is a YAML literal
+    dup = df[df.duplicated(["method", "dataset", "backbone", "key"], keep=False)]
+    assert dup.empty, f"{paper}.csv: settings given twice:\n{dup}"
+
+
+def test_every_paper_file_agrees_with_its_paper_table():
+    tables = {p: table(p) for p in PAPERS}
+    problems, checked = [], 0
+    for path, name, cfg, explicit in resolved_configs():
+        paper = paper_of(cfg["method"]["name"], path)
+        if paper is None or tables[paper].empty: continue
+        exempt = ABLATED.get(path.parent.name, set()) & explicit
+        for _, row in tables[paper].iterrows():
+            if not matches(row, cfg) or row["key"] in exempt: continue
+            want = yaml.safe_load(row["value"])
+            try: got = lookup(cfg, row["key"])
+            except KeyError: got = "<not set>"
+            checked += 1
+            if not same(got, want):
+                where = f"{path.relative_to(ROOT)}" + (f" row {name!r}" if name else "")
+                problems.append(f"{where}: {row['key']} = {got!r}, params/hparams/{paper}.csv says {want!r} ({row['source']})")
+    if all(t.empty for t in tables.values()): pytest.skip("no params/hparams/*.csv yet")
+    assert checked > 0, "no parameter file matched any row of the hyperparameter tables"
+    assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems)
