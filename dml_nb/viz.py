@@ -185,24 +185,46 @@ def plot_gap_bars(frame: pd.DataFrame, train: str = "train", test: str = "test",
     return fig
 
 # %% ../nbs/08_viz.ipynb #9f9ebb94
-def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: str = "Recall@1", title: str | None = None,
-              paper: pd.Series | None = None, rotate: int = 30):
-    "Bars of `means` (index: row names) with `stds` as error bars; the paper's values, if given, as markers on a twin axis."
-    fig, ax = _axes(ax, figsize=(max(4, 0.8 * len(means) + 1.5), 3.5))
-    x = np.arange(len(means))
-    err = None if stds is None else np.nan_to_num(np.asarray(stds.reindex(means.index), dtype=float))
-    ax.bar(x, means.values, yerr=err, capsize=3, color=PALETTE[0], label="ours")
-    ax.set_xticks(x, [str(i) for i in means.index], rotation=rotate, ha="right" if rotate else "center")
+def _bar_panel(ax, values: np.ndarray, err: np.ndarray | None, names: list[str], color, label: str, ylabel: str,
+               rotate: int, err_label: str | None = None) -> None:
+    "Bars from zero; NaN values are rows that did not run, marked 'not run'; error bars only where `err` is finite."
+    x = np.arange(len(values))
+    ran = np.isfinite(values)
+    e = None if err is None else np.where(np.isfinite(err), err, 0.0)
+    ax.bar(x[ran], values[ran], color=color, label=label)
+    if e is not None and np.isfinite(err[ran]).any():
+        ax.errorbar(x[ran], values[ran], yerr=e[ran], fmt="none", ecolor="black", capsize=3, label=err_label)
+    top = float(np.nanmax(values)) if ran.any() else 1.0
+    for i in np.flatnonzero(~ran):
+        ax.text(x[i], 0.02 * top, "not run", rotation=90, ha="center", va="bottom", fontsize=8, color="0.4")
+    ax.set_ylim(0, 1.35 * top if top > 0 else 1.0)              # headroom for the legend
+    ax.set_xticks(x, names, rotation=rotate, ha="right" if rotate else "center")
     ax.set_ylabel(ylabel)
-    lo, hi = np.nanmin(means.values), np.nanmax(means.values)
-    ax.set_ylim(max(0, lo - 0.15 * (hi - lo + 1e-3) - 0.02), hi + 0.2 * (hi - lo + 1e-3) + 0.02)
-    if paper is not None and paper.notna().any():
-        ax2 = ax.twinx(); ax2.grid(False)
-        p = paper.reindex(means.index)
-        ax2.plot(x, p.values, "D", color=PALETTE[3], label="paper (right axis)")
-        ax2.set_ylabel(f"paper {ylabel}")
-        ax2.legend(loc="upper right")
-    if title: ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+
+def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: str = "Recall@1", title: str | None = None,
+              paper: pd.Series | None = None, rotate: int = 30, paper_label: str = "paper"):
+    """Bars from zero of `means` (index: row names; NaN = the row did not run, shown as such) with `stds` as error
+    bars where several seeds gave one; the paper's values, if given, in a second panel with its own axis (the two
+    are different data and scales: never one twin-axis plot). `ax`: one axis (ours only) or a pair."""
+    names = [str(i) for i in means.index]
+    vals = np.asarray(means, dtype=float)
+    err = None if stds is None else np.asarray(stds.reindex(means.index), dtype=float)
+    p = None if paper is None else np.asarray(paper.reindex(means.index), dtype=float)
+    two = p is not None and np.isfinite(p).any()
+    if ax is None:
+        w = max(4.0, 0.6 * len(names) + 1.5)
+        fig, axes = plt.subplots(1, 2 if two else 1, figsize=(w * (2 if two else 1), 3.8), squeeze=False)
+        axes = list(axes[0])
+    else:
+        axes = list(ax) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
+        fig = axes[0].figure
+    _bar_panel(axes[0], vals, err, names, PALETTE[0], "ours (mean over seeds)", ylabel, rotate, "± std over seeds")
+    if two and len(axes) > 1:
+        _bar_panel(axes[1], p, None, names, PALETTE[3], paper_label, ylabel, rotate)
+        axes[1].set_title(paper_label, fontsize=10); axes[0].set_title("ours", fontsize=10)
+    if title: fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
     return fig
 
 # %% ../nbs/08_viz.ipynb #033539cb
