@@ -24,7 +24,7 @@ from .viz import markdown_table
 
 # %% auto #0
 __all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability',
-           'run_one', 'load_learner', 'run_rows', 'summarize', 'paper_numbers', 'compare', 'write_table',
+           'run_one', 'load_learner', 'portable', 'run_rows', 'summarize', 'paper_numbers', 'compare', 'write_table',
            'collect_runs', 'Claims', 'better', 'fmt']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
@@ -166,6 +166,15 @@ def _metrics_of(result: RunResult, head: str | None, split: str = "test") -> dic
         raise KeyError(f"run {result.run_dir.name} has no metrics for head {head!r}; heads: {', '.join(heads) or '(none)'}")
     return out
 
+def portable(message: str) -> str:
+    "`message` with this machine's folders (torch hub, data root, home) named symbolically, for committed tables."
+    import torch.hub
+    subs = [(str(Path(torch.hub.get_dir())), "$TORCH_HOME/hub")]
+    if os.environ.get("DML_DATA"): subs.append((str(Path(os.environ["DML_DATA"])), "$DML_DATA"))
+    subs.append((str(Path.home()), "~"))
+    for path, name in subs: message = message.replace(path, name)
+    return message
+
 def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), runs_dir: str | Path | None = None,
              progress: bool = True) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test). Returns a per-seed DataFrame (row, seed, status,
@@ -179,12 +188,12 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         why = availability(raw)
         rec = {"row": row.name, "group": row.group, "seed": int(seed)}
         if why:
-            records.append({**rec, "status": f"not run: {why}"}); continue
+            records.append({**rec, "status": f"not run: {portable(why)}"}); continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
         try:
             res = run_one(raw, runs_dir, progress=progress)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
-            records.append({**rec, "status": f"not run: {e}"}); continue
+            records.append({**rec, "status": f"not run: {portable(str(e))}"}); continue
         results[(row.name, int(seed))] = res
         test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
         records.append({**rec, "status": "ok", **test, **{f"train/{k}": v for k, v in train.items()},

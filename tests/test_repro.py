@@ -98,3 +98,20 @@ def test_smoke_shrinks_only_when_asked(monkeypatch):
 def test_row_spec_errors_name_the_sections():
     with pytest.raises(ConfigError, match="unknown section"):
         Row("x", {"method": {"name": "baseline"}, "optimiser": {}}).config(base_config())
+
+
+def test_status_messages_name_no_machine_folders():
+    import torch.hub
+    from dml_nb.repro import portable
+    msg = f"weights missing: none of a.pth is in {torch.hub.get_dir()}/checkpoints (home {Path.home()})"
+    out = portable(msg)
+    assert "$TORCH_HOME/hub/checkpoints" in out and str(Path.home()) not in out
+
+
+def test_committed_figures_hold_no_machine_specific_paths():
+    import re
+    bad = []
+    for f in sorted((ROOT / "figures").rglob("*")):
+        if f.suffix in (".md", ".csv"):
+            for hit in re.findall(r"(/root/|/home/\w+|/tmp/|/Users/\w+)", f.read_text()): bad.append(f"{f.name}: {hit}")
+    assert not bad, bad
