@@ -332,26 +332,34 @@ import numpy as np
 from golden import arr, load_golden
 
 
+@pytest.mark.parametrize("case", ["diva", "far_keys"])
 @pytest.mark.parametrize("axis", ["key", "query"])
-def test_golden_dance_both_axes(axis):
+def test_golden_dance_both_axes(axis, case):
     """DiVA's criteria/fast_moco.py: loss and gradient wrt the query, normalised per key (their default) and per query
-    (--diva_fixed), with the positive in the denominator as their cross-entropy has it. The other axis fails."""
+    (--diva_fixed), with the positive in the denominator as their cross-entropy has it; 'far_keys' has keys (columns)
+    and a query (row) with every distance beyond the cutoff, which the code's 1e-45 clamp makes uniform. The other
+    axis fails; so does a zero weight for such a line."""
     g = load_golden("blocks_dance")
-    inp, out = g["inputs"], g["outputs"]
+    inp, out = g["inputs"][case], g["outputs"][case][axis]
     keys, queue = torch.tensor(inp["keys"]), torch.tensor(inp["queue"])
 
-    def value_grad(normalize):
+    def value_grad(loss):
         q = torch.tensor(inp["query"], requires_grad=True)
-        loss = DaNCELoss(inp["temperature"], inp["lower_cutoff"], inp["upper_cutoff"], include_positive=True,
-                         normalize=normalize)
         v = loss(q, keys=keys, queue=queue)
         return v.item(), torch.autograd.grad(v, q)[0].numpy()
 
-    v, grad = value_grad(axis)
-    assert v == pytest.approx(out[axis]["loss"], rel=1e-5)
-    np.testing.assert_allclose(grad, arr(out[axis]["gradient"]), atol=2e-5, rtol=1e-4)
-    other = value_grad("query" if axis == "key" else "key")[0]
-    assert abs(other - out[axis]["loss"]) > 0.1
+    options = dict(temperature=inp["temperature"], lower_cutoff=inp["lower_cutoff"], upper_cutoff=inp["upper_cutoff"],
+                   include_positive=True)
+    v, grad = value_grad(DaNCELoss(normalize=axis, **options))
+    assert v == pytest.approx(out["loss"], rel=1e-5)
+    np.testing.assert_allclose(grad, arr(out["gradient"]), atol=2e-5, rtol=1e-4)
+    other = value_grad(DaNCELoss(normalize="query" if axis == "key" else "key", **options))[0]
+    assert abs(other - out["loss"]) > 0.1
+    if case == "far_keys":
+        zero_lines = DaNCELoss(normalize=axis, **options)
+        inner = zero_lines._weights
+        zero_lines._weights = lambda sim, dim: inner(sim, dim) * zero_lines._within_cutoff(sim)
+        assert abs(value_grad(zero_lines)[0] - out["loss"]) > 1e-3
 
 
 def _decorrelation_from(reg_state, source_dim, target_dim, weight, hidden):
