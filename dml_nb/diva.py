@@ -253,6 +253,7 @@ class DiVA(MultiTaskMethod):
         for k in weights:
             if k not in heads: raise unknown_name_error("task (in weights)", k, heads)
         weight = lambda h: float(weights.get(h, 1.0 if h.startswith("discriminative") else alpha))
+        if loss == "margin": loss_options = {"pair_count": "triplets", **dict(loss_options or {})}   # the DiVA code on PyTorch >= 1.2
         miners = self._miners(loss, sharing, intra_distinct, upper_cutoff, positives)
         nce = {"temperature": temperature}
         queue = {"queue_size": queue_size, "queue_batches": queue_batches, "momentum": momentum, "key_buffers": key_buffers}

@@ -94,6 +94,8 @@ def test_options_reach_the_losses():
     assert diva().tasks["dance"].loss.include_positive is True and diva(include_positive=False).tasks["dance"].loss.include_positive is False
     assert type(m.tasks["discriminative"].miner).__name__ == "DistanceWeightedMiner"
     assert m.tasks["discriminative"].loss.beta.shape == (TRAIN.num_classes,)
+    assert {t.loss.pair_count for n, t in m.tasks.items() if n != "dance"} == {"triplets"}        # the DiVA code's count
+    assert diva(loss_options={"pair_count": "terms"}).tasks["shared"].loss.pair_count == "terms"
     with pytest.raises(ValueError, match="weights"): diva(weights={"sharde": 1.0})
     with pytest.raises(ValueError, match="dims must give"): diva(dims={"discriminative": 8})
     assert diva(dims={"discriminative": 16, "shared": 4, "intra": 4, "dance": 8}).dims["discriminative"] == 16
@@ -249,7 +251,7 @@ def test_queue_task_needs_second_view():
 
 def test_discriminative_only_diva_is_the_baseline():
     from dml_nb.methods import BaselineMethod
-    seed_everything(0); base = BaselineMethod(backbone(), TRAIN.num_classes, embedding_dim=16)
+    seed_everything(0); base = BaselineMethod(backbone(), TRAIN.num_classes, embedding_dim=16, loss_options={"pair_count": "triplets"})
     seed_everything(0); only = DiVA(backbone(), TRAIN.num_classes, tasks=("discriminative",), embedding_dim=16)
     learner(base, steps=3).fit(); learner(only, steps=3).fit()
     a, b = base.model.state_dict(), only.model.state_dict()
