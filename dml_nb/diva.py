@@ -15,11 +15,11 @@ from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
 from .metrics import kmeans
 from .models import MemoryQueue, MomentumEncoder
+from .proxy_nce import DANCE_AXES
 
 # %% auto #0
-__all__ = ['FILL', 'CLUSTER', 'KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'DANCE_NORMALIZE', 'POSITIVES',
-           'dataset_features', 'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list',
-           'combine_heads']
+__all__ = ['FILL', 'CLUSTER', 'KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'dataset_features',
+           'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list', 'combine_heads']
 
 # %% ../nbs/07a_diva.ipynb #64def73b
 FILL, CLUSTER = 5, 6   # derive_seed domains of the queue filling and the k-means seeds (the learner uses 1-4)
@@ -209,7 +209,6 @@ class RotNetTask(Task):
 DIVA_TASKS = ("discriminative", "shared", "intra", "dance")
 AUXILIARY_TASKS = ("deepcluster", "rotnet", "instance", "moco")
 SHARING = {"random": "shared_random", "eq3": "shared"}
-DANCE_NORMALIZE = ("key", "query")
 POSITIVES = ("one", "all")
 
 @METHODS.register("diva")
@@ -239,7 +238,7 @@ class DiVA(MultiTaskMethod):
             raise ValueError("discriminative_heads > 1 needs 'discriminative' in tasks")
         if not alpha >= 0 or not rho >= 0: raise ValueError(f"alpha and rho must be >= 0, got {alpha}, {rho}")
         if sharing not in SHARING: raise unknown_name_error("sharing (the shared task's tuples)", sharing, SHARING)
-        if normalize not in DANCE_NORMALIZE: raise unknown_name_error("normalize (DaNCE's weight axis)", normalize, DANCE_NORMALIZE)
+        if normalize not in DANCE_AXES: raise unknown_name_error("normalize (DaNCE's weight axis)", normalize, DANCE_AXES)
         if positives not in POSITIVES: raise unknown_name_error("positives", positives, POSITIVES)
         if queue_size is not None and queue_batches is not None:
             raise ValueError(f"give queue_batches (batches of keys: 30 on CUB200 / CARS196, 70 on SOP in the paper) or "
