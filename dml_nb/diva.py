@@ -10,15 +10,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import METHODS, unknown_name_error
+from .core import LOSSES, METHODS, unknown_name_error
 from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
 from .metrics import kmeans
 from .models import MemoryQueue, MomentumEncoder
+from .proxy_nce import DANCE_AXES
 
 # %% auto #0
-__all__ = ['FILL', 'CLUSTER', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'dataset_features', 'QueueTask', 'DeepClusterTask', 'RotNetTask',
-           'DiVA']
+__all__ = ['FILL', 'CLUSTER', 'KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'dataset_features',
+           'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list', 'combine_heads']
 
 # %% ../nbs/07a_diva.ipynb #64def73b
 FILL, CLUSTER = 5, 6   # derive_seed domains of the queue filling and the k-means seeds (the learner uses 1-4)
@@ -40,19 +41,43 @@ def dataset_features(learner, fn, dataset=None, indices: Sequence[int] | None = 
     return torch.cat(out)
 
 # %% ../nbs/07a_diva.ipynb #07ebd27c
+KEY_BUFFERS = ("initial", "ema")
+
 class QueueTask(Task):
     "NCE-type task on head `head`: positive key from a momentum encoder on a second view, negatives from a FIFO queue."
     def __init__(self, name: str, head: str, loss: str = "dance", loss_options: Mapping | None = None,
-                 weight: float = 1.0, *, embedding_dim: int, queue_size: int = 3360, momentum: float = 0.9):
+                 weight: float = 1.0, *, embedding_dim: int, queue_size: int | None = None,
+                 queue_batches: int | None = None, momentum: float = 0.9, key_buffers: str = "initial"):
         if loss not in ("dance", "nce_queue"): raise unknown_name_error(f"loss of queue task {name!r}", loss, ("dance", "nce_queue"))
         super().__init__(name, head, loss, loss_options, None, None, weight)
-        if queue_size < 1: raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-        self.momentum = float(momentum)
-        self.queue = MemoryQueue(int(queue_size), embedding_dim)
+        if queue_size is not None and queue_batches is not None:
+            raise ValueError(f"task {name!r}: give queue_batches (batches of keys, the papers' unit) or queue_size "
+                             f"(keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}")
+        if queue_size is not None and queue_size < 1: raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if queue_batches is not None and queue_batches < 1: raise ValueError(f"queue_batches must be >= 1, got {queue_batches}")
+        if key_buffers not in KEY_BUFFERS: raise unknown_name_error("key_buffers", key_buffers, KEY_BUFFERS)
+        self.queue_batches = None if queue_size is not None else int(queue_batches or 30)
+        self.momentum, self.key_buffers, self.embedding_dim = float(momentum), key_buffers, embedding_dim
+        self.queue = MemoryQueue(int(queue_size) if queue_size is not None else 1, embedding_dim)
+        self.sized = queue_size is not None     # a queue given in batches gets its size at the first filling
         self._pending = None
 
     def setup(self, method):
         self.key_encoder = MomentumEncoder(method.model, self.momentum)
+
+    def size_queue(self, batch_size: int) -> int:
+        "Fix the queue at `queue_batches * batch_size` keys (once; a queue given by `queue_size` keeps its size)."
+        if not self.sized:
+            self.queue = MemoryQueue(self.queue_batches * int(batch_size), self.embedding_dim).to(self.queue.queue.device)
+            self.sized = True
+        return self.queue.size
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        stored = state_dict.get(prefix + "queue.queue")
+        if stored is not None and tuple(stored.shape) != tuple(self.queue.queue.shape) and not self.sized:
+            self.queue = MemoryQueue(stored.shape[0], self.embedding_dim).to(self.queue.queue.device)   # a resumed run
+            self.sized = True
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def keys(self, method, x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +88,10 @@ class QueueTask(Task):
 
     @torch.no_grad()
     def fill(self, method, batches: Iterable[torch.Tensor]) -> int:
-        "Enqueue keys of image batches until the queue is full; returns the number of keys added."
+        "Enqueue keys of image batches until the queue is full (sized by the first batch); returns the keys added."
         added = 0
         for x in batches:
+            self.size_queue(len(x))
             need = self.queue.size - len(self.queue)
             if need <= 0: break
             k = self.keys(method, x)[:need]
@@ -74,13 +100,14 @@ class QueueTask(Task):
 
     def fill_from_learner(self, method, learner) -> int:
         "Fill the queue with keys of training images (train transform, fixed per-image seeds, a seeded random order)."
+        bs = getattr(learner.sampler, "batch_size", None) or learner.eval_batch_size
+        self.size_queue(bs * getattr(learner, "world_size", 1))
         need = self.queue.size - len(self.queue)
         if need <= 0: return 0
         n = len(learner.train_ds)
         g = torch.Generator().manual_seed(derive_seed(learner.seed, FILL) % 2**63)
         order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
         seeds = [derive_seed(learner.seed, FILL, j) for j in range(need)]
-        bs = getattr(learner.sampler, "batch_size", None) or learner.eval_batch_size
         was = method.training
         method.eval()
         try: keys = dataset_features(learner, lambda x: self.keys(method, x), indices=order, seeds=seeds, batch_size=bs)
@@ -98,13 +125,22 @@ class QueueTask(Task):
                              "or by task.fill(method, batches) before the first step")
         k = self.keys(method, views[0])
         self._pending = k
-        return {"loss": self.loss(embeddings, None, None, keys=k, queue=self.queue.keys)}
+        out = {"loss": self.loss(embeddings, None, None, keys=k, queue=self.queue.keys)}
+        out["positive_similarity"] = (F.normalize(embeddings.detach().float(), dim=1) * F.normalize(k, dim=1)).sum(1).mean()
+        stats = getattr(self.loss, "last_stats", None) or {}
+        if "nonzero_weight_fraction" in stats: out["nonzero_weights"] = stats["nonzero_weight_fraction"]
+        return out
 
     def on_fit_start(self, method, learner):
-        if not self.queue.is_full: self.fill_from_learner(method, learner)
+        if not self.queue.is_full or not self.sized: self.fill_from_learner(method, learner)
 
+    @torch.no_grad()
     def after_optimizer_step(self, method, learner):
+        enc = self.key_encoder.encoder
+        kept = [b.clone() for b in enc.buffers()] if self.key_buffers == "initial" else None
         self.key_encoder.update(method.model)
+        if kept is not None:
+            for b, old in zip(enc.buffers(), kept): b.copy_(old)
         if self._pending is not None: self.queue.enqueue(self._pending); self._pending = None
 
 # %% ../nbs/07a_diva.ipynb #81c84ae7
@@ -172,7 +208,8 @@ class RotNetTask(Task):
 # %% ../nbs/07a_diva.ipynb #985f8ad5
 DIVA_TASKS = ("discriminative", "shared", "intra", "dance")
 AUXILIARY_TASKS = ("deepcluster", "rotnet", "instance", "moco")
-_RANKING_MINERS = {"discriminative": "auto", "shared": "shared", "intra": "intra"}
+SHARING = {"random": "shared_random", "eq3": "shared"}
+POSITIVES = ("one", "all")
 
 @METHODS.register("diva")
 class DiVA(MultiTaskMethod):
@@ -182,8 +219,12 @@ class DiVA(MultiTaskMethod):
                  alpha: float = 0.3, weights: Mapping[str, float] | None = None, rho: float = 1500.0,
                  decorrelation: bool = True, separate: bool = False, discriminative_heads: int = 1,
                  loss: str = "margin", loss_options: Mapping | None = None,
-                 temperature: float = 0.01, lower_cutoff: float = 0.5, include_positive: bool = True,
-                 queue_size: int = 3360, momentum: float = 0.9,
+                 sharing: str = "random", intra_distinct: bool = False, upper_cutoff: float | None = None,
+                 positives: str = "one",
+                 temperature: float = 0.01, lower_cutoff: float = 0.5, dance_upper_cutoff: float | None = 1.4,
+                 normalize: str = "key", include_positive: bool = True,
+                 queue_batches: int | None = None, queue_size: int | None = None, momentum: float = 0.9,
+                 key_buffers: str = "initial", embed_weights: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
                  num_clusters: int = 300, cluster_every: int = 1,
                  decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5):
         if isinstance(tasks, str): tasks = (tasks,)
@@ -196,6 +237,12 @@ class DiVA(MultiTaskMethod):
         if discriminative_heads > 1 and "discriminative" not in tasks:
             raise ValueError("discriminative_heads > 1 needs 'discriminative' in tasks")
         if not alpha >= 0 or not rho >= 0: raise ValueError(f"alpha and rho must be >= 0, got {alpha}, {rho}")
+        if sharing not in SHARING: raise unknown_name_error("sharing (the shared task's tuples)", sharing, SHARING)
+        if normalize not in DANCE_AXES: raise unknown_name_error("normalize (DaNCE's weight axis)", normalize, DANCE_AXES)
+        if positives not in POSITIVES: raise unknown_name_error("positives", positives, POSITIVES)
+        if queue_size is not None and queue_batches is not None:
+            raise ValueError(f"give queue_batches (batches of keys: 30 on CUB200 / CARS196, 70 on SOP in the paper) or "
+                             f"queue_size (keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}")
         ordered = [t for t in valid if t in tasks]
         heads = []
         for t in ordered:
@@ -205,19 +252,24 @@ class DiVA(MultiTaskMethod):
         for k in weights:
             if k not in heads: raise unknown_name_error("task (in weights)", k, heads)
         weight = lambda h: float(weights.get(h, 1.0 if h.startswith("discriminative") else alpha))
+        if loss == "margin": loss_options = {"pair_count": "triplets", **dict(loss_options or {})}   # the DiVA code on PyTorch >= 1.2
+        miners = self._miners(loss, sharing, intra_distinct, upper_cutoff, positives)
         nce = {"temperature": temperature}
+        queue = {"queue_size": queue_size, "queue_batches": queue_batches, "momentum": momentum, "key_buffers": key_buffers}
         built = []
         for h in heads:
             kind = "discriminative" if h.startswith("discriminative") else h
-            if kind in _RANKING_MINERS:
-                built.append(Task(h, h, loss, loss_options, _RANKING_MINERS[kind], None, weight(h),
+            if kind in miners:
+                miner, miner_options = miners[kind]
+                built.append(Task(h, h, loss, loss_options, miner, miner_options, weight(h),
                                   num_classes=num_classes, embedding_dim=head_dims[h]))
             elif kind == "dance":
-                built.append(QueueTask(h, h, "dance", {**nce, "lower_cutoff": lower_cutoff, "include_positive": include_positive},
-                                       weight(h), embedding_dim=head_dims[h], queue_size=queue_size, momentum=momentum))
+                built.append(QueueTask(h, h, "dance", {**nce, "lower_cutoff": lower_cutoff, "upper_cutoff": dance_upper_cutoff,
+                                                       "normalize": normalize, "include_positive": include_positive},
+                                       weight(h), embedding_dim=head_dims[h], **queue))
             elif kind in ("moco", "instance"):
                 built.append(QueueTask(h, h, "nce_queue", {**nce, "include_positive": True}, weight(h), embedding_dim=head_dims[h],
-                                       queue_size=queue_size, momentum=momentum if kind == "moco" else 0.0))
+                                       **{**queue, "momentum": momentum if kind == "moco" else 0.0}))
             elif kind == "deepcluster":
                 if train_labels is None: raise ValueError("the deepcluster task needs train_labels (for the training set size)")
                 built.append(DeepClusterTask(h, h, weight(h), embedding_dim=head_dims[h], num_samples=len(train_labels),
@@ -228,6 +280,16 @@ class DiVA(MultiTaskMethod):
         super().__init__(backbone, head_dims, built, pairs, separate=separate,
                          decorrelation_hidden_dim=decorrelation_hidden_dim, decorrelation_lr=decorrelation_lr)
         self.views = 2 if any(isinstance(t, QueueTask) for t in built) else 1
+        self.embed_weights = embed_weight_list(embed_weights, heads)
+
+    @staticmethod
+    def _miners(loss, sharing, intra_distinct, upper_cutoff, positives) -> dict:
+        "(miner, options) of the triplet tasks; the distance options reach the miners that take them."
+        disc = getattr(LOSSES.get(loss), "default_miner", None) if isinstance(loss, str) else "auto"
+        disc_options = {"upper_cutoff": upper_cutoff, "positives": positives} if disc == "distance_weighted" else None
+        shared_options = {"upper_cutoff": upper_cutoff, **({"positives": positives} if sharing == "random" else {})}
+        return {"discriminative": ("auto", disc_options), "shared": (SHARING[sharing], shared_options),
+                "intra": ("intra", {"distinct": bool(intra_distinct)})}
 
     @staticmethod
     def _dims(heads: list[str], embedding_dim: int, dims: Mapping[str, int] | None) -> dict[str, int]:
@@ -242,3 +304,33 @@ class DiVA(MultiTaskMethod):
         return {h: embedding_dim // n + (i < embedding_dim % n) for i, h in enumerate(heads)}   # 512 / 3 -> 171, 171, 170
 
     def queue_tasks(self) -> list[QueueTask]: return [t for t in self.tasks.values() if isinstance(t, QueueTask)]
+
+    @torch.no_grad()
+    def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        "{'concat': the weighted, re-normalised concatenation (first of `embed_weights`), 'concat2', ...: the others, then each head}."
+        embs = self.head_embeddings(self.features(x), regularise=False)
+        if len(embs) == 1: return embs
+        combos = {("concat" if i == 0 else f"concat{i + 1}"): combine_heads(embs, w) for i, w in enumerate(self.embed_weights)}
+        return {**combos, **embs}
+
+# %% ../nbs/07a_diva.ipynb #e1a0c0df
+def embed_weight_list(embed_weights, heads: Sequence[str]) -> list[dict[str, float]]:
+    "`embed_weights` (None, one mapping head -> weight, or a list of them) as a list of full mappings, checked against `heads`."
+    if embed_weights is None: return [{h: 1.0 for h in heads}]
+    items = [embed_weights] if isinstance(embed_weights, Mapping) else list(embed_weights)
+    if not items: raise ValueError("embed_weights must be a mapping head -> weight or a non-empty list of them")
+    out = []
+    for w in items:
+        if not isinstance(w, Mapping): raise TypeError(f"embed_weights entries must be mappings head -> weight, got {w!r}")
+        for h, v in w.items():
+            if h not in heads: raise unknown_name_error("head (in embed_weights)", h, heads)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"embed_weights[{h!r}] must be a number >= 0, got {v!r}")
+        full = {h: float(w.get(h, 1.0)) for h in heads}
+        if not any(full.values()): raise ValueError(f"embed_weights {dict(w)} give every head weight 0")
+        out.append(full)
+    return out
+
+def combine_heads(embeddings: Mapping[str, torch.Tensor], weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    "Concatenate the head embeddings, each scaled by its weight (default 1), and L2-normalise the result."
+    return F.normalize(torch.cat([float((weights or {}).get(h, 1.0)) * e for h, e in embeddings.items()], dim=-1), dim=-1)

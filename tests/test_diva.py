@@ -51,7 +51,7 @@ def diva(**kw):
 
 
 def test_ranking_tasks_mine_the_right_triplets_on_the_right_heads():
-    m = filled(diva())
+    m = filled(diva(sharing="eq3", intra_distinct=True))  # the paper's readings: each triplet checkable on its own
     seen = {}
     for name in ("discriminative", "shared", "intra"):
         task = m.tasks[name]
@@ -65,6 +65,10 @@ def test_ranking_tasks_mine_the_right_triplets_on_the_right_heads():
         assert dim == 8
         assert math.isfinite(float(logs[f"loss/{name}"]))
     assert m.model.head.dims == {"discriminative": 8, "shared": 8, "intra": 8, "dance": 8}
+    code = filled(diva())                                 # the authors' intra draw: one class, images with replacement
+    a, p, n = code.tasks["intra"].miner(torch.randn(16, 8), batch()["y"])
+    y = batch()["y"]
+    assert len(a) == 16 and bool(((y[a] == y[p]) & (y[a] == y[n])).all())
 
 
 def test_decorrelation_gradients_reach_every_head():
@@ -83,10 +87,15 @@ def test_options_reach_the_losses():
     m = diva(include_positive=True, temperature=0.05, lower_cutoff=0.3, alpha=0.15)
     loss = m.tasks["dance"].loss
     assert (loss.include_positive, loss.temperature, loss.lower_cutoff) == (True, 0.05, 0.3)
+    assert (loss.normalize, loss.upper_cutoff) == ("key", 1.4)                          # the authors' DaNCE
+    q = diva(normalize="query", dance_upper_cutoff=None).tasks["dance"].loss
+    assert (q.normalize, q.upper_cutoff) == ("query", None)
     assert m.tasks["shared"].weight == 0.15 and m.tasks["discriminative"].weight == 1.0
     assert diva().tasks["dance"].loss.include_positive is True and diva(include_positive=False).tasks["dance"].loss.include_positive is False
     assert type(m.tasks["discriminative"].miner).__name__ == "DistanceWeightedMiner"
     assert m.tasks["discriminative"].loss.beta.shape == (TRAIN.num_classes,)
+    assert {t.loss.pair_count for n, t in m.tasks.items() if n != "dance"} == {"triplets"}        # the DiVA code's count
+    assert diva(loss_options={"pair_count": "terms"}).tasks["shared"].loss.pair_count == "terms"
     with pytest.raises(ValueError, match="weights"): diva(weights={"sharde": 1.0})
     with pytest.raises(ValueError, match="dims must give"): diva(dims={"discriminative": 8})
     assert diva(dims={"discriminative": 16, "shared": 4, "intra": 4, "dance": 8}).dims["discriminative"] == 16
@@ -130,9 +139,11 @@ class KillAt(Callback):
         if (learner.epoch, learner.step) == self.at: raise KeyboardInterrupt("killed")
 
 
-@pytest.mark.parametrize("tasks", [("discriminative", "shared", "intra", "dance"), ("discriminative", "deepcluster")])
-def test_resume_is_exact(tasks):
-    run = lambda d, cbs=(): learner(diva(tasks=tasks), d, epochs=2, steps=3, callbacks=cbs, checkpoint_every_steps=1)
+@pytest.mark.parametrize("tasks,queue", [(("discriminative", "shared", "intra", "dance"), {}),
+                                         (("discriminative", "shared", "intra", "dance"), {"queue_size": None, "queue_batches": 3}),
+                                         (("discriminative", "deepcluster"), {})])
+def test_resume_is_exact(tasks, queue):
+    run = lambda d, cbs=(): learner(diva(tasks=tasks, **queue), d, epochs=2, steps=3, callbacks=cbs, checkpoint_every_steps=1)
     ref = run(tempfile.mkdtemp()); ref.fit()
     d = tempfile.mkdtemp()
     with pytest.raises(KeyboardInterrupt): run(d, [KillAt(1, 2)]).fit()
@@ -240,7 +251,7 @@ def test_queue_task_needs_second_view():
 
 def test_discriminative_only_diva_is_the_baseline():
     from dml_nb.methods import BaselineMethod
-    seed_everything(0); base = BaselineMethod(backbone(), TRAIN.num_classes, embedding_dim=16)
+    seed_everything(0); base = BaselineMethod(backbone(), TRAIN.num_classes, embedding_dim=16, loss_options={"pair_count": "triplets"})
     seed_everything(0); only = DiVA(backbone(), TRAIN.num_classes, tasks=("discriminative",), embedding_dim=16)
     learner(base, steps=3).fit(); learner(only, steps=3).fit()
     a, b = base.model.state_dict(), only.model.state_dict()
@@ -248,3 +259,176 @@ def test_discriminative_only_diva_is_the_baseline():
     for (ka, va), (kb, vb) in zip(a.items(), b.items()):
         assert ka.replace("embedding", "discriminative") == kb
         torch.testing.assert_close(va, vb, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- golden tests against the authors' code
+from golden import arr, load_golden                     # noqa: E402
+import torch.nn.functional as F                          # noqa: E402
+from dml_nb.diva import combine_heads, embed_weight_list  # noqa: E402
+from dml_nb.metrics import recall_at_k                   # noqa: E402
+
+AUTHORS_HEAD = {"discriminative": "discriminative", "selfsimilarity": "dance", "shared": "shared", "intra": "intra"}
+
+
+def _golden_heads(fx):
+    "The fixture's head embeddings under dml_nb's head names, in dml_nb's head order."
+    heads = {AUTHORS_HEAD[h]: torch.tensor(arr(fx["inputs"]["heads"][h]), dtype=torch.float32) for h in fx["inputs"]["heads_order"]}
+    return {h: heads[h] for h in ("discriminative", "shared", "intra", "dance")}
+
+
+def _in_dml_nb_order(features, authors_order, dim):
+    "Columns of the authors' concatenation (their head order) rearranged into dml_nb's head order."
+    blocks = {AUTHORS_HEAD[h]: features[:, i * dim:(i + 1) * dim] for i, h in enumerate(authors_order)}
+    return torch.cat([blocks[h] for h in ("discriminative", "shared", "intra", "dance")], dim=1)
+
+
+@pytest.mark.parametrize("reading", ["code", "equal"])
+def test_golden_test_embedding_is_the_authors_weighted_concatenation(reading):
+    fx = load_golden("diva_test_embedding")
+    heads, y = _golden_heads(fx), torch.tensor(fx["inputs"]["labels"])
+    for combo in fx["outputs"]["combinations"]:
+        weights = {AUTHORS_HEAD[h]: w for h, w in zip(combo["heads"], combo["weights"])}
+        ref = _in_dml_nb_order(torch.tensor(arr(combo["features"]), dtype=torch.float32), combo["heads"], 8)
+        ours = combine_heads(heads, weights if reading == "code" else None)
+        close = torch.allclose(ours, ref, atol=1e-6)
+        if reading == "equal" and combo["weights"] != [1.0] * 4:
+            assert not close, combo["evaltype"]          # equal weights are not what the code evaluates here
+            continue
+        assert close, combo["evaltype"]
+        assert recall_at_k(ours, y, ks=(1,))[1] == pytest.approx(combo["recall@1"]), combo["evaltype"]
+
+
+def test_golden_diva_embed_reports_every_weighting_of_the_authors_code():
+    fx = load_golden("diva_test_embedding")
+    heads = _golden_heads(fx)
+    cub = [c for c in fx["outputs"]["combinations"] if "cub200" in c["datasets"]]
+    assert len(cub) == 3 and all(c["weights"][0] < c["weights"][1] for c in cub)   # never equal weights on CUB200
+    m = diva(embed_weights=[{AUTHORS_HEAD[h]: w for h, w in zip(c["heads"], c["weights"])} for c in cub])
+    m.head_embeddings = lambda f, names=None, model=None, regularise=True: heads
+    m.features = lambda x, model=None: x
+    out = m.embed(torch.zeros(24, 1))
+    assert list(out)[:3] == ["concat", "concat2", "concat3"]
+    for key, c in zip(("concat", "concat2", "concat3"), cub):
+        ref = _in_dml_nb_order(torch.tensor(arr(c["features"]), dtype=torch.float32), c["heads"], 8)
+        torch.testing.assert_close(out[key], ref, atol=1e-6, rtol=0)
+
+
+def test_paper_files_use_the_codes_head_weightings():
+    "Every four-task DiVA section of a paper-scale file lists the weightings the authors' code evaluates on its dataset."
+    import yaml
+    from pathlib import Path
+    fx = load_golden("diva_test_embedding")
+    heads = ["discriminative", "shared", "intra", "dance"]
+    unit = lambda w: torch.nn.functional.normalize(torch.tensor([float(w[h]) for h in heads]), dim=0)
+    code = {}
+    for c in fx["outputs"]["combinations"]:
+        for ds in c["datasets"]: code.setdefault(ds, []).append(unit({AUTHORS_HEAD[h]: w for h, w in zip(c["heads"], c["weights"])}))
+    code["sop"] = code.pop("online_products")
+    root = Path(__file__).parents[1] / "params"
+    sections = [("cub200", yaml.safe_load((root / "train" / "cub200_diva.yaml").read_text())["method"]),
+                ("cub200", yaml.safe_load((root / "repro_diva_fig4_left" / "cub200.yaml").read_text())["diva"]),
+                ("cub200", yaml.safe_load((root / "repro_diva_fig5" / "cub200.yaml").read_text())["diva"]["method"])]
+    sections += [(ds, yaml.safe_load((root / "repro_diva_table4" / f"{ds}.yaml").read_text())["diva"]) for ds in ("cub200", "cars196")]
+    for ds, sec in sections:
+        assert sec["tasks"] == heads
+        ours = [unit(w) for w in embed_weight_list(sec["embed_weights"], heads)]
+        assert len(ours) == len(code[ds]) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, code[ds])), ds
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.ReLU())
+        self.head = torch.nn.Linear(5, 4)
+
+
+class _Stub:
+    "The two calls QueueTask makes on its recipe, for a model with one backbone and one head."
+    def __init__(self, model): self.model = model
+    def features(self, x, model=None): return (model or self.model).backbone(x)
+    def head_embeddings(self, f, names, model=None, regularise=True):
+        return {names[0]: F.normalize((model or self.model).head(f), dim=-1)}
+
+
+def _load(module, state):
+    with torch.no_grad():
+        for k, v in module.state_dict().items():
+            if k in state: v.copy_(torch.tensor(arr(state[k]), dtype=v.dtype))
+
+
+@pytest.mark.parametrize("reading", ["code", "ema_buffers", "momentum_0.999"])
+def test_golden_key_encoder_and_queue(reading):
+    fx = load_golden("diva_key_encoder_queue")
+    inp, out = fx["inputs"], fx["outputs"]
+    model = _Tiny(); _load(model, inp["initial_model"])
+    stub = _Stub(model)
+    task = QueueTask("dance", "head", "dance", None, 1.0, embedding_dim=4, queue_batches=inp["n_key_batches"],
+                     momentum={"momentum_0.999": 0.999}.get(reading, inp["momentum"]),
+                     key_buffers="ema" if reading == "ema_buffers" else "initial")
+    task.setup(stub)
+    x = torch.tensor(arr(inp["fill_inputs"]), dtype=torch.float32)
+    bs = inp["batch_size"]
+    assert task.fill(stub, (x[i:i + bs] for i in range(0, len(x), bs))) == inp["n_key_batches"] * bs
+    torch.testing.assert_close(task.queue.ordered_keys(), torch.tensor(arr(out["queue_after_fill"]), dtype=torch.float32))
+    matches = []
+    for step, ref in zip(inp["steps"], out["steps"]):
+        _load(model, step["model"])                        # the query model after an optimiser step
+        task._pending = torch.tensor(arr(step["keys"]), dtype=torch.float32)
+        task.after_optimizer_step(stub, None)
+        enc = task.key_encoder.encoder.state_dict()
+        matches.append(all(torch.allclose(enc[k], torch.tensor(arr(v), dtype=torch.float32), atol=1e-6)
+                           for k, v in ref["key_model"].items()))
+        torch.testing.assert_close(task.queue.ordered_keys(), torch.tensor(arr(ref["queue"]), dtype=torch.float32))  # FIFO
+    assert all(matches) if reading == "code" else not any(matches)
+
+
+def test_tuple_options_reach_the_miners():
+    code = diva()
+    assert type(code.tasks["shared"].miner).__name__ == "SharedRandomMiner"           # the published runs
+    assert code.tasks["intra"].miner.distinct is False
+    assert (code.tasks["discriminative"].miner.upper_cutoff, code.tasks["discriminative"].miner.positives) == (None, "one")
+    assert (code.tasks["shared"].miner.upper_cutoff, code.tasks["shared"].miner.positives) == (None, "one")
+    paper = diva(sharing="eq3", intra_distinct=True, upper_cutoff=1.4, positives="all")
+    assert type(paper.tasks["shared"].miner).__name__ == "SharedTripletMiner" and paper.tasks["shared"].miner.upper_cutoff == 1.4
+    assert paper.tasks["intra"].miner.distinct is True
+    assert (paper.tasks["discriminative"].miner.upper_cutoff, paper.tasks["discriminative"].miner.positives) == (1.4, "all")
+    ms = diva(loss="multi_similarity")                   # a loss whose miner takes no distance options
+    assert type(ms.tasks["discriminative"].miner).__name__ != "DistanceWeightedMiner"
+    for bad, match in ((dict(sharing="full"), "sharing"), (dict(normalize="batch"), "normalize"),
+                       (dict(positives="two"), "positives"), (dict(key_buffers="frozen"), "key_buffers"),
+                       (dict(queue_batches=30), "not both"), (dict(embed_weights={"dnace": 1.0}), "Did you mean")):
+        with pytest.raises((ValueError, KeyError), match=match): diva(**bad)
+
+
+def test_queue_is_sized_in_batches_of_the_learner():
+    m = diva(queue_size=None)                            # default: 30 batches
+    lrn = learner(m, steps=1)
+    lrn._setup(); m.on_fit_start(lrn)
+    assert m.tasks["dance"].queue.size == 30 * 16 and m.tasks["dance"].queue.is_full
+    assert diva(queue_size=None, queue_batches=2).tasks["dance"].fill(m, [torch.randn(8, 3, 32, 32)] * 5) == 16
+
+
+class PerStep(Callback):
+    def __init__(self): self.rows = []
+    def after_step(self, learner, logs): self.rows.append({k: float(v) for k, v in logs.items()})
+
+
+def test_short_shapes_run_gives_every_task_a_signal():
+    """K = 2 (the paper's batches): the intra task gets triplets in every batch (three distinct images of a class would
+    give none), and DaNCE logs the share of query-negative pairs with a non-zero weight. DaNCE's loss is non-zero while
+    the DaNCE head's embeddings are spread; on `shapes` they concentrate within the lambda = 0.5 clamp after a few
+    steps and the loss becomes 0 in float32, in the authors' code as well (nbs/07a_diva.ipynb, point 14)."""
+    seed_everything(0)
+    m = DiVA(build_backbone("small_cnn", width=4, feature_dim=16), TRAIN.num_classes, TRAIN.labels, embedding_dim=32, rho=10.0)
+    sampler = ClassBalancedBatchSampler(TRAIN.labels, batch_size=16, samples_per_class=2, seed=1, batches_per_epoch=3)
+    probe = PerStep()
+    hist = Learner(m, TRAIN, sampler, epochs=2, lr=1e-3, callbacks=[probe], progress=False, seed=3).fit()
+    assert len(probe.rows) == 6 and all(r["tuples/intra"] == 16 for r in probe.rows)
+    assert all(r["tuples/shared"] > 0 and r["tuples/discriminative"] > 0 for r in probe.rows)
+    assert all(0 < h["nonzero_weights/dance"] <= 1 for h in hist)
+    assert hist[0]["loss/dance"] > 0 and all(-1 <= h["positive_similarity/dance"] <= 1 for h in hist)
+    paper = DiVA(build_backbone("small_cnn", width=4, feature_dim=16), TRAIN.num_classes, TRAIN.labels, embedding_dim=32,
+                 rho=10.0, intra_distinct=True)
+    filled(paper)
+    b = batch(classes=8)                                 # 16 images, 2 per class
+    assert paper.training_step(b)["tuples/intra"] == 0   # the paper's reading at K = 2: no intra-class triplets
