@@ -75,7 +75,7 @@ def base_config(dataset: str = "shapes", data: Mapping | None = None, model: Map
     return raw
 
 # %% ../nbs/10_repro.ipynb #b0c6ae1d
-_SMOKE_OPTIONS = {"queue_size": 120, "solver_iters": 30, "num_clusters": 8, "num_groups": 4, "kmeans_iterations": 5}
+_SMOKE_OPTIONS = {"queue_batches": 2, "solver_iters": 30, "num_clusters": 8, "num_groups": 4, "kmeans_iterations": 5}
 
 def smoke(raw: Mapping, force: bool = False) -> dict:
     "`raw` shrunk to a smoke size under `nbdev_test` (or with `force`); unchanged otherwise."
@@ -90,7 +90,8 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     m = m.setdefault("options", {}) if "options" in m else m
     valid = METHODS.options(raw.get("method", {}).get("name", "baseline"))
     for k, v in _SMOKE_OPTIONS.items():
-        if k in valid: m[k] = min(m.get(k, v), v)
+        if k in valid and not (k == "queue_batches" and "queue_size" in m): m[k] = min(m.get(k, v), v)
+    if "queue_size" in m: m["queue_size"] = min(m["queue_size"], 120)   # an explicit queue size (keys) instead
     for k in ("finetune_epoch", "full_embedding_epoch", "recluster_every"):
         if m.get(k): m[k] = 1
     return raw
