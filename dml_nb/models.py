@@ -409,15 +409,17 @@ class SlicedHead(nn.Module):
         self.full_embedding, self.init, self.train_split = full_embedding, init, train_split
         self.slice_dims = [b - a for a, b in self.bounds]
         self.equal = len(set(self.slice_dims)) == 1
-        self.linear = nn.Linear(in_dim, dim)
-        self.reset_parameters()
+        self.linear = nn.Linear(in_dim, dim)            # torch's Linear init ...
+        if init == "xavier": self._xavier()             # ... then, like lib/model.py's init_splitted, per slice
+
+    def _xavier(self):
+        with torch.no_grad():
+            for a, b in self.bounds: self.linear.weight[a:b] = nn.init.xavier_normal_(torch.empty(b - a, self.in_dim))
 
     def reset_parameters(self):
         "torch's Linear init; with `init='xavier'` each slice's rows then xavier-normal (fan-out = the slice)."
         self.linear.reset_parameters()
-        if self.init == "xavier":
-            with torch.no_grad():
-                for a, b in self.bounds: self.linear.weight[a:b] = nn.init.xavier_normal_(torch.empty(b - a, self.in_dim))
+        if self.init == "xavier": self._xavier()
 
     def unit_slices(self, z: torch.Tensor) -> torch.Tensor:
         "The concatenation of every slice of `z` normalised on its own (norm sqrt(K))."
