@@ -205,3 +205,60 @@ def test_margin_label_range_error_and_param_lr():
     assert m.param_lr == 5e-4 and [n for n, _ in m.named_parameters()] == ["beta"]
     assert LOSSES.get("margin").default_miner == "distance_weighted"
     assert LOSSES.get("triplet").default_miner == "semihard"
+
+
+# ---------------------------------------------------------------- options of issues 11 / 12
+
+def test_contrastive_cosine_reading_matches_pml_cosine_similarity():
+    from pytorch_metric_learning.distances import CosineSimilarity
+    emb, labels = batch(seed=12)
+    theirs = pml_losses.ContrastiveLoss(pos_margin=1, neg_margin=0, distance=CosineSimilarity())
+    assert_same(ContrastiveLoss(metric="cosine"), theirs, emb, labels)
+    assert (ContrastiveLoss(metric="cosine").pos_margin, ContrastiveLoss(metric="cosine").neg_margin) == (1.0, 0.0)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        ContrastiveLoss(metric="dot")
+
+
+def test_margin_beta_readings():
+    emb, labels = batch(n_classes=3, k=2, dim=8, dtype=torch.float32)
+    fixed = LOSSES.build("margin", num_classes=3, class_specific_beta=False, learn_beta=False)   # official D&C
+    assert list(fixed.parameters()) == [] and fixed.beta.shape == (1,) and fixed.param_lr == 5e-4
+    per_class = LOSSES.build("margin", num_classes=3)                                           # DiVA / MIC
+    assert [n for n, _ in per_class.named_parameters()] == ["beta"] and per_class.beta.shape == (3,)
+    scalar_learned = LOSSES.build("margin", num_classes=3, class_specific_beta=False)
+    assert scalar_learned.beta.shape == (1,) and scalar_learned.beta.requires_grad
+    # a fixed scalar beta equals a per-class beta with all entries 1.2 that is never updated
+    torch.testing.assert_close(fixed(emb, labels), per_class(emb, labels))
+
+
+def test_fixed_beta_never_reaches_an_optimiser():
+    from dml_nb.learner import Method
+
+    class Tiny(Method):
+        def __init__(self, **loss_options):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 4)
+            self.loss = MarginLoss(num_classes=3, **loss_options)
+        def training_step(self, b): return {"loss": self.loss(self.head(b["x"]), b["y"])}
+
+    emb, labels = batch(n_classes=3, k=4, dim=8, dtype=torch.float32)
+    m = Tiny(class_specific_beta=False, learn_beta=False)
+    groups = m.param_groups(lr=1e-3, weight_decay=0.0)
+    assert all(p is not m.loss.beta for g in groups for p in g["params"])
+    assert [g["name"] for g in groups] == ["other"]                        # no group of its own: nothing to train
+    opt = torch.optim.Adam(groups)
+    for _ in range(5):
+        opt.zero_grad(); m.training_step({"x": emb, "y": labels})["loss"].backward(); opt.step()
+    assert torch.equal(m.loss.beta, torch.tensor([1.2]))
+    learned = Tiny()
+    groups = learned.param_groups(lr=1e-3, weight_decay=4e-4)
+    beta_group = [g for g in groups if any(p is learned.loss.beta for p in g["params"])]
+    assert len(beta_group) == 1 and beta_group[0]["lr"] == 5e-4 and beta_group[0]["weight_decay"] == 0.0
+    assert "beta" in dict(m.loss.state_dict())                             # the fixed beta is still checkpointed
+
+
+def test_margin_distance_has_the_authors_epsilon():
+    emb, labels = batch(n_classes=2, k=2, dim=4, dtype=torch.float64)
+    loss = MarginLoss(num_classes=2).double()
+    same = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))        # a = p = n: d = sqrt(1e-8) = 1e-4
+    torch.testing.assert_close(loss(emb, labels, same), torch.tensor(1.2 - 1e-4 + 0.2, dtype=torch.float64))
