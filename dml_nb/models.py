@@ -429,7 +429,8 @@ class SlicedHead(nn.Module):
     def full(self, z: torch.Tensor) -> torch.Tensor:
         "The full embedding of the layer's output `z`: normalised unit slices ('slices') or normalised `z` ('raw')."
         if not self.normalize: return z
-        return F.normalize(self.unit_slices(z) if self.full_embedding == "slices" else z, dim=-1)
+        slices = self.full_embedding == "slices" and self.num_slices > 1     # one slice: the same vector
+        return F.normalize(self.unit_slices(z) if slices else z, dim=-1)
 
     def learner_dim(self, k: int) -> int:
         "The width of what learner `k` trains on."
