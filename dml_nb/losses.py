@@ -118,9 +118,14 @@ class MarginLoss(RankingLoss):
     "Wu et al. margin loss with boundary β (per class or one; learned or fixed), normalised by the non-zero terms."
     default_miner = "distance_weighted"
     def __init__(self, margin: float = 0.2, beta: float = 1.2, num_classes: int | None = None,
-                 class_specific_beta: bool = True, learn_beta: bool = True, nu: float = 0.0, param_lr: float = 5e-4):
+                 class_specific_beta: bool = True, learn_beta: bool = True, pair_count: str = "terms", nu: float = 0.0,
+                 param_lr: float = 5e-4):
         super().__init__()
         if num_classes is not None and num_classes < 1: raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if pair_count not in ("terms", "triplets"):
+            raise ValueError(f"pair_count must be 'terms' (non-zero terms, Wu et al. / D&C / MIC) or 'triplets' "
+                             f"(triplets with a non-zero term, DiVA / Revisiting-DML on PyTorch >= 1.2), got {pair_count!r}")
+        self.pair_count = pair_count
         self.margin, self.nu, self.param_lr = margin, nu, param_lr
         self.class_specific_beta, self.learn_beta = bool(class_specific_beta), bool(learn_beta)
         self.num_classes = num_classes if self.class_specific_beta else None
@@ -144,7 +149,7 @@ class MarginLoss(RankingLoss):
         d_an = ((x[a] - x[n]).pow(2).sum(1) + 1e-8).sqrt()
         pos = F.relu(d_ap - beta + self.margin)
         neg = F.relu(beta - d_an + self.margin)
-        count = (pos > 0).sum() + (neg > 0).sum()
+        count = (pos > 0).sum() + (neg > 0).sum() if self.pair_count == "terms" else ((pos > 0) | (neg > 0)).sum()
         return ((pos + neg).sum() + self.nu * beta.sum()) / count.clamp_min(1)
 
 # %% ../nbs/03_losses.ipynb #b3107450

@@ -262,3 +262,70 @@ def test_margin_distance_has_the_authors_epsilon():
     loss = MarginLoss(num_classes=2).double()
     same = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))        # a = p = n: d = sqrt(1e-8) = 1e-4
     torch.testing.assert_close(loss(emb, labels, same), torch.tensor(1.2 - 1e-4 + 0.2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- golden tests: the authors' margin losses
+
+import numpy as np
+from golden import arr, load_golden
+
+from dml_nb.miners import DnCNearestMiner
+
+
+def test_golden_margin_diva_per_class_beta():
+    """DiVA's criteria/margin.py (per-class beta, learned; PyTorch >= 1.2, so its pair count is the number of triplets
+    with a non-zero term) on fixed triplets with repeated indices: value, gradient wrt the embeddings and wrt beta.
+    One shared beta, or counting terms, fails."""
+    g = load_golden("blocks_margin_diva")
+    inp, out = g["inputs"], g["outputs"]
+    emb, labels = torch.tensor(inp["embeddings"], dtype=torch.float32), torch.tensor(inp["labels"])
+    tuples = tuple(torch.tensor(t) for t in zip(*inp["triplets"]))
+    loss = MarginLoss(num_classes=4, pair_count="triplets")
+    with torch.no_grad(): loss.beta.copy_(torch.tensor(inp["beta"]))
+    e = emb.clone().requires_grad_()
+    v = loss(e, labels, tuples)
+    v.backward()
+    assert abs(v.item() - out["loss"]) < 1e-6
+    np.testing.assert_allclose(e.grad.numpy(), arr(out["gradient"]), atol=1e-6)
+    np.testing.assert_allclose(loss.beta.grad.numpy(), arr(out["beta_gradient"]), atol=1e-6)
+    shared = MarginLoss(num_classes=4, class_specific_beta=False, pair_count="triplets")
+    with torch.no_grad(): shared.beta.fill_(float(np.mean(inp["beta"])))
+    assert abs(shared(emb, labels, tuples).item() - out["loss"]) > 1e-3
+    terms = MarginLoss(num_classes=4)
+    with torch.no_grad(): terms.beta.copy_(torch.tensor(inp["beta"]))
+    assert abs(terms(emb, labels, tuples).item() - out["loss"]) > 1e-2
+
+
+@pytest.mark.parametrize("case", ["balanced", "uneven"])
+@pytest.mark.parametrize("torch_version,pair_count", [("pytorch_1_0", "terms"), ("pytorch_2", "triplets")])
+def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
+    """The official D&C margin loss (lib/loss/margin_loss.py with its own sampler, one scalar beta never given to
+    the optimiser): the gradient at the first step and the loss over 4 Adam steps of the embeddings, as their code
+    computed it on the PyTorch of its release (non-zero terms counted) and as it runs today (triplets counted). A
+    learned beta (in its own group at 5e-4, as DiVA's) moves and the later losses fail; so does the other count."""
+    g = load_golden("blocks_dnc_nearest")
+    inp, out = g["inputs"][case], g["outputs"][case][torch_version]
+    labels = torch.tensor(inp["labels"])
+
+    def run(**options):
+        loss, miner = MarginLoss(num_classes=int(labels.max()) + 1, **options), DnCNearestMiner()
+        e = torch.nn.Parameter(torch.tensor(inp["embeddings"], dtype=torch.float32))
+        groups = [{"params": [e], "lr": 0.01}]
+        if list(loss.parameters()): groups.append({"params": list(loss.parameters()), "lr": loss.param_lr})
+        opt, values, grad0 = torch.optim.Adam(groups), [], None
+        for _ in range(4):
+            opt.zero_grad()
+            v = loss(e, labels, miner(e, labels))
+            v.backward()
+            values.append(v.item()); grad0 = e.grad.clone() if grad0 is None else grad0
+            opt.step()
+        return values, grad0, loss.beta
+
+    values, grad0, beta = run(class_specific_beta=False, learn_beta=False, pair_count=pair_count)
+    np.testing.assert_allclose(values, out["loss_per_step"], rtol=1e-5)
+    np.testing.assert_allclose(grad0.numpy(), arr(out["gradient_step0"]), atol=1e-6)
+    assert beta.item() == out["beta_after"] == pytest.approx(1.2)
+    learned, _, _ = run(class_specific_beta=False, learn_beta=True, pair_count=pair_count)
+    assert abs(learned[-1] - out["loss_per_step"][-1]) > 2e-5         # beyond the rtol 1e-5 above
+    other, _, _ = run(class_specific_beta=False, learn_beta=False, pair_count={"terms": "triplets"}.get(pair_count, "terms"))
+    assert abs(other[0] - out["loss_per_step"][0]) > 1e-2

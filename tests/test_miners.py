@@ -253,3 +253,131 @@ def test_dnc_nearest_never_returns_masked_entries():
         assert check_triplets((a, p, n), labels)
         assert (pairwise_distance(emb)[a, n] >= cutoff).all()
         assert (torch.bincount(a, minlength=len(labels)) <= 2).all()     # at most K - 1 per anchor
+
+
+# ---------------------------------------------------------------- golden tests: the authors' miners on fixed inputs
+
+import numpy as np
+from golden import arr, load_golden
+
+from dml_nb.miners import DnCNearestMiner, IntraClassTripletMiner, SharedRandomMiner, negative_mask
+
+
+OUR_DRAWS, FREQ_TOL = 2000, 0.06   # vs their 4000 draws: the worst cell (p = 1/3) has sd 0.013; wrong readings differ > 0.25
+
+
+def _golden_batch(name):
+    g = load_golden(name)
+    return g, torch.tensor(g["inputs"]["embeddings"], dtype=torch.float32), torch.tensor(g["inputs"]["labels"])
+
+
+def _draw_frequencies(miner, emb, labels, draws, seed=0):
+    "(a, p) and (a, n) counts over `draws` calls divided by `draws`, and the triplet counts per call."
+    g = torch.Generator().manual_seed(seed)
+    ap, an, per_call = torch.zeros(len(labels), len(labels)), torch.zeros(len(labels), len(labels)), set()
+    for _ in range(draws):
+        a, p, n = miner(emb, labels, generator=g)
+        per_call.add(len(a))
+        ap.index_put_((a, p), torch.ones(len(a)), accumulate=True)
+        an.index_put_((a, n), torch.ones(len(a)), accumulate=True)
+    return ap.numpy() / draws, an.numpy() / draws, per_call
+
+
+def test_golden_distance_weights_without_cutoff():
+    """DiVA's batchminer/distance.py (identical in Revisiting-DML and MIC): per-anchor probabilities on a fixed batch.
+    The 1.4-cutoff reading moves 10-80% of each anchor's probability mass and fails."""
+    g, emb, labels = _golden_batch("blocks_distance_weights")
+    theirs = arr(g["outputs"]["probabilities"])
+    dist, neg = pairwise_distance(emb), negative_mask(labels)
+    ours = distance_weights(dist, emb.shape[1], neg).double().numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+    wrong = distance_weights(dist, emb.shape[1], neg, upper_cutoff=1.4).double().numpy()
+    assert np.abs(wrong - theirs).sum(1).min() > 0.1
+
+
+def test_golden_distance_weighted_miner_draws():
+    """Many draws of the whole miner against many draws of theirs: one positive per anchor, uniform; negatives with
+    the probabilities above. The 'all' positives or the 1.4 cutoff fail."""
+    g, emb, labels = _golden_batch("blocks_distance_weights")
+    ap, an, per_call = _draw_frequencies(DistanceWeightedMiner(), emb, labels, OUR_DRAWS)
+    assert per_call == {g["outputs"]["triplets_per_call"]}
+    assert np.abs(ap - arr(g["outputs"]["anchor_positive_frequency"])).max() < FREQ_TOL
+    assert np.abs(an - arr(g["outputs"]["anchor_negative_frequency"])).max() < FREQ_TOL
+    _, an_cut, _ = _draw_frequencies(DistanceWeightedMiner(upper_cutoff=1.4), emb, labels, 500)
+    assert np.abs(an_cut - arr(g["outputs"]["anchor_negative_frequency"])).max() > 0.1
+    _, _, per_call_all = _draw_frequencies(DistanceWeightedMiner(positives="all"), emb, labels, 1)
+    assert per_call_all != per_call
+
+
+def test_golden_shared_random_candidates():
+    """DiVA's batchminer/random_distance.py for one recorded permutation: the same anchors, candidate positives and
+    negative probabilities (those of the class miner on the permuted labels)."""
+    g, emb, labels = _golden_batch("blocks_shared_random")
+    out = g["outputs"]
+    perm = torch.tensor(out["permutation"])
+    assert labels[perm].tolist() == out["permuted_labels"]
+    miner, seen = SharedRandomMiner(), {}
+    for s in range(40):
+        a, p, n = miner(emb, labels, generator=torch.Generator().manual_seed(s), permutation=perm)
+        assert a.tolist() == out["anchors"]
+        for i, j in zip(a.tolist(), p.tolist()): seen.setdefault(i, set()).add(j)
+    assert [sorted(seen[i]) for i in out["anchors"]] == [sorted(c) for c in out["positive_candidates"]]
+    w = distance_weights(pairwise_distance(emb), emb.shape[1], negative_mask(labels[perm]))
+    np.testing.assert_allclose(w[out["anchors"]].double().numpy(), arr(out["negative_probabilities"]), rtol=1e-4, atol=1e-6)
+
+
+def test_golden_shared_random_draws():
+    """Many draws with fresh permutations: the (a, p) / (a, n) frequencies and the class statistics of theirs. The
+    paper's T* miner ('shared') and the plain class miner fail."""
+    g, emb, labels = _golden_batch("blocks_shared_random")
+    out = g["outputs"]
+    ap, an, per_call = _draw_frequencies(SharedRandomMiner(), emb, labels, OUR_DRAWS)
+    assert per_call == {int(out["statistics"]["triplets_per_call"])}
+    assert np.abs(ap - arr(out["anchor_positive_frequency"])).max() < FREQ_TOL
+    assert np.abs(an - arr(out["anchor_negative_frequency"])).max() < FREQ_TOL
+    for wrong in (MINERS.build("shared"), DistanceWeightedMiner()):
+        ap_w, an_w, _ = _draw_frequencies(wrong, emb, labels, 300)
+        assert max(np.abs(ap_w - arr(out["anchor_positive_frequency"])).max(),
+                   np.abs(an_w - arr(out["anchor_negative_frequency"])).max()) > 0.2
+
+
+def test_golden_intra_with_replacement():
+    """DiVA's batchminer/intra_random.py: the class of each triplet uniform over the batch's classes, a, p, n with
+    replacement inside it. distinct=True (no repeats) and a class drawn per sample both fail."""
+    g = load_golden("blocks_intra_random")
+    labels, draws = torch.tensor(g["inputs"]["labels"]), 1500          # theirs: 3000 calls
+    emb = F.normalize(torch.randn(len(labels), 4, generator=torch.Generator().manual_seed(0)), dim=1)
+
+    def frequencies(miner):
+        gen, counts = torch.Generator().manual_seed(1), {}
+        for _ in range(draws):
+            t = miner(emb, labels, generator=gen)
+            for k in zip(*(u.tolist() for u in t)): counts[k] = counts.get(k, 0) + 1
+        total = sum(counts.values())
+        return {k: c / total for k, c in counts.items()}, total
+
+    theirs = {tuple(r[:3]): r[3] for r in g["outputs"]["frequencies"]}
+    ours, total = frequencies(IntraClassTripletMiner(distinct=False))
+    assert total == draws * g["outputs"]["triplets_per_call"]
+    assert set(ours) == set(theirs)                                      # the same support: 107 (a, p, n)
+    assert max(abs(ours[k] - theirs[k]) for k in theirs) < 0.008        # largest cell 1/32, sd 0.0017
+    cls = np.bincount([int(labels[k[0]]) for k, f in ours.items() for _ in range(round(f * total))], minlength=4) / total
+    np.testing.assert_allclose(cls, arr(g["outputs"]["class_frequency"]), atol=0.01)
+    repeats = sum(f for k, f in ours.items() if len(set(k)) < 3)
+    assert abs(repeats - g["outputs"]["statistics"]["any_repeat"]) < 0.01
+    strict, _ = frequencies(IntraClassTripletMiner(distinct=True))
+    assert set(strict) != set(theirs)
+
+
+@pytest.mark.parametrize("case", ["balanced", "uneven"])
+def test_golden_dnc_nearest_exact_triplets(case):
+    """The official D&C sampler (lib/loss/sampler.py): exactly its triplets, in its order. Pairing the positives with
+    the negatives in distance order instead of index order fails."""
+    g = load_golden("blocks_dnc_nearest")
+    inp, out = g["inputs"][case], g["outputs"][case]
+    emb, labels = torch.tensor(inp["embeddings"], dtype=torch.float32), torch.tensor(inp["labels"])
+    a, p, n = DnCNearestMiner()(emb, labels)
+    assert (a.tolist(), p.tolist(), n.tolist()) == (out["anchors"], out["positives"], out["negatives"])
+    d = pairwise_distance(F.normalize(emb, dim=1))
+    by_distance = torch.cat([n[a == i][d[i, n[a == i]].argsort()] for i in a.unique()])   # same negatives, distance order
+    assert by_distance.tolist() != out["negatives"]

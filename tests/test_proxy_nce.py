@@ -324,3 +324,83 @@ def test_declared_attributes():
     assert ProxyNCALoss(2, 3, param_lr=1e-2).param_lr == 1e-2
     assert ProxyAnchorLoss.param_lr == 1e-3 and ProxyNCALoss.param_lr == 5e-4
     assert DaNCELoss.extra_inputs == ("keys", "queue")
+
+
+# ---------------------------------------------------------------- golden tests: the authors' DaNCE and decorrelation
+
+import numpy as np
+from golden import arr, load_golden
+
+
+@pytest.mark.parametrize("case", ["diva", "far_keys"])
+@pytest.mark.parametrize("axis", ["key", "query"])
+def test_golden_dance_both_axes(axis, case):
+    """DiVA's criteria/fast_moco.py: loss and gradient wrt the query, normalised per key (their default) and per query
+    (--diva_fixed), with the positive in the denominator as their cross-entropy has it; 'far_keys' has keys (columns)
+    and a query (row) with every distance beyond the cutoff, which the code's 1e-45 clamp makes uniform. The other
+    axis fails; so does a zero weight for such a line."""
+    g = load_golden("blocks_dance")
+    inp, out = g["inputs"][case], g["outputs"][case][axis]
+    keys, queue = torch.tensor(inp["keys"]), torch.tensor(inp["queue"])
+
+    def value_grad(loss):
+        q = torch.tensor(inp["query"], requires_grad=True)
+        v = loss(q, keys=keys, queue=queue)
+        return v.item(), torch.autograd.grad(v, q)[0].numpy()
+
+    options = dict(temperature=inp["temperature"], lower_cutoff=inp["lower_cutoff"], upper_cutoff=inp["upper_cutoff"],
+                   include_positive=True)
+    v, grad = value_grad(DaNCELoss(normalize=axis, **options))
+    assert v == pytest.approx(out["loss"], rel=1e-5)
+    np.testing.assert_allclose(grad, arr(out["gradient"]), atol=2e-5, rtol=1e-4)
+    other = value_grad(DaNCELoss(normalize="query" if axis == "key" else "key", **options))[0]
+    assert abs(other - out["loss"]) > 0.1
+    if case == "far_keys":
+        zero_lines = DaNCELoss(normalize=axis, **options)
+        inner = zero_lines._weights
+        zero_lines._weights = lambda sim, dim: inner(sim, dim) * zero_lines._within_cutoff(sim)
+        assert abs(value_grad(zero_lines)[0] - out["loss"]) > 1e-3
+
+
+def _decorrelation_from(reg_state, source_dim, target_dim, weight, hidden):
+    decor = Decorrelation(source_dim, target_dim, weight=weight, hidden_dim=hidden)
+    decor.psi.load_state_dict({k: torch.tensor(v) for k, v in reg_state.items()})
+    return decor
+
+
+def _check_decorrelation(decor, source, target, out, source_key, target_key):
+    s, t = (torch.tensor(x, requires_grad=True) for x in (source, target))
+    v = decor(s, t)
+    grads = torch.autograd.grad(v, [s, t, *decor.psi.parameters()])
+    assert v.item() == pytest.approx(out["loss"], rel=1e-5)
+    np.testing.assert_allclose(grads[0].numpy(), arr(out[source_key]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads[1].numpy(), arr(out[target_key]), rtol=1e-4, atol=1e-6)
+    for (name, _), gp in zip(decor.psi.named_parameters(), grads[2:]):
+        np.testing.assert_allclose(gp.numpy(), arr(out["regressor_gradient"][name]), rtol=1e-4, atol=1e-6)
+    return grads
+
+
+def test_golden_decorrelation_diva():
+    """DiVA's criteria/adversarial_separation.py with identical projector weights: the loss, the gradients that reach
+    both embeddings through the reversal, and the projector's gradients. Without the reversal the embeddings'
+    gradients flip sign and fail."""
+    g = load_golden("blocks_decorrelation_diva")
+    inp, out = g["inputs"], g["outputs"]
+    D = len(inp["source"][0])
+    decor = _decorrelation_from(inp["regressor"], D, D, inp["weight"], inp["hidden_dim"])
+    _check_decorrelation(decor, inp["source"], inp["target"], out, "source_gradient", "target_gradient")
+    s, t = (torch.tensor(x, requires_grad=True) for x in (inp["source"], inp["target"]))
+    plain = torch.autograd.grad(-inp["weight"] * decor.correlation(s, t), [s])[0]      # no reversal
+    np.testing.assert_allclose(plain.numpy(), -arr(out["source_gradient"]), rtol=1e-4, atol=1e-6)
+
+
+def test_golden_decorrelation_mic():
+    """MIC's losses.py AdvLoss (weight applied outside, as main.py does; the regressor maps the shared embedding
+    phi* to the class embedding phi): the same module with source = aux, target = class. Swapping the roles fails."""
+    g = load_golden("blocks_decorrelation_mic")
+    inp, out = g["inputs"], g["outputs"]
+    Da, Dc = len(inp["aux_features"][0]), len(inp["class_features"][0])
+    decor = _decorrelation_from(inp["regressor"], Da, Dc, inp["weight"], inp["hidden_dim"])
+    _check_decorrelation(decor, inp["aux_features"], inp["class_features"], out, "aux_gradient", "class_gradient")
+    with pytest.raises(ValueError, match="needs source"):
+        decor(torch.tensor(inp["class_features"]), torch.tensor(inp["aux_features"]))
