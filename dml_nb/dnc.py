@@ -13,17 +13,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import METHODS, unknown_name_error
-from .learner import Callback, Method, derive_seed
+from .learner import Callback, Method, NoTuplesError, derive_seed
 from .methods import build_loss, build_miner
-from .models import EmbeddingModel, SlicedHead
-from .samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
+from .models import EmbeddingModel, SlicedHead, slice_bounds
+from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 
 # %% auto #0
-__all__ = ['GROUPINGS', 'CLUSTER_ON', 'kmeans_assign', 'match_clusters', 'random_partition', 'label_grouping',
-           'cluster_statistics', 'cluster_batch_sampler', 'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
+__all__ = ['REMATCH_RULES', 'GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'kmeans_assign', 'match_clusters',
+           'random_partition', 'label_grouping', 'cluster_statistics', 'ClusterError', 'cluster_batch_sampler',
+           'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
 
 # %% ../nbs/07c_dnc.ipynb #a4a054c1
-def kmeans_assign(x: np.ndarray | torch.Tensor, k: int, niter: int = 100, nredo: int = 1, seed: int = 0,
+REMATCH_RULES = ("hungarian", "official")
+
+def kmeans_assign(x: np.ndarray | torch.Tensor, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234,
                   normalize: bool = True) -> np.ndarray:
     "faiss k-means of the rows of `x` (L2-normalised first unless `normalize=False`) into `k` clusters; each row's id."
     import faiss
@@ -37,16 +40,19 @@ def kmeans_assign(x: np.ndarray | torch.Tensor, k: int, niter: int = 100, nredo:
     km.train(x)
     return km.index.search(x, 1)[1][:, 0].astype(np.int64)
 
-def match_clusters(previous: np.ndarray, current: np.ndarray, k: int) -> np.ndarray:
-    "Rename the ids of `current` (0..k-1) to maximise the overlap with `previous` (Hungarian algorithm)."
+def match_clusters(previous: np.ndarray, current: np.ndarray, k: int, rule: str = "hungarian") -> np.ndarray:
+    "Rename the ids of `current` (0..k-1) to maximise the overlap with `previous`; `rule='official'`: the code's inverse."
     from scipy.optimize import linear_sum_assignment
+    if rule not in REMATCH_RULES: raise unknown_name_error("rematch rule", rule, REMATCH_RULES)
     previous, current = np.asarray(previous, dtype=np.int64), np.asarray(current, dtype=np.int64)
     if previous.shape != current.shape: raise ValueError(f"assignments differ in length: {previous.shape} vs {current.shape}")
     for name, a in (("previous", previous), ("current", current)):
         if len(a) and (a.min() < 0 or a.max() >= k): raise ValueError(f"{name} cluster ids must lie in 0..{k - 1}")
     overlap = np.bincount(current * k + previous, minlength=k * k).reshape(k, k)   # [new, old]
     new, old = linear_sum_assignment(overlap, maximize=True)
-    rename = np.empty(k, dtype=np.int64); rename[new] = old
+    rename = np.empty(k, dtype=np.int64)
+    if rule == "hungarian": rename[new] = old
+    else: rename[old] = new          # lib/data/loader/reassignment.py: samples of new cluster pi(i) get id i
     return rename[current]
 
 # %% ../nbs/07c_dnc.ipynb #fe0fabde
@@ -77,22 +83,33 @@ def cluster_statistics(assignments: np.ndarray, labels: np.ndarray, k: int) -> t
     return sizes, np.bincount(pairs // (int(labels.max()) + 1), minlength=k)
 
 # %% ../nbs/07c_dnc.ipynb #c804ac27
+class ClusterError(ValueError):
+    "A Divide and Conquer learner cannot train: its cluster cannot form a batch (or got none this epoch)."
+
 def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, batch_size: int,
-                          samples_per_class: int, seed: int = 0, rank: int = 0, world_size: int = 1
-                          ) -> tuple[RoundRobinBatchSampler | None, list[int], list[int]]:
-    "Round-robin sampler over the clusters that can form batches; (sampler, their cluster ids, each one's batch size)."
+                          samples_per_class: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                          schedule: str = "round_robin") -> tuple[RoundRobinBatchSampler, list[int], list[int]]:
+    "The cluster batches of one clustering: (sampler over the clusters 0..k-1, their ids, each one's batch size)."
     labels, assignments = np.asarray(labels), np.asarray(assignments)
-    samplers, ids, sizes = [], [], []
+    samplers, sizes, bad = [], [], []
     for c in range(k):
-        idx = np.flatnonzero(assignments == c)
-        cls, counts = np.unique(labels[idx], return_counts=True)
-        usable = int((counts >= 2).sum())
-        if usable < 2: continue                                   # no negatives: this learner rests
+        idx = usable_members(labels, np.flatnonzero(assignments == c))
+        usable = len(np.unique(labels[idx]))
+        if usable < 2:
+            bad.append(f"learner {c} (cluster of {int((assignments == c).sum())} images, {usable} class(es) with 2+ images)")
+            continue
         bs = min(batch_size, usable * samples_per_class)
         samplers.append(ClassBalancedBatchSampler(labels, bs, samples_per_class, indices=idx, seed=seed * 1000 + c,
                                                   rank=rank, world_size=world_size, min_samples_per_class=2))
-        ids.append(c); sizes.append(bs)
-    return (RoundRobinBatchSampler(samplers) if samplers else None), ids, sizes
+        sizes.append(bs)
+    if bad:
+        raise ClusterError(f"{len(bad)} of {k} clusters cannot form a batch with negatives, so their learners could not "
+                           f"train: {'; '.join(bad)}. Use fewer learners (num_learners), more images per class, or a "
+                           "grouping that keeps classes apart")
+    n = max(1, max(len(s.indices) // batch_size for s in samplers))           # the code: the largest cluster's batches
+    rr = RoundRobinBatchSampler(samplers, schedule=schedule, seed=seed,
+                                batches_per_sampler=n if schedule == "round_robin" else None)
+    return rr, list(range(k)), sizes
 
 class PhaseSampler(torch.utils.data.Sampler):
     "The run's sampler (`base`), or cluster batches `(cluster id, batch)` while `clusters` is set."
@@ -102,15 +119,19 @@ class PhaseSampler(torch.utils.data.Sampler):
                             f"size and samples per class shape the cluster batches), got {type(base).__name__}")
         self.base, self.clusters, self.cluster_ids, self.epoch = base, None, [], base.epoch
 
-    def use_clusters(self, sampler: RoundRobinBatchSampler | None, cluster_ids: Sequence[int]) -> None:
+    def use_clusters(self, sampler: RoundRobinBatchSampler, cluster_ids: Sequence[int]) -> None:
         self.clusters, self.cluster_ids = sampler, list(cluster_ids)
-        if sampler is not None: sampler.set_epoch(self.epoch)
+        sampler.set_epoch(self.epoch)
     def use_base(self) -> None: self.clusters, self.cluster_ids = None, []
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch; self.base.set_epoch(epoch)
         if self.clusters is not None: self.clusters.set_epoch(epoch)
     def __len__(self) -> int: return len(self.base) if self.clusters is None else len(self.clusters)
+    def learner_batches(self, epoch: int | None = None) -> dict[int, int]:
+        "Batches each learner (cluster id) gets in `epoch` on this rank (empty outside the cluster phases)."
+        if self.clusters is None: return {}
+        return dict(zip(self.cluster_ids, self.clusters.counts(self.epoch if epoch is None else epoch)))
     def batches(self, epoch: int | None = None) -> list:
         if self.clusters is None: return self.base.batches(epoch)
         return [(self.cluster_ids[i], b) for i, b in self.clusters.batches(epoch)]
@@ -121,6 +142,8 @@ class PhaseSampler(torch.utils.data.Sampler):
 # %% ../nbs/07c_dnc.ipynb #3f479f45
 GROUPINGS = ("kmeans", "kmeans_nosplit", "random", "labels")
 CLUSTER_ON = ("embedding", "features")
+FINETUNE_PROXIES = ("concat", "fresh")
+OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}   # lib/loss/margin_loss.py, train.py:114-127
 
 class DnCRecords(Callback):
     "Write the cluster statistics of the epoch into `learner.row` (before the CSV is written)."
@@ -133,13 +156,19 @@ class DivideAndConquer(Method):
     "Divide and Conquer: K learners = K slices of one embedding layer, each trained on its own data cluster."
     def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 128,
                  num_learners: int = 4, recluster_every: int = 2, grouping: str = "kmeans",
-                 cluster_on: str = "embedding", finetune_epoch: int | None = None, finetune_epochs: int | None = None,
-                 full_embedding_epoch: int | None = None, loss: str = "margin", loss_options: Mapping | None = None,
+                 cluster_on: str = "features", full_embedding_epoch: int | None = None,
+                 finetune_epoch: int | None = None, finetune_epochs: int | None = None,
+                 full_embedding_fraction: float = 0.4, finetune_fraction: float = 0.95,
+                 cluster_batches: str = "round_robin", full_embedding: str = "slices", init: str = "xavier",
+                 train_split: str = "ceil", rematch: str = "hungarian", kmeans_seed: int | None = 1234,
+                 finetune_proxies: str = "concat", loss: str = "margin", loss_options: Mapping | None = None,
                  miner: str | None = "auto", miner_options: Mapping | None = None,
                  class_groups: Sequence[int] | None = None, kmeans_iterations: int = 100, kmeans_redo: int = 1):
         super().__init__()
-        if grouping not in GROUPINGS: raise unknown_name_error("grouping", grouping, GROUPINGS)
-        if cluster_on not in CLUSTER_ON: raise unknown_name_error("cluster_on value", cluster_on, CLUSTER_ON)
+        for name, v, valid in (("grouping", grouping, GROUPINGS), ("cluster_on value", cluster_on, CLUSTER_ON),
+                               ("cluster_batches schedule", cluster_batches, CLUSTER_SCHEDULES),
+                               ("rematch rule", rematch, REMATCH_RULES), ("finetune_proxies", finetune_proxies, FINETUNE_PROXIES)):
+            if v not in valid: raise unknown_name_error(name, v, valid)
         if num_learners < 1: raise ValueError(f"num_learners must be >= 1, got {num_learners}")
         if recluster_every < 1: raise ValueError(f"recluster_every must be >= 1 (epochs), got {recluster_every}")
         if finetune_epoch is not None and finetune_epochs is not None:
@@ -148,50 +177,76 @@ class DivideAndConquer(Method):
         for name, v in (("finetune_epoch", finetune_epoch), ("finetune_epochs", finetune_epochs),
                         ("full_embedding_epoch", full_embedding_epoch)):
             if v is not None and v < 0: raise ValueError(f"{name} must be >= 0, got {v}")
+        for name, v in (("full_embedding_fraction", full_embedding_fraction), ("finetune_fraction", finetune_fraction)):
+            if not 0 <= v <= 1: raise ValueError(f"{name} is a share of the run's epochs in [0, 1], got {v}")
         if train_labels is None:
             raise ValueError("dnc needs train_labels (the training set's labels): the clusters are per-sample state")
         self.train_labels = np.asarray(train_labels, dtype=np.int64)
+        if num_learners > 1 and num_learners > num_classes:
+            raise ValueError(f"num_learners={num_learners} learners need as many clusters with classes to tell apart, but "
+                             f"the training set has {num_classes} classes: use num_learners <= {num_classes // 2} (each "
+                             "cluster needs two classes with two images), or a data set with more classes")
         if class_groups is not None and grouping != "labels":
             raise ValueError(f"class_groups is only used by grouping='labels', not grouping={grouping!r}")
         if grouping == "labels": label_grouping(self.train_labels, num_learners, class_groups)   # validate now
         self.num_learners, self.recluster_every, self.grouping, self.cluster_on = num_learners, recluster_every, grouping, cluster_on
         self.finetune_epoch, self.finetune_epochs, self.full_embedding_epoch = finetune_epoch, finetune_epochs, full_embedding_epoch
+        self.full_embedding_fraction, self.finetune_fraction = float(full_embedding_fraction), float(finetune_fraction)
+        self.cluster_batches, self.rematch, self.kmeans_seed, self.finetune_proxies = cluster_batches, rematch, kmeans_seed, finetune_proxies
         self.class_groups = None if class_groups is None else list(class_groups)
         self.kmeans_iterations, self.kmeans_redo, self.num_classes = kmeans_iterations, kmeans_redo, num_classes
-        self.model = EmbeddingModel(backbone, SlicedHead(backbone.feature_dim, embedding_dim, num_learners))
-        slice_dim = embedding_dim if grouping == "kmeans_nosplit" else embedding_dim // num_learners
+        head = SlicedHead(backbone.feature_dim, embedding_dim, num_learners, full_embedding=full_embedding, init=init,
+                          train_split=train_split)
+        self.model = EmbeddingModel(backbone, head)
+        if loss == "margin": loss_options = {**OFFICIAL_MARGIN, **dict(loss_options or {})}
+        if miner == "auto" and loss == "margin": miner = "dnc_nearest"
         fresh = lambda dim: build_loss(copy.deepcopy(loss) if isinstance(loss, nn.Module) else loss, loss_options,
                                        num_classes=num_classes, embedding_dim=dim)
         self.loss = fresh(embedding_dim)
-        self.learner_losses = nn.ModuleList([fresh(slice_dim) for _ in range(num_learners if num_learners > 1 else 0)])
+        dims = [embedding_dim if grouping == "kmeans_nosplit" else head.learner_dim(k) for k in range(num_learners)]
+        self.learner_losses = nn.ModuleList([fresh(d) for d in dims] if num_learners > 1 else [])
         self.miner = build_miner(miner, miner_options, self.loss)
+        if (finetune_proxies == "concat" and hasattr(self.loss, "proxies") and grouping != "kmeans_nosplit"
+                and num_learners > 1 and sum(dims) != embedding_dim):
+            raise ValueError(f"finetune_proxies='concat' joins the learners' proxies ({dims} dims) into the full "
+                             f"embedding's ({embedding_dim}), which train_split='floor' with unequal slices cannot do: "
+                             "set finetune_proxies='fresh' or train_split='ceil'")
         n = len(self.train_labels)
         self.register_buffer("assignments", torch.full((n,), -1, dtype=torch.long))   # -1: not clustered yet
         self.register_buffer("clustered_epoch", torch.tensor(-1))                      # epoch of the last clustering
         self.register_buffer("kept_fraction", torch.tensor(float("nan")))              # share that kept its cluster
+        self.register_buffer("proxies_merged", torch.tensor(False))                    # learners' proxies joined yet
         self.cluster_dataset = None
         self._sampler: PhaseSampler | None = None
         self._finetune_start: int | None = None
+        self._full_start: float = math.inf if full_embedding_epoch is None else full_embedding_epoch
         self._features_only = False
 
     # ------------------------------------------------------------------ phases
     def finetune_start(self, epochs: int) -> int:
-        "First epoch of the finetune phase of a run of `epochs` epochs."
+        "First epoch of the finetune phase (whole data, full embedding) of a run of `epochs` epochs."
         if self.finetune_epoch is not None: return self.finetune_epoch
         if self.finetune_epochs is not None: return max(epochs - self.finetune_epochs, 0)
-        return epochs // 2
+        return int(self.finetune_fraction * epochs)
+
+    def full_embedding_start(self, epochs: int) -> int:
+        "First epoch in which the cluster batches train the full embedding instead of the learners' slices."
+        if self.full_embedding_epoch is not None: return self.full_embedding_epoch
+        return int(self.full_embedding_fraction * epochs)
 
     def dividing(self, epoch: int) -> bool:
-        "True while epoch `epoch` belongs to the divide stage (K > 1 and before the finetune phase)."
+        "True while epoch `epoch` trains on cluster batches (K > 1 and before the finetune phase)."
         start = self._finetune_start if self._finetune_start is not None else math.inf
         return self.num_learners > 1 and epoch < start
+
+    def full(self, epoch: int | None) -> bool:
+        "True when the loss of epoch `epoch` sees the full embedding (full-embedding phase or finetune)."
+        return epoch is not None and epoch >= self._full_start
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict) -> dict:
         x, y, k = batch["x"], batch["y"], batch.get("group")
-        epoch = batch.get("epoch")
-        full = k is None or (self.full_embedding_epoch is not None and epoch is not None and epoch >= self.full_embedding_epoch)
-        if full: emb, loss_fn = self.model(x), self.loss
+        if k is None or self.full(batch.get("epoch")): emb, loss_fn = self.model(x), self.loss
         else:
             k = int(k)
             if not 0 <= k < self.num_learners:
@@ -201,7 +256,9 @@ class DivideAndConquer(Method):
         emb = emb.float()
         tuples = self.miner(emb, y) if self.miner is not None else None
         logs = {"loss": loss_fn(emb, y, tuples)}
-        if tuples is not None: logs["tuples"] = float(len(tuples[0]))
+        if tuples is not None:
+            logs["tuples"] = float(len(tuples[0]))
+            if k is not None: logs[f"tuples/learner{int(k)}"] = logs["tuples"]
         return logs
 
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -213,22 +270,22 @@ class DivideAndConquer(Method):
     # ------------------------------------------------------------------ clustering
     @torch.no_grad()
     def cluster_vectors(self, learner) -> torch.Tensor:
-        "The L2-normalised vectors k-means runs on: the full embedding (paper) or the backbone features (code)."
+        "The L2-normalised vectors k-means runs on: the backbone features (code) or the full embedding (paper)."
         self._features_only = self.cluster_on == "features"
         try: emb, _ = learner.embed(self.cluster_dataset if self.cluster_dataset is not None else learner.train_eval_set)
         finally: self._features_only = False
         return F.normalize(next(iter(emb.values())).float(), dim=1)
 
     def recluster(self, learner) -> None:
-        "New assignments for the current grouping, matched to the previous clusters (Hungarian)."
+        "New assignments for the current grouping, matched to the previous clusters."
         K, epoch, prev = self.num_learners, learner.epoch, self.assignments.cpu().numpy()
         if self.grouping in ("kmeans", "kmeans_nosplit"):
-            new = kmeans_assign(self.cluster_vectors(learner), K, self.kmeans_iterations, self.kmeans_redo,
-                                seed=derive_seed(learner.seed, 77, epoch))
+            seed = self.kmeans_seed if self.kmeans_seed is not None else derive_seed(learner.seed, 77, epoch)
+            new = kmeans_assign(self.cluster_vectors(learner), K, self.kmeans_iterations, self.kmeans_redo, seed=seed)
         elif self.grouping == "random": new = random_partition(len(prev), K, seed=derive_seed(learner.seed, 78))
         else: new = label_grouping(self.train_labels, K, self.class_groups)
         if (prev >= 0).all():
-            new = match_clusters(prev, new, K)
+            new = match_clusters(prev, new, K, rule=self.rematch)
             self.kept_fraction.fill_(float((new == prev).mean()))
         self.assignments.copy_(torch.from_numpy(new))
         self.clustered_epoch.fill_(epoch)
@@ -236,12 +293,20 @@ class DivideAndConquer(Method):
     def _use_clusters(self, learner) -> None:
         base = self._sampler.base
         rr, ids, sizes = cluster_batch_sampler(base.labels, self.assignments.cpu().numpy(), self.num_learners,
-                                               base.batch_size, base.samples_per_class, base.seed, base.rank, base.world_size)
-        if rr is None:
-            raise RuntimeError("no cluster has two classes with two samples each, so no cluster batch can be formed: "
-                               "use fewer learners (num_learners) or more images per class")
+                                               base.batch_size, base.samples_per_class, base.seed, base.rank,
+                                               base.world_size, schedule=self.cluster_batches)
         self._sampler.use_clusters(rr, ids)
         self._batch_sizes = dict(zip(ids, sizes))
+
+    @torch.no_grad()
+    def merge_proxies(self) -> bool:
+        "Start the full embedding's proxies from the learners' (unit slices concatenated, re-normalised); once."
+        if bool(self.proxies_merged) or not hasattr(self.loss, "proxies") or self.grouping == "kmeans_nosplit" \
+                or not len(self.learner_losses): return False
+        joined = torch.cat([F.normalize(l.proxies, dim=1) for l in self.learner_losses], dim=1) / math.sqrt(self.num_learners)
+        self.loss.proxies.copy_(joined)
+        self.proxies_merged.fill_(True)
+        return True
 
     # ------------------------------------------------------------------ learner hooks
     def on_fit_start(self, learner) -> None:
@@ -254,27 +319,37 @@ class DivideAndConquer(Method):
             raise ValueError("the run's sampler was built from other labels than train_labels: build both from the "
                              "training set's labels")
         self._finetune_start = self.finetune_start(learner.epochs)
+        self._full_start = self.full_embedding_start(learner.epochs)
         # a resumed run continues with the clusters of its checkpoint
         if self.dividing(learner.epoch) and bool((self.assignments >= 0).all()): self._use_clusters(learner)
         else: self._sampler.use_base()
 
     def on_epoch_start(self, learner) -> None:
         e = learner.epoch
+        if self.finetune_proxies == "concat" and (self.full(e) or not self.dividing(e)): self.merge_proxies()
         if not self.dividing(e): self._sampler.use_base(); return
         fixed = self.grouping in ("random", "labels")
         have = bool((self.assignments >= 0).all())
         if not have or (not fixed and (e - int(self.clustered_epoch)) >= self.recluster_every):
             self.recluster(learner)
         self._use_clusters(learner)
+        idle = [k for k, n in self._sampler.learner_batches(e).items() if n == 0]
+        if idle:
+            raise ClusterError(f"learner(s) {idle} get no batch in epoch {e + 1}: with cluster_batches="
+                               f"{self.cluster_batches!r} each of the epoch's {len(self._sampler)} steps draws a cluster "
+                               "at random and missed them. Use cluster_batches='round_robin' (every learner the same "
+                               "number of batches) or longer epochs")
 
     def epoch_records(self, epoch: int) -> dict:
-        "Per-epoch record: phase, whether the data was re-clustered, cluster sizes and classes per cluster."
-        row = {"dnc/finetune": int(not self.dividing(epoch))}
+        "Per-epoch record: phase, whether the data was re-clustered, per learner its cluster and batches."
+        row = {"dnc/finetune": int(not self.dividing(epoch)), "dnc/full_embedding": int(self.full(epoch) or not self.dividing(epoch))}
         if self.dividing(epoch) and bool((self.assignments >= 0).all()):
             sizes, classes = cluster_statistics(self.assignments.cpu().numpy(), self.train_labels, self.num_learners)
             row["dnc/reclustered"] = int(int(self.clustered_epoch) == epoch)
             if not math.isnan(float(self.kept_fraction)): row["dnc/kept_fraction"] = float(self.kept_fraction)
+            batches = self._sampler.learner_batches(epoch) if self._sampler is not None else {}
             for k in range(self.num_learners):
                 row[f"dnc/cluster{k}/size"], row[f"dnc/cluster{k}/classes"] = int(sizes[k]), int(classes[k])
                 row[f"dnc/cluster{k}/batch"] = int(getattr(self, "_batch_sizes", {}).get(k, 0))
+                row[f"dnc/learner{k}/batches"] = int(batches.get(k, 0))
         return row

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from .core import BACKBONES, unknown_name_error
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'CAFFE_BGR_MEAN', 'CAFFE_BGR_STD', 'Preprocessing', 'global_pool',
-           'batchnorm_modules', 'Backbone', 'torch_cache_dir', 'resolve_pretrained', 'load_weights', 'ResNet50',
-           'BNInception', 'GoogLeNet', 'SmallCNN', 'build_backbone', 'EmbeddingHead', 'MultiHead', 'SlicedHead',
-           'EmbeddingModel', 'GradientReversal', 'grad_reverse', 'MomentumEncoder', 'all_gather_keys', 'MemoryQueue']
+__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'CAFFE_BGR_MEAN', 'CAFFE_BGR_STD', 'SLICED_INITS', 'FULL_EMBEDDINGS', 'TRAIN_SPLITS',
+           'Preprocessing', 'global_pool', 'batchnorm_modules', 'Backbone', 'torch_cache_dir', 'resolve_pretrained',
+           'load_weights', 'ResNet50', 'BNInception', 'GoogLeNet', 'SmallCNN', 'build_backbone', 'EmbeddingHead',
+           'MultiHead', 'slice_bounds', 'SlicedHead', 'EmbeddingModel', 'GradientReversal', 'grad_reverse',
+           'MomentumEncoder', 'all_gather_keys', 'MemoryQueue']
 
 # %% ../nbs/04_models.ipynb #872f1981
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -379,35 +380,84 @@ class MultiHead(nn.Module):
     def reset_parameters(self, names: list[str] | None = None):
         for n in (self.names if names is None else names): self._check([n]); self.heads[n].reset_parameters()
 
-# %% ../nbs/04_models.ipynb #e6a8cfb7
+# %% ../nbs/04_models.ipynb #3cf3a952
+SLICED_INITS, FULL_EMBEDDINGS, TRAIN_SPLITS = ("xavier", "default"), ("slices", "raw"), ("ceil", "floor")
+
+def slice_bounds(dim: int, num_slices: int) -> list[tuple[int, int]]:
+    "Learner slices `[(start, stop), ...]` of `dim` dims: ceil(dim / num_slices) each, the last one what remains."
+    if num_slices < 1: raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    size = -(-dim // num_slices)
+    bounds = [(k * size, min((k + 1) * size, dim)) for k in range(num_slices)]
+    empty = [k for k, (a, b) in enumerate(bounds) if b <= a]
+    if empty:
+        ok = max(k for k in range(1, num_slices + 1) if (k - 1) * -(-dim // k) < dim)
+        raise ValueError(f"dim={dim} in slices of ceil({dim}/{num_slices}) = {size} leaves learner(s) {empty} without "
+                         f"dimensions: use at most {ok} learners for dim={dim}, or a larger dim")
+    return bounds
+
+# %% ../nbs/04_models.ipynb #e384a3eb
 class SlicedHead(nn.Module):
     "One linear layer of total `dim` split into `num_slices` contiguous learners, each normalised on its own."
-    def __init__(self, in_dim: int, dim: int = 128, num_slices: int = 4, normalize: bool = True):
+    def __init__(self, in_dim: int, dim: int = 128, num_slices: int = 4, normalize: bool = True,
+                 full_embedding: str = "slices", init: str = "xavier", train_split: str = "ceil"):
         super().__init__()
-        if num_slices < 1: raise ValueError(f"num_slices must be >= 1, got {num_slices}")
-        if dim % num_slices:
-            raise ValueError(f"dim={dim} must split into num_slices={num_slices} equal parts: choose a dim "
-                             f"divisible by num_slices, e.g. {num_slices * max(1, round(dim / num_slices))}")
+        for name, v, valid in (("full_embedding", full_embedding, FULL_EMBEDDINGS), ("init", init, SLICED_INITS),
+                               ("train_split", train_split, TRAIN_SPLITS)):
+            if v not in valid: raise unknown_name_error(f"SlicedHead {name}", v, valid)
+        self.bounds = slice_bounds(dim, num_slices)
         self.in_dim, self.dim, self.num_slices, self.normalize = in_dim, dim, num_slices, normalize
-        self.slice_dim = dim // num_slices
-        self.linear = nn.Linear(in_dim, dim)
+        self.full_embedding, self.init, self.train_split = full_embedding, init, train_split
+        self.slice_dims = [b - a for a, b in self.bounds]
+        self.equal = len(set(self.slice_dims)) == 1
+        self.linear = nn.Linear(in_dim, dim)            # torch's Linear init ...
+        if init == "xavier": self._xavier()             # ... then, like lib/model.py's init_splitted, per slice
+
+    def _xavier(self):
+        with torch.no_grad():
+            for a, b in self.bounds: self.linear.weight[a:b] = nn.init.xavier_normal_(torch.empty(b - a, self.in_dim))
+
+    def reset_parameters(self):
+        "torch's Linear init; with `init='xavier'` each slice's rows then xavier-normal (fan-out = the slice)."
+        self.linear.reset_parameters()
+        if self.init == "xavier": self._xavier()
+
+    def unit_slices(self, z: torch.Tensor) -> torch.Tensor:
+        "The concatenation of every slice of `z` normalised on its own (norm sqrt(K))."
+        if self.equal: return F.normalize(z.unflatten(-1, (self.num_slices, self.slice_dims[0])), dim=-1).flatten(-2)
+        return torch.cat([F.normalize(z[..., a:b], dim=-1) for a, b in self.bounds], dim=-1)
+
+    def full(self, z: torch.Tensor) -> torch.Tensor:
+        "The full embedding of the layer's output `z`: normalised unit slices ('slices') or normalised `z` ('raw')."
+        if not self.normalize: return z
+        slices = self.full_embedding == "slices" and self.num_slices > 1     # one slice: the same vector
+        return F.normalize(self.unit_slices(z) if slices else z, dim=-1)
+
+    def learner_dim(self, k: int) -> int:
+        "The width of what learner `k` trains on."
+        return self.dim // self.num_slices if self.train_split == "floor" else self.slice_dims[k]
+
+    def forward(self, features: torch.Tensor, slice: int | None = None) -> torch.Tensor:
+        "The full embedding, or what learner `slice` trains on: its own normalised slice (B, learner_dim(slice))."
+        z = self.linear(features)
+        if slice is None: return self.full(z)
+        k = int(slice)
+        if not 0 <= k < self.num_slices:
+            raise IndexError(f"slice {slice} out of range: this head has learners 0..{self.num_slices - 1}")
+        if self.train_split == "floor" and not self.equal:   # train.py: chunk k of the slice-normalised output
+            s = self.dim // self.num_slices
+            u = self.unit_slices(z) if self.normalize else z
+            return self._norm(u[:, k * s:(k + 1) * s])
+        a, b = self.bounds[k]
+        return self._norm(z[:, a:b])
 
     def _norm(self, z): return F.normalize(z, dim=-1) if self.normalize else z
 
-    def forward(self, features: torch.Tensor, slice: int | None = None) -> torch.Tensor:
-        "The full normalised embedding, or learner `slice`'s own normalised slice (B, dim / num_slices)."
-        z = self.linear(features)
-        if slice is None: return self._norm(z)
-        if not 0 <= int(slice) < self.num_slices:
-            raise IndexError(f"slice {slice} out of range: this head has learners 0..{self.num_slices - 1}")
-        return self._norm(z[:, int(slice) * self.slice_dim:(int(slice) + 1) * self.slice_dim])
-
     def all_slices(self, features: torch.Tensor) -> torch.Tensor:
-        "Every learner's normalised slice at once: (B, num_slices, dim / num_slices)."
-        return self._norm(self.linear(features).view(-1, self.num_slices, self.slice_dim))
+        "Every learner's normalised slice at once: (B, num_slices, dim / num_slices); equal slices only."
+        if not self.equal: raise ValueError(f"all_slices needs equal slices; these are {self.slice_dims}")
+        return self._norm(self.linear(features).unflatten(-1, (self.num_slices, self.slice_dims[0])))
 
     def embed(self, features: torch.Tensor) -> torch.Tensor: return self.forward(features)
-    def reset_parameters(self): self.linear.reset_parameters()
 
 # %% ../nbs/04_models.ipynb #78e2208f
 class EmbeddingModel(nn.Module):

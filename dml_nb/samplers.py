@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['ClassBalancedBatchSampler', 'RoundRobinBatchSampler']
+__all__ = ['CLUSTER_SCHEDULES', 'ClassBalancedBatchSampler', 'usable_members', 'RoundRobinBatchSampler']
 
 # %% ../nbs/02_samplers.ipynb #24db63e9
 class ClassBalancedBatchSampler(torch.utils.data.Sampler):
@@ -41,15 +41,16 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None: self.epoch = epoch
     def __len__(self) -> int: return self.batches_per_epoch
 
-    def batches(self, epoch: int | None = None) -> list[list[int]]:
-        "This rank's batches of `epoch` (default: the current one), as lists of dataset indices."
+    def batches(self, epoch: int | None = None, num_batches: int | None = None) -> list[list[int]]:
+        "This rank's batches of `epoch` (default: the current one): `num_batches` of them (default: the epoch length)."
         epoch = self.epoch if epoch is None else epoch
+        num_batches = self.batches_per_epoch if num_batches is None else int(num_batches)
         rng = np.random.default_rng([self.seed, epoch])
         K = self.samples_per_class
         pools = [rng.permutation(p) for p in self.pools]
         ptr = np.zeros(len(pools), dtype=np.int64)
         out = []
-        for _ in range(self.batches_per_epoch * self.world_size):
+        for _ in range(num_batches * self.world_size):
             batch = []
             for c in rng.choice(len(pools), self.num_per_batch, replace=False):
                 pool = pools[c]
@@ -66,31 +67,68 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict) -> None: self.seed, self.epoch = state["seed"], state["epoch"]
 
 # %% ../nbs/02_samplers.ipynb #cf700e29
+CLUSTER_SCHEDULES = ("round_robin", "uniform", "proportional")
+
+def usable_members(labels: Sequence[int], members: Sequence[int], min_samples_per_class: int = 2) -> np.ndarray:
+    "The `members` (dataset indices) whose class has at least `min_samples_per_class` of them (the others cannot form positives)."
+    labels, members = np.asarray(labels), np.asarray(members, dtype=np.int64)
+    cls, inverse, counts = np.unique(labels[members], return_inverse=True, return_counts=True)
+    return members[counts[inverse] >= min_samples_per_class]
+
 class RoundRobinBatchSampler(torch.utils.data.Sampler):
-    "Interleave several batch samplers round-robin; `batches(e)` yields `(sampler_index, batch)` pairs."
-    def __init__(self, samplers: Sequence[ClassBalancedBatchSampler]):
+    "One epoch of batches from several samplers (one per cluster); `batches(e)` yields `(sampler_index, batch)` pairs."
+    def __init__(self, samplers: Sequence[ClassBalancedBatchSampler], schedule: str = "round_robin",
+                 batches_per_sampler: int | None = None, seed: int = 0):
         if not samplers: raise ValueError("RoundRobinBatchSampler needs at least one sampler")
-        self.samplers, self.epoch = list(samplers), 0
+        if schedule not in CLUSTER_SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}. Valid schedules: {', '.join(CLUSTER_SCHEDULES)}")
+        if batches_per_sampler is not None and (schedule != "round_robin" or batches_per_sampler < 1):
+            raise ValueError(f"batches_per_sampler (got {batches_per_sampler}) is a positive count, used by "
+                             f"schedule='round_robin' only (this one: {schedule!r})")
+        self.samplers, self.schedule, self.batches_per_sampler = list(samplers), schedule, batches_per_sampler
+        self.seed, self.epoch = seed, 0
 
     @classmethod
     def from_clusters(cls, labels, clusters, batch_size: int = 80, samples_per_class: int = 4, seed: int = 0,
-                      rank: int = 0, world_size: int = 1) -> "RoundRobinBatchSampler":
-        "One class-balanced sampler per cluster id in `clusters` (same length as `labels`)."
+                      rank: int = 0, world_size: int = 1, schedule: str = "round_robin") -> "RoundRobinBatchSampler":
+        "One class-balanced sampler per cluster id in `clusters` (same length as `labels`), on its usable members."
         clusters = np.asarray(clusters)
         if len(clusters) != len(labels): raise ValueError(f"{len(clusters)} cluster ids for {len(labels)} labels")
-        return cls([ClassBalancedBatchSampler(labels, batch_size, samples_per_class, indices=np.flatnonzero(clusters == k),
+        return cls([ClassBalancedBatchSampler(labels, batch_size, samples_per_class,
+                                              indices=usable_members(labels, np.flatnonzero(clusters == k)),
                                               seed=seed * 1000 + int(k), rank=rank, world_size=world_size,
                                               min_samples_per_class=2)
-                    for k in np.unique(clusters)])
+                    for k in np.unique(clusters)], schedule=schedule, seed=seed)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         for s in self.samplers: s.set_epoch(epoch)
-    def __len__(self) -> int: return sum(len(s) for s in self.samplers)
+
+    def _draws(self, epoch: int) -> np.ndarray:
+        "The sampler picked at each step of `epoch` (`uniform`): the same on every rank."
+        rng = np.random.default_rng([self.seed, epoch, 7919])
+        return rng.integers(0, len(self.samplers), sum(len(s) for s in self.samplers))
+
+    def counts(self, epoch: int | None = None) -> list[int]:
+        "How many batches each sampler contributes to `epoch` (on this rank)."
+        epoch = self.epoch if epoch is None else epoch
+        if self.schedule == "round_robin":
+            return [self.batches_per_sampler or max(len(s) for s in self.samplers)] * len(self.samplers)
+        if self.schedule == "proportional": return [len(s) for s in self.samplers]
+        return np.bincount(self._draws(epoch), minlength=len(self.samplers)).tolist()
+
+    def __len__(self) -> int:
+        if self.schedule == "round_robin": return sum(self.counts())
+        return sum(len(s) for s in self.samplers)
 
     def batches(self, epoch: int | None = None) -> list[tuple[int, list[int]]]:
-        "All batches of the epoch as `(sampler_index, batch)`, cycling through the samplers in turn."
-        lists = [s.batches(epoch) for s in self.samplers]
+        "All batches of the epoch as `(sampler_index, batch)`, in the order of the schedule."
+        epoch = self.epoch if epoch is None else epoch
+        lists = [s.batches(epoch, num_batches=c) if c else [] for s, c in zip(self.samplers, self.counts(epoch))]
+        if self.schedule == "uniform":
+            ptr = [0] * len(lists); out = []
+            for k in self._draws(epoch).tolist(): out.append((k, lists[k][ptr[k]])); ptr[k] += 1
+            return out
         out, i = [], 0
         while any(i < len(l) for l in lists):
             out.extend((k, l[i]) for k, l in enumerate(lists) if i < len(l)); i += 1

@@ -1,18 +1,20 @@
-"""Divide and Conquer (dml_nb.dnc): cluster re-matching, cluster-restricted batches, slice-local gradients, the
-finetune phase, K = 1 = baseline, the Table 6 groupings, and exact resume of a killed run."""
+"""Divide and Conquer (dml_nb.dnc): cluster re-matching and k-means against the authors' code (golden fixture
+`dnc_rematch`), cluster-restricted batches, slice-local gradients, the three phases, K = 1 = baseline, the Table 6
+groupings, proxies merged for the finetune, degenerate settings refused, and exact resume of a killed run."""
 import tempfile
 
 import numpy as np
 import pytest
 import torch
 
+from golden import load_golden, arr
 from dml_nb.core import METHODS, Registry
 from dml_nb.data import load_dataset
-from dml_nb.dnc import (DivideAndConquer, PhaseSampler, cluster_statistics, kmeans_assign, label_grouping,
-                        match_clusters, random_partition)
-from dml_nb.learner import Baseline, Callback, Learner, load_checkpoint
+from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
+                        kmeans_assign, label_grouping, match_clusters, random_partition)
+from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
 from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
+from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -109,7 +111,8 @@ def test_groupings_and_statistics():
 
 def test_slice_gradient_touches_only_its_rows_and_its_own_loss():
     y = np.repeat(np.arange(8), 4)
-    m = DivideAndConquer(backbone(), 8, y, embedding_dim=12, num_learners=3)   # margin: per-learner betas
+    wu = {"class_specific_beta": True, "learn_beta": True}
+    m = DivideAndConquer(backbone(), 8, y, embedding_dim=12, num_learners=3, loss_options=wu, miner="distance_weighted")
     x, yb = torch.randn(32, 3, 32, 32), torch.as_tensor(y)
     for k in range(3):
         m.zero_grad()
@@ -154,8 +157,14 @@ def test_options_are_validated():
         DivideAndConquer(backbone(), 2, y, cluster_on="penultimate")
     with pytest.raises(ValueError, match="not both"):
         DivideAndConquer(backbone(), 2, y, finetune_epoch=3, finetune_epochs=2)
+    with pytest.raises(ValueError, match="Valid cluster_batches schedules: proportional, round_robin, uniform"):
+        DivideAndConquer(backbone(), 2, y, cluster_batches="roundrobin")
+    with pytest.raises(ValueError, match="Valid rematch rules: hungarian, official"):
+        DivideAndConquer(backbone(), 2, y, rematch="inverse")
+    with pytest.raises(ValueError, match="share of the run's epochs"):
+        DivideAndConquer(backbone(), 2, y, finetune_fraction=1.5)
     with pytest.raises(ValueError, match="only used by grouping='labels'"):
-        DivideAndConquer(backbone(), 2, y, class_groups=[0, 1])
+        DivideAndConquer(backbone(), 2, y, num_learners=2, class_groups=[0, 1])
     assert METHODS._items["dnc"] is DivideAndConquer          # registered (METHODS.build imports every recipe module)
     reg = Registry("method"); reg.register("dnc")(DivideAndConquer)
     with pytest.raises(TypeError, match="has no option 'k'"):
@@ -171,6 +180,7 @@ def test_batches_stay_in_their_cluster_and_finetune_uses_all_data(shapes):
     hist = learn.fit()
     seen = learn.method.seen
     assert {e for e, *_ in seen} == {0, 1, 2, 3}
+    assert [r["dnc/full_embedding"] for r in hist] == [0, 1, 1, 1]      # int(0.4 * 4) = 1
     for epoch, group, idx, assign in seen:
         if epoch < 3:
             assert group in (0, 1) and (assign[idx] == group).all()
@@ -191,7 +201,9 @@ def test_k1_is_the_baseline(shapes):
     train, _, test = shapes
     sampler = lambda: ClassBalancedBatchSampler(train.labels, batch_size=16, samples_per_class=4, seed=1)
     kw = dict(epochs=2, lr=1e-3, eval_sets={"test": test}, metrics=("recall@1",), progress=False, seed=0)
-    dnc = DivideAndConquer(backbone(), train.num_classes, train.labels, embedding_dim=8, num_learners=1)
+    # K = 1 with torch's Linear init and Wu et al.'s margin reading is the plain baseline, step for step
+    dnc = DivideAndConquer(backbone(), train.num_classes, train.labels, embedding_dim=8, num_learners=1, init="default",
+                           loss_options={"class_specific_beta": True, "learn_beta": True}, miner="distance_weighted")
     h1 = Learner(dnc, train, sampler(), **kw).fit()
     bb = backbone()
     base = Baseline(EmbeddingModel(bb, EmbeddingHead(bb.feature_dim, 8)), "margin",
@@ -247,3 +259,157 @@ def test_resume_is_exact(shapes, kill):
     assert drop(res_hist) == drop(ref_hist)
     for (k, a), b in zip(ref.method.state_dict().items(), res.method.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+# against the authors' code (golden fixture dnc_rematch) -------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["three_cycle_K3", "cycle_K4", "swaps_K4", "random_K8", "identity_K5"])
+def test_official_rematch_matches_the_code(case):
+    g = load_golden("dnc_rematch")
+    x, out = g["inputs"][case], g["outputs"][case]
+    prev, cur, k = arr(x["previous"], np.int64), arr(x["current"], np.int64), x["K"]
+    np.testing.assert_array_equal(match_clusters(prev, cur, k, rule="official"), out["official"])
+    # the code's L1 costs between membership vectors = |new| + |old| - 2 overlap: the same optimum as max overlap
+    overlap = np.bincount(cur * k + prev, minlength=k * k).reshape(k, k)
+    l1 = np.bincount(cur, minlength=k)[:, None] + np.bincount(prev, minlength=k)[None, :] - 2 * overlap
+    np.testing.assert_allclose(l1, arr(out["costs_L1"]))
+    intended = match_clusters(prev, cur, k)                        # rule="hungarian"
+    same = np.array_equal(intended, out["official"])
+    perm = np.array([np.bincount(intended[cur == i], minlength=k).argmax() for i in range(k)])   # new id -> old id
+    assert same == np.array_equal(perm[perm], np.arange(k))        # they agree exactly when the permutation is an involution
+    assert (intended == prev).mean() >= (np.asarray(out["official"]) == prev).mean()
+
+
+def test_hungarian_reading_fails_the_official_fixture():
+    g = load_golden("dnc_rematch")
+    x, out = g["inputs"]["three_cycle_K3"], g["outputs"]["three_cycle_K3"]
+    prev, cur = arr(x["previous"], np.int64), arr(x["current"], np.int64)
+    assert not np.array_equal(match_clusters(prev, cur, 3), out["official"])
+    assert (np.asarray(out["official"]) == prev).mean() < 0.1 < 0.9 < (match_clusters(prev, cur, 3) == prev).mean()
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_kmeans_matches_the_code(k):
+    g = load_golden("dnc_rematch")
+    x = arr(g["inputs"]["kmeans"]["features"], np.float32)
+    want = np.asarray(g["outputs"]["kmeans"]["labels"][str(k)])
+    np.testing.assert_array_equal(kmeans_assign(x, k), want)      # seed 1234, 100 iterations, 1 run, every point
+    assert not np.array_equal(kmeans_assign(x, k, seed=0), want)   # another seed numbers (and draws) them differently
+
+
+# phases, losses, proxies, degenerate settings -------------------------------------------------------------------
+
+def test_phase_defaults_follow_the_official_split():
+    y = np.repeat(np.arange(8), 4)
+    m = DivideAndConquer(backbone(), 8, y, embedding_dim=8, num_learners=2, loss="triplet")
+    assert (m.full_embedding_start(200), m.finetune_start(200)) == (80, 190)
+    assert (m.full_embedding_start(150), m.finetune_start(150)) == (60, 142)
+    lit = DivideAndConquer(backbone(), 8, y, embedding_dim=8, num_learners=2, loss="triplet", full_embedding_epoch=80,
+                           finetune_epoch=190)
+    assert (lit.full_embedding_start(80), lit.finetune_start(80)) == (80, 190)   # --nb-epochs=80: slices throughout
+
+
+def test_official_margin_is_the_default_and_its_beta_is_not_optimised():
+    y = np.repeat(np.arange(8), 4)
+    m = DivideAndConquer(backbone(), 8, y, embedding_dim=12, num_learners=3)
+    assert type(m.miner).__name__ == "DnCNearestMiner"
+    for loss in [m.loss, *m.learner_losses]:
+        assert loss.beta.numel() == 1 and not loss.beta.requires_grad and float(loss.beta) == pytest.approx(1.2)
+    assert [g["name"] for g in m.param_groups(1e-5, 1e-4)] == ["backbone", "heads"]
+    wu = DivideAndConquer(backbone(), 8, y, embedding_dim=12, num_learners=3, miner="distance_weighted",
+                          loss_options={"class_specific_beta": True, "learn_beta": True})
+    assert wu.loss.beta.numel() == 8 and wu.loss.beta.requires_grad
+    trip = DivideAndConquer(backbone(), 8, y, embedding_dim=12, num_learners=3, loss="triplet")
+    assert type(trip.miner).__name__ != "DnCNearestMiner"             # other losses keep their own default miner
+
+
+def test_proxies_are_merged_once_for_the_full_embedding(shapes):
+    learn = run(shapes, epochs=3, loss="proxy_nca", full_embedding_epoch=2, finetune_epochs=0)
+    m = learn.method
+    before = [l.proxies.detach().clone() for l in m.learner_losses]
+    assert not bool(m.proxies_merged)
+    learn.fit()
+    assert bool(m.proxies_merged)
+    # merged at the start of epoch 2 from the learners' proxies as they were then; check the construction directly
+    fresh = DivideAndConquer(backbone(), shapes[0].num_classes, shapes[0].labels, embedding_dim=8, num_learners=2,
+                             loss="proxy_nca")
+    assert fresh.merge_proxies() and not fresh.merge_proxies()     # once
+    joined = torch.cat([torch.nn.functional.normalize(l.proxies, dim=1) for l in fresh.learner_losses], 1) / 2 ** 0.5
+    torch.testing.assert_close(fresh.loss.proxies.detach(), joined)
+    off = DivideAndConquer(backbone(), shapes[0].num_classes, shapes[0].labels, embedding_dim=8, num_learners=2,
+                           loss="proxy_nca", finetune_proxies="fresh")
+    p0 = off.loss.proxies.detach().clone()
+    lf = run(shapes, epochs=2, loss="proxy_nca", finetune_proxies="fresh", finetune_epochs=1)
+    lf.fit()
+    assert not bool(lf.method.proxies_merged)
+    assert before[0].shape == (shapes[0].num_classes, 4) and p0.shape == (shapes[0].num_classes, 8)
+
+
+def test_more_learners_than_classes_is_refused():
+    y = np.repeat(np.arange(6), 4)
+    with pytest.raises(ValueError, match="training set has 6 classes"):
+        DivideAndConquer(backbone(), 6, y, embedding_dim=16, num_learners=8)
+
+
+def test_a_cluster_that_cannot_form_a_batch_stops_the_run(shapes):
+    train = shapes[0]
+    assign = np.zeros(len(train), dtype=int)
+    assign[train.labels == 0] = 1                                  # learner 1 gets a single class: no negatives
+    with pytest.raises(ClusterError, match=r"learner 1 \(cluster of 4 images, 1 class"):
+        cluster_batch_sampler(train.labels, assign, 2, 16, 4)
+
+    class OneClassCluster(DivideAndConquer):
+        def recluster(self, learner):
+            self.assignments.copy_(torch.as_tensor(assign)); self.clustered_epoch.fill_(learner.epoch)
+    learn = run(shapes, epochs=2, cls=OneClassCluster)
+    with pytest.raises(ClusterError, match="Use fewer learners"):
+        learn.fit()
+    assert learn.global_step == 0                                  # refused before any step
+
+
+def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
+    learn = run(shapes, epochs=1, num_learners=4, embedding_dim=8, cluster_batches="uniform", finetune_epochs=0)
+    learn.sampler = PhaseSampler(learn.sampler)
+    m = learn.method
+    m.on_fit_start(learn)
+    rr = m._sampler
+    # find an epoch in which the uniform draws skip a learner (few steps per epoch make it likely) and check the stop
+    m.recluster(learn); m._use_clusters(learn)
+    epochs = [e for e in range(400) if 0 in rr.clusters.counts(e)]
+    if not epochs: pytest.skip("no epoch without a learner among the first 400")
+    learn.epoch = epochs[0]
+    m.clustered_epoch.fill_(epochs[0])
+    with pytest.raises(ClusterError, match="get no batch in epoch"):
+        m.on_epoch_start(learn)
+
+
+def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes):
+    learn = run(shapes, cls=Recording, epochs=3, num_learners=4, embedding_dim=8, finetune_epochs=0)
+    hist = learn.fit()
+    for e, row in enumerate(hist):
+        groups = [g for ep, g, *_ in learn.method.seen if ep == e]
+        counts = np.bincount(groups, minlength=4)
+        assert len(set(counts)) == 1 and counts[0] == row["dnc/learner0/batches"]
+        assign = next(a for ep, g, idx, a in learn.method.seen if ep == e).numpy()
+        usable = [len(usable_members(shapes[0].labels, np.flatnonzero(assign == k))) for k in range(4)]
+        assert counts[0] == max(1, max(usable) // 16)              # the largest cluster's batches, for every learner
+        assert all(row[f"tuples/learner{k}"] > 0 for k in range(4))
+
+
+def test_a_learner_without_tuples_stops_the_run(shapes):
+    class NoTuples(DivideAndConquer):
+        def training_step(self, batch):
+            out = super().training_step(batch)
+            if batch.get("group") == 1: out["tuples/learner1"] = 0.0
+            return out
+    learn = run(shapes, epochs=2, cls=NoTuples, loss="triplet", finetune_epochs=0)
+    with pytest.raises(NoTuplesError, match="tuples/learner1"):
+        learn.fit()
+
+
+def test_k3_trains_with_ceil_slices(shapes):
+    learn = run(shapes, epochs=2, num_learners=3, embedding_dim=8, loss="triplet", finetune_epochs=0)
+    hist = learn.fit()
+    assert learn.method.model.head.slice_dims == [3, 3, 2]
+    assert all(np.isfinite(r["loss"]) for r in hist)
+    assert {r["dnc/learner0/batches"] for r in hist} == {r["dnc/learner2/batches"] for r in hist}

@@ -5,6 +5,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -248,3 +249,77 @@ def test_memory_queue_all_gather_two_processes(tmp_path):
     torch.testing.assert_close(qs[0].ordered_keys(), expected)
     assert qs[0].is_full and len(qs[0]) == 7
     print(f"2-process gloo gather test: {time.perf_counter() - t0:.1f} s")
+
+
+# Divide and Conquer's sliced head against the authors' lib/model.py and train.py (golden fixture) -------------------
+
+from golden import load_golden, arr
+from dml_nb.models import SlicedHead, slice_bounds
+
+
+def _golden_head(case, **options):
+    head = SlicedHead(case["in_dim"], case["dim"], case["num_slices"], **options)
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.as_tensor(arr(case["weight"]), dtype=torch.float32))
+        head.linear.bias.copy_(torch.as_tensor(arr(case["bias"]), dtype=torch.float32))
+    return head, torch.as_tensor(arr(case["features"]), dtype=torch.float32)
+
+
+def _close(a, b): torch.testing.assert_close(a, torch.as_tensor(arr(b), dtype=torch.float32), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("i", [0, 1, 3])   # (16 dims, K = 3), (16, 4), (12, 1); case 2 (K = 5) is refused
+def test_sliced_head_matches_the_official_model(i):
+    g = load_golden("dnc_sliced_embedding")
+    case, out = g["inputs"]["cases"][i], g["outputs"]["cases"][i]
+    bounds = slice_bounds(case["dim"], case["num_slices"])
+    assert [list(range(a, b)) for a, b in bounds] == out["learner_neurons"]        # ceil-sized slices
+    head, f = _golden_head(case)
+    with torch.no_grad():
+        # the code evaluates the concatenation of unit slices (norm sqrt(K)); ours is that, re-normalised
+        _close(head(f) * case["num_slices"] ** 0.5, out["forward"])
+        _close(head(f), out["train_full_epoch80"])                                   # the full-embedding phase
+        floor = SlicedHead(case["in_dim"], case["dim"], case["num_slices"], train_split="floor")
+        floor.load_state_dict(head.state_dict())
+        for k in range(case["num_slices"]): _close(floor(f, slice=k), out["train_slice_epoch0"][k])
+
+
+def test_sliced_head_wrong_readings_fail():
+    g = load_golden("dnc_sliced_embedding")
+    case, out = g["inputs"]["cases"][0], g["outputs"]["cases"][0]                    # 16 dims, K = 3
+    head, f = _golden_head(case, full_embedding="raw")
+    with torch.no_grad():
+        with pytest.raises(AssertionError): _close(head(f), out["train_full_epoch80"])
+        ceil, _ = _golden_head(case)                                                  # ceil: learner 0 trains 6 dims
+        assert ceil(f, slice=0).shape[1] == 6 != len(out["train_slice_epoch0"][0][0]) == 5
+    # equal slices (K = 4): both splits are the code's
+    case4, out4 = g["inputs"]["cases"][1], g["outputs"]["cases"][1]
+    head4, f4 = _golden_head(case4)
+    with torch.no_grad():
+        for k in range(4): _close(head4(f4, slice=k), out4["train_slice_epoch0"][k])
+    # K = 5 on 16 dims: the code's last learner has no dimensions; dml_nb refuses it
+    case5, out5 = g["inputs"]["cases"][2], g["outputs"]["cases"][2]
+    assert out5["learner_neurons"][4] == []
+    with pytest.raises(ValueError, match="without dimensions"): SlicedHead(case5["in_dim"], case5["dim"], 5)
+
+
+@pytest.mark.parametrize("K", [1, 3, 4, 8, 16])
+def test_sliced_head_xavier_init_statistics(K):
+    g = load_golden("dnc_sliced_embedding")
+    rows = [(x, o) for x, o in zip(g["inputs"]["init"], g["outputs"]["init"]) if x["num_slices"] == K]
+    official = np.mean([o["weight_std"] for _, o in rows], axis=0)                    # per slice, over 3 seeds
+    bias = np.mean([o["bias_std"] for _, o in rows])
+    ours = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        head = SlicedHead(2048, 128, K)
+        W = head.linear.weight.detach()
+        ours.append([float(W[a:b].std()) for a, b in head.bounds])
+        assert abs(float(W.mean())) < 1e-3
+        assert float(head.linear.bias.detach().abs().max()) <= 1 / 2048 ** 0.5
+    np.testing.assert_allclose(np.mean(ours, axis=0), official, rtol=0.03)
+    np.testing.assert_allclose(float(torch.stack([SlicedHead(2048, 128, K).linear.bias.detach().std() for _ in range(3)]).mean()),
+                               bias, rtol=0.1)
+    torch.manual_seed(0)
+    default = SlicedHead(2048, 128, K, init="default").linear.weight.detach()
+    assert abs(float(default.std()) - official.mean()) / official.mean() > 0.5       # torch's init: 0.013, not 0.031
