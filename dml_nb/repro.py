@@ -24,8 +24,8 @@ from .viz import markdown_table
 
 # %% auto #0
 __all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability',
-           'run_one', 'load_learner', 'portable', 'run_rows', 'summarize', 'paper_numbers', 'compare', 'write_table',
-           'collect_runs', 'Claims', 'better', 'fmt']
+           'run_one', 'load_learner', 'portable', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare',
+           'write_table', 'collect_runs', 'Claims', 'better', 'fmt']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 def project_root(start: str | Path | None = None) -> Path:
@@ -198,8 +198,16 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         results[(row.name, int(seed))] = res
         test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
         records.append({**rec, "status": "ok", **test, **{f"train/{k}": v for k, v in train.items()},
-                        "wall_time_s": res.info.get("wall_time_s"), "run_dir": str(res.run_dir)})
+                        "wall_time_s": res.info.get("wall_time_s"), "reported": res.info.get("reported", "last epoch"),
+                        "run_dir": str(res.run_dir)})
     return pd.DataFrame(records), results
+
+def reported_as(per_seed: pd.DataFrame) -> str:
+    "Which epoch the finished runs of a table report: 'last epoch', 'best epoch by test/recall@1', or a mix."
+    kinds = list(dict.fromkeys(per_seed["reported"].dropna())) if "reported" in per_seed else []
+    if not kinds: return "last epoch"
+    return kinds[0] if len(kinds) == 1 else "mixed: " + " / ".join(
+        f"{k} ({', '.join(dict.fromkeys(per_seed.loc[per_seed['reported'] == k, 'row']))})" for k in kinds)
 
 # %% ../nbs/10_repro.ipynb #a5f1edbd
 def _pretty(name: str) -> str:

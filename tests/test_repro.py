@@ -115,3 +115,11 @@ def test_committed_figures_hold_no_machine_specific_paths():
         if f.suffix in (".md", ".csv"):
             for hit in re.findall(r"(/root/|/home/\w+|/tmp/|/Users/\w+)", f.read_text()): bad.append(f"{f.name}: {hit}")
     assert not bad, bad
+
+
+def test_tables_say_which_epoch_their_runs_report():
+    from dml_nb.repro import reported_as
+    last, best = "last epoch", "best epoch by test/recall@1"
+    assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [best, best]})) == best
+    assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [last, best]})) == f"mixed: {last} (a) / {best} (b)"
+    assert reported_as(pd.DataFrame({"row": ["a"], "status": ["not run: no data"]})) == last
