@@ -66,15 +66,16 @@ def _free_space(folder: Path) -> str:
         if free < 1024 or unit == "TB": return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
         free /= 1024
 
-def disk_write_error(path: str | Path, cause: OSError) -> DiskWriteError:
-    "A one-line `DiskWriteError` for a failed write of `path`."
+def disk_write_error(path: str | Path, cause: OSError,
+                     elsewhere: str = "dml-train -o / --runs-dir, or run(runs_dir=...)") -> DiskWriteError:
+    "A one-line `DiskWriteError` for a failed write of `path`; `elsewhere` says how to write somewhere else."
     path = Path(path)
     what = _DISK_ERRNOS.get(cause.errno, cause.strerror or str(cause))
-    fix = {errno.ENOSPC: "free some space there or write the run elsewhere",
-           errno.EDQUOT: "free some of your quota or write the run elsewhere",
-           errno.EROFS: "write the run to a writable folder"}.get(cause.errno, "make the folder writable or write the run elsewhere")
+    fix = {errno.ENOSPC: "free some space there or write elsewhere",
+           errno.EDQUOT: "free some of your quota or write elsewhere",
+           errno.EROFS: "write to a writable folder"}.get(cause.errno, "make the folder writable or write elsewhere")
     err = DiskWriteError(cause.errno, f"cannot write {path}: {what} (free space there: {_free_space(path.parent)}); "
-                                      f"{fix} (dml-train -o / --runs-dir, or run(runs_dir=...))")
+                                      f"{fix} ({elsewhere})")
     err.filename = str(path)
     return err
 
