@@ -11,9 +11,10 @@ from typing import Any, Callable
 import numpy as np
 
 # %% auto #0
-__all__ = ['MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device', 'DiskWriteError',
-           'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json', 'remove_temp_files', 'config_hash',
-           'unknown_name_error', 'Registry', 'data_root', 'RunLockedError', 'describe_holder', 'lock_dir']
+__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device',
+           'DiskWriteError', 'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json',
+           'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric', 'Registry', 'data_root',
+           'RunLockedError', 'describe_holder', 'lock_dir']
 
 # %% ../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -161,6 +162,17 @@ def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     return ValueError(f"unknown {kind} {name!r}.{hint} Valid {kind}s: {', '.join(valid)}")
 
+METRICS = ("recall@K", "map@r", "r_precision", "nmi", "spectral_decay")   # evaluated by dml_nb.metrics.evaluate
+RETRIEVAL_METRICS = ("map@r", "r_precision")
+
+def parse_metric(name: str) -> int | str:
+    "k of 'recall@k', or the name of another metric of `METRICS`; an unknown name is an error with suggestions."
+    if isinstance(name, str):
+        m = re.fullmatch(r"recall@(\d+)", name)
+        if m and int(m.group(1)) >= 1: return int(m.group(1))
+        if name in METRICS[1:]: return name
+    raise unknown_name_error("metric", name, ["recall@1", "recall@2", "recall@4", "recall@8", *METRICS[1:]])
+
 # %% ../nbs/00_core.ipynb #c066df8f
 import inspect
 
@@ -171,7 +183,8 @@ def _live_spec(obj) -> dict:
     sig = inspect.signature(obj)
     ps = sig.parameters.values()
     return {"options": [p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"],
-            "var_kw": any(p.kind == p.VAR_KEYWORD for p in ps), "attrs": None}
+            "var_kw": any(p.kind == p.VAR_KEYWORD for p in ps), "attrs": None,
+            "defaults": {p.name: p.default for p in ps if p.default is not p.empty}}
 
 class _Source:
     "Top-level classes and imports of a package's modules, read with `ast` (nothing is imported)."
@@ -216,7 +229,10 @@ class _Source:
 def _args_spec(fn, drop_first: bool) -> dict:
     a = fn.args
     names = [x.arg for x in a.args][1 if drop_first else 0:] + [x.arg for x in a.kwonlyargs]
-    return {"options": [n for n in names if n != "self"], "var_kw": a.kwarg is not None}
+    const = lambda d: d.value if isinstance(d, ast.Constant) else _UNKNOWN
+    defaults = {x.arg: const(d) for x, d in zip((a.posonlyargs + a.args)[::-1], a.defaults[::-1])}
+    defaults.update({x.arg: const(d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    return {"options": [n for n in names if n != "self"], "var_kw": a.kwarg is not None, "defaults": defaults}
 
 def _is_register(d) -> bool:
     return isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
@@ -331,6 +347,11 @@ class Registry:
         if attrs is not None and key in attrs and attrs[key] is not _UNKNOWN: return attrs[key]
         if attrs is not None and key not in attrs and spec.get("complete", True): return default
         return getattr(self.get(name), key, default)
+    def default(self, name: str, option: str, fallback=None):
+        "The default value of `name`'s option `option` (`fallback` when it has none)."
+        spec = self.spec(name)
+        value = spec.get("defaults", {}).get(option, fallback)
+        return _live_spec(self.get(name))["defaults"].get(option, fallback) if value is _UNKNOWN else value
     def check_options(self, name: str, options) -> None:
         "An error naming the valid options if `options` holds one that `name` does not take."
         if self.accepts_any(name): return

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from .core import unknown_name_error
+from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'RETRIEVAL_METRICS', 'METRICS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r',
-           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r', 'kmeans', 'nmi',
+           'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -392,23 +392,13 @@ def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
     return get(test_metrics, "test_metrics") - get(train_metrics, "train_metrics")
 
 # %% ../nbs/05_metrics.ipynb #27b18a62
-RETRIEVAL_METRICS = ("map@r", "r_precision")
-METRICS = ("recall@K", "map@r", "r_precision", "nmi", "spectral_decay")
-
-def _parse_metric(name: str):
-    if isinstance(name, str):
-        m = re.fullmatch(r"recall@(\d+)", name)
-        if m and int(m.group(1)) >= 1: return int(m.group(1))
-        if name in METRICS[1:]: return name
-    raise unknown_name_error("metric", name, ["recall@1", "recall@2", "recall@4", "recall@8", *METRICS])
-
 def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"),
              gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
              knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20,
              nmi_nredo: int | None = None) -> dict[str, float]:
     "Compute the named `metrics` (see `METRICS`) with one shared neighbour search; {name: value}."
     if isinstance(metrics, str): metrics = (metrics,)
-    parsed = {name: _parse_metric(name) for name in metrics}
+    parsed = {name: parse_metric(name) for name in metrics}
     q, ql, r, rl, self_ = _query_reference(emb, labels, gallery_emb, gallery_labels)
     out = {}
     ks = [p for p in parsed.values() if isinstance(p, int)]
