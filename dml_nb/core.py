@@ -418,8 +418,12 @@ class lock_dir:
         import fcntl
         waited = False
         while True:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                if e.errno in _DISK_ERRNOS: raise disk_write_error(self.path, e) from e
+                raise
             try:
                 try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:

@@ -229,12 +229,12 @@ def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
     return ArrayDataset(np.ascontiguousarray(img.numpy()), d.target[keep], name="digits", split=split)
 
 # %% ../nbs/01_data.ipynb #075af53b
-_OPTIONS = {**{n: ("on_unreadable",) for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": ()}
+_OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": ()}
 ON_UNREADABLE = (None, "error", "skip")
 
-def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str):
+def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str, progress: bool = True):
     "Check every image up front (cached): an error listing the unreadable ones, or drop them with a warning."
-    bad = check_images(paths, what)
+    bad = check_images(paths, what, progress=progress)
     if not bad: return paths, raw
     if mode == "error": raise UnreadableImagesError(bad, len(paths), what)
     gone = {p for p, _ in bad}
@@ -268,7 +268,7 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
     root = data_root(name, root)
     if not root.exists(): raise DatasetNotFoundError(name, root, EXPECTED_FILES[name])
     paths, raw = read_index(name, root, split)
-    if mode is not None: paths, raw = _drop_unreadable(paths, raw, mode, f"{name} {split}")
+    if mode is not None: paths, raw = _drop_unreadable(paths, raw, mode, f"{name} {split}", options.get("progress", True))
     class_ids = inshop_test_classes(root) if name == "inshop" and split in ("query", "gallery", "test") else None
     return ImageListDataset(paths, raw, transform, name=name, split=split, class_ids=class_ids)
 

@@ -398,18 +398,24 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     opts = {"preset": preset, "size": d.size}
     if d.name == "shapes" and d.images_per_class: opts["images_per_class"] = d.images_per_class
     if d.name == "shapes": opts["seed"] = 0   # the data set itself does not change with the run's seed
-    kw = {"root": _data_root(cfg), "on_unreadable": d.on_unreadable} if d.name in REAL_DATASETS else {}
-    train = load_dataset(d.name, split="train", **kw, **opts)
+    kw = {"root": _data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress} if d.name in REAL_DATASETS else {}
+    def load(split, **extra):
+        try: return load_dataset(d.name, split=split, **kw, **opts, **extra)
+        except UnreadableImagesError as e:
+            raise UnreadableImagesError(e.bad, e.total, f"{d.name} {split}", how=(
+                "Replace or remove them, or leave them out with --set data.on_unreadable=skip (data.on_unreadable: "
+                "skip); dml-train --check-data lists them all")) from None
+    train = load("train")
     train.clean_labels = train.labels.copy()
     train.flipped = np.zeros(len(train), dtype=bool)
     if d.label_noise > 0:
         train.labels, train.flipped = add_label_noise(train.labels, d.label_noise, seed=cfg.seed)
     evals = {}
     if d.name == "inshop" and d.test_split in ("query", "test"):
-        evals["test"] = (load_dataset(d.name, split="query", **kw, **opts), load_dataset(d.name, split="gallery", **kw, **opts))
+        evals["test"] = (load("query"), load("gallery"))
     else:
-        evals["test"] = load_dataset(d.name, split=d.test_split, **kw, **opts)
-    if d.eval_train: evals["train"] = load_dataset(d.name, split="train", augment=False, **kw, **opts)
+        evals["test"] = load(d.test_split)
+    if d.eval_train: evals["train"] = load("train", augment=False)
     if d.cache:
         from dml_nb.cache import cache_images
         cached = lambda ds: cache_images(ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress)

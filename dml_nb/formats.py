@@ -433,7 +433,7 @@ class UnreadableImagesError(ValueError):
     def __init__(self, bad: Sequence[tuple], total: int, what: str = "the dataset", how: str | None = None):
         self.bad, self.total = list(bad), total
         shown = "; ".join(f"{p} ({r})" for p, r in self.bad[:5]) + ("; ..." if len(self.bad) > 5 else "")
-        how = how or ("replace or remove them, or drop them with load_dataset(..., on_unreadable='skip') "
+        how = how or ("Replace or remove them, or drop them with load_dataset(..., on_unreadable='skip') "
                       "(dml-train: --set data.on_unreadable=skip)")
         super().__init__(f"{len(self.bad)} of {total:,} images of {what} cannot be read: {shown}. {how}")
 
