@@ -345,15 +345,27 @@ def read_vehicleid(root: Path, split: str):
 READERS = {"cub200": read_cub200, "cars196": read_cars196, "sop": read_sop, "inshop": read_inshop,
            "vehicleid": read_vehicleid}
 
+_INDEX_FILES = {"cub200": ["images.txt", "classes.txt", "image_class_labels.txt"], "cars196": ["cars_annos.mat"],
+                "sop": ["Ebay_train.txt", "Ebay_test.txt"], "inshop": [_INSHOP],
+                "vehicleid": [f"train_test_split/{f}" for f in sorted(set(_VEHICLEID_FILES.values()))]}
+_READ = {}   # (name, root, split) -> (hashes of the index files, result): a run reads each split several times
+
 def read_index(name: str, root: str | Path, split: str):
     "(image paths, raw class ids) of `split` of the real dataset `name` at `root`, every index file checked."
     if name not in READERS: raise unknown_name_error("real dataset", name, READERS)
     if split not in SPLITS[name]: raise unknown_name_error(f"split of {name!r}", split, SPLITS[name])
     root = Path(root)
     if not root.exists(): raise DatasetNotFoundError(name, root, [str(root)])
+    base = cub_root(root) if name == "cub200" else root
+    state = tuple((f, hashlib.sha1((base / f).read_bytes()).hexdigest()) for f in _INDEX_FILES[name] if (base / f).is_file())
+    key = (name, str(root.resolve()), split)
+    if key in _READ and _READ[key][0] == state:
+        paths, raw = _READ[key][1]
+        return list(paths), raw.copy()
     paths, raw = READERS[name](root, split)
     if len(paths) == 0:
         raise DatasetFormatError(f"dataset {name!r} at {root}: split {split!r} lists no images (check the index files)")
+    _READ[key] = (state, (list(paths), raw.copy()))
     return paths, raw
 
 # %% ../nbs/01a_formats.ipynb #c09150ad
