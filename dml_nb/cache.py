@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core import atomic_write
+from .core import _disk_cause, _tmp_prefix, atomic_write, disk_write_error, remove_temp_files
 
 # %% auto #0
 __all__ = ['CACHE_FORMAT', 'resample_weights', 'crop_resize', 'random_resized_crop_boxes', 'center_crop_boxes', 'BatchAugment',
@@ -334,7 +334,8 @@ def _build(dataset, folder: Path, data_path: Path, index_path: Path, short_side:
            progress: bool, default_dir: bool):
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{data_path.name}.", suffix=".tmp")
+        remove_temp_files(folder)      # halves of caches whose builders were killed (dead processes on this host)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=_tmp_prefix(data_path), suffix=".tmp")
     except OSError as e:
         hint = " (the default: beside the images)" if default_dir else ""
         raise PermissionError(f"cannot write the image cache to {folder}{hint}: {e}. Name a writable folder with "
@@ -350,8 +351,10 @@ def _build(dataset, folder: Path, data_path: Path, index_path: Path, short_side:
                 f.write(b); pos += len(b)
             f.flush(); os.fsync(f.fileno())
         os.replace(tmp, data_path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp): os.unlink(tmp)
+        cause = _disk_cause(e) if isinstance(e, Exception) else None
+        if cause is not None: raise disk_write_error(data_path, cause, "data.cache_dir, or cache_dir=...") from e
         raise
     buf = io.BytesIO()
     np.savez(buf, format=CACHE_FORMAT, offsets=offsets, shapes=shapes, short_side=short_side)

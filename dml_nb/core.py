@@ -4,16 +4,17 @@
 
 # %% ../nbs/00_core.ipynb #fd546218
 from __future__ import annotations
-import difflib, hashlib, json, os, random, tempfile
+import ast, datetime, difflib, errno, hashlib, importlib.util, json, os, random, re, shutil, socket, sys, tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 # %% auto #0
-__all__ = ['MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device', 'atomic_write',
-           'atomic_torch_save', 'atomic_json', 'config_hash', 'unknown_name_error', 'Registry', 'data_root']
+__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device',
+           'DiskWriteError', 'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json',
+           'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric', 'Registry', 'data_root',
+           'RunLockedError', 'describe_holder', 'lock_dir']
 
 # %% ../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -21,16 +22,18 @@ def in_test() -> bool:
     return bool(os.environ.get("IN_TEST")) or "PYTEST_CURRENT_TEST" in os.environ
 
 # %% ../nbs/00_core.ipynb #04cdb3bf
-def seed_everything(seed: int) -> torch.Generator:
+def seed_everything(seed: int) -> "torch.Generator":
     "Seed Python, NumPy and torch (CPU and CUDA); return a `torch.Generator` seeded with `seed`."
+    import torch
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
     return torch.Generator().manual_seed(seed)
 
-def get_device(device: str | torch.device | None = "auto") -> torch.device:
+def get_device(device: "str | torch.device | None" = "auto") -> "torch.device":
     "Resolve `'auto'` (CUDA if available, else CPU) or a device name; an unavailable CUDA device is an error."
+    import torch
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -40,12 +43,52 @@ def get_device(device: str | torch.device | None = "auto") -> torch.device:
     return device
 
 # %% ../nbs/00_core.ipynb #237789a4
+class DiskWriteError(OSError):
+    "A result could not be written: disk full, read-only file system, quota exceeded or no permission."
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted"}
+
+def _disk_cause(e: BaseException | None) -> OSError | None:
+    "The `OSError` with a disk errno in `e` or its cause/context chain (`torch.save` wraps it in a RuntimeError)."
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS: return e
+        e = e.__cause__ or e.__context__
+    return None
+
+def _free_space(folder: Path) -> str:
+    while not folder.exists() and folder != folder.parent: folder = folder.parent
+    try: free = shutil.disk_usage(folder).free
+    except OSError: return "unknown"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if free < 1024 or unit == "TB": return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+
+def disk_write_error(path: str | Path, cause: OSError,
+                     elsewhere: str = "dml-train -o / --runs-dir, or run(runs_dir=...)") -> DiskWriteError:
+    "A one-line `DiskWriteError` for a failed write of `path`; `elsewhere` says how to write somewhere else."
+    path = Path(path)
+    what = _DISK_ERRNOS.get(cause.errno, cause.strerror or str(cause))
+    fix = {errno.ENOSPC: "free some space there or write elsewhere",
+           errno.EDQUOT: "free some of your quota or write elsewhere",
+           errno.EROFS: "write to a writable folder"}.get(cause.errno, "make the folder writable or write elsewhere")
+    err = DiskWriteError(cause.errno, f"cannot write {path}: {what} (free space there: {_free_space(path.parent)}); "
+                                      f"{fix} ({elsewhere})")
+    err.filename = str(path)
+    return err
+
+def _tmp_prefix(path: Path) -> str: return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
 def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -> Path:
     "Write `path` atomically. `write` is bytes, text, or a function that writes to an open binary file."
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_tmp_prefix(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             if isinstance(write, str): f.write(write.encode())
             elif isinstance(write, (bytes, bytearray)): f.write(write)
@@ -54,13 +97,16 @@ def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -
         umask = os.umask(0); os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)   # mkstemp creates 0600: give the file the mode a plain open() would
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.unlink(tmp)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp): os.unlink(tmp)
+        cause = _disk_cause(e) if isinstance(e, Exception) else None
+        if cause is not None and not isinstance(e, DiskWriteError): raise disk_write_error(path, cause) from e
         raise
     return path
 
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     "`torch.save` through `atomic_write`."
+    import torch
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 def atomic_json(obj: Any, path: str | Path) -> Path:
@@ -70,9 +116,37 @@ def atomic_json(obj: Any, path: str | Path) -> Path:
 def _json_default(o):
     if isinstance(o, (np.integer,)): return int(o)
     if isinstance(o, (np.floating,)): return float(o)
-    if isinstance(o, (np.ndarray, torch.Tensor)): return o.tolist()
+    if isinstance(o, np.ndarray): return o.tolist()
+    torch = sys.modules.get("torch")            # a tensor can only exist if torch was imported
+    if torch is not None and isinstance(o, torch.Tensor): return o.tolist()
     if isinstance(o, Path): return str(o)
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+def _pid_alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def _tmp_pid(name: str, host: str) -> int | None:
+    "The pid in a temporary file name of `atomic_write` on `host`, else None."
+    i = name.rfind(f".{host}-")
+    pid = name[i + len(host) + 2:].split(".", 1)[0] if i >= 0 else ""
+    return int(pid) if pid.isdigit() else None
+
+def remove_temp_files(folder: str | Path, everything: bool = False) -> list[Path]:
+    """Delete the temporary files that writes killed midway left in `folder` (not its subfolders); returns them.
+    `everything=True` (the caller holds the folder's lock, so nothing else writes there) deletes every `.*.tmp`;
+    otherwise only those of processes on this host that no longer run."""
+    folder, host, gone = Path(folder), socket.gethostname(), []
+    if not folder.is_dir(): return gone
+    for p in folder.iterdir():
+        if not (p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()): continue
+        pid = _tmp_pid(p.name, host)
+        if everything or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
+            try: p.unlink(); gone.append(p)
+            except FileNotFoundError: pass
+    return gone
 
 # %% ../nbs/00_core.ipynb #85ccc5ab
 def config_hash(config: dict, length: int = 12) -> str:
@@ -88,19 +162,142 @@ def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     return ValueError(f"unknown {kind} {name!r}.{hint} Valid {kind}s: {', '.join(valid)}")
 
+METRICS = ("recall@K", "map@r", "r_precision", "nmi", "spectral_decay")   # evaluated by dml_nb.metrics.evaluate
+RETRIEVAL_METRICS = ("map@r", "r_precision")
+
+def parse_metric(name: str) -> int | str:
+    "k of 'recall@k', or the name of another metric of `METRICS`; an unknown name is an error with suggestions."
+    if isinstance(name, str):
+        m = re.fullmatch(r"recall@(\d+)", name)
+        if m and int(m.group(1)) >= 1: return int(m.group(1))
+        if name in METRICS[1:]: return name
+    raise unknown_name_error("metric", name, ["recall@1", "recall@2", "recall@4", "recall@8", *METRICS[1:]])
+
 # %% ../nbs/00_core.ipynb #c066df8f
 import inspect
 
+_UNKNOWN = object()   # a fact the source does not state plainly: import the module to learn it
+
+def _live_spec(obj) -> dict:
+    "Options (keyword arguments) and whether it takes **kwargs, from the imported object."
+    sig = inspect.signature(obj)
+    ps = sig.parameters.values()
+    return {"options": [p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"],
+            "var_kw": any(p.kind == p.VAR_KEYWORD for p in ps), "attrs": None,
+            "defaults": {p.name: p.default for p in ps if p.default is not p.empty}}
+
+class _Source:
+    "Top-level classes and imports of a package's modules, read with `ast` (nothing is imported)."
+    def __init__(self): self._trees = {}
+    def module(self, name: str) -> dict | None:
+        if name not in self._trees:
+            try:
+                spec = importlib.util.find_spec(name)
+                tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+            except Exception: self._trees[name] = None; return None
+            classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+            funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            imports, package = {}, name.rpartition(".")[0]
+            for n in ast.walk(tree):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    mod = (package + "." + n.module) if n.level == 1 else n.module if n.level == 0 else None
+                    for a in n.names: imports[a.asname or a.name] = (mod, a.name)
+            self._trees[name] = {"tree": tree, "classes": classes, "funcs": funcs, "imports": imports}
+        return self._trees[name]
+    def resolve(self, module: str, base: ast.expr):
+        "(module, ClassDef) of a base class written as a plain name, `object` -> 'object', else None (external)."
+        if isinstance(base, ast.Name) and base.id == "object": return "object"
+        if not isinstance(base, ast.Name): return None
+        m = self.module(module)
+        if m is None: return None
+        if base.id in m["classes"]: return module, m["classes"][base.id]
+        mod, name = m["imports"].get(base.id, (None, None))
+        if mod and mod.split(".")[0] == module.split(".")[0]:
+            t = self.module(mod)
+            if t is not None and name in t["classes"]: return mod, t["classes"][name]
+        return None
+    def mro(self, module: str, cls: ast.ClassDef) -> list:
+        "The class and its bases, depth first; `None` stands for a base outside the package (torch's, say)."
+        out = [(module, cls)]
+        for b in cls.bases:
+            r = self.resolve(module, b)
+            if r == "object": continue
+            rest = [None] if r is None else self.mro(*r)
+            out += [x for x in rest if x is None or x not in out]
+        return out
+
+def _args_spec(fn, drop_first: bool) -> dict:
+    a = fn.args
+    names = [x.arg for x in a.args][1 if drop_first else 0:] + [x.arg for x in a.kwonlyargs]
+    const = lambda d: d.value if isinstance(d, ast.Constant) else _UNKNOWN
+    defaults = {x.arg: const(d) for x, d in zip((a.posonlyargs + a.args)[::-1], a.defaults[::-1])}
+    defaults.update({x.arg: const(d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    return {"options": [n for n in names if n != "self"], "var_kw": a.kwarg is not None, "defaults": defaults}
+
+def _is_register(d) -> bool:
+    return isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
+
+def _class_spec(src: _Source, module: str, cls: ast.ClassDef) -> dict | None:
+    init, attrs, external = None, {}, False
+    for link in src.mro(module, cls):
+        if link is None:                        # a base from outside: its constructor and attributes are unknown
+            if init is None: return None
+            external = True; continue
+        c = link[1]
+        if c.keywords or not all(_is_register(d) for d in c.decorator_list): return None   # a metaclass, @dataclass, ...
+        for n in c.body:
+            if init is None and isinstance(n, ast.FunctionDef) and n.name == "__init__":
+                if n.decorator_list: return None
+                init = n
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in ("__new__", "__signature__"): return None
+            targets = ([n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else
+                       n.targets if isinstance(n, ast.Assign) else [])
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id not in attrs and not external:
+                    v = getattr(n, "value", None)
+                    attrs[t.id] = v.value if isinstance(v, ast.Constant) else _UNKNOWN
+    spec = {"options": [], "var_kw": False} if init is None else _args_spec(init, drop_first=True)
+    return {**spec, "attrs": attrs, "complete": not external}
+
+def _static_registrations(modules, symbol: str) -> dict | None:
+    "{name: spec or None} of everything `modules` register with `@<symbol>.register(...)`; None if not all can be read."
+    src, out = _Source(), {}
+    for module in modules:
+        m = src.module(module)
+        if m is None: return None
+        decorating = set()
+        for node in m["tree"].body:
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)): continue
+            for d in node.decorator_list:
+                if not (_is_register(d) and isinstance(d.func.value, ast.Name) and d.func.value.id == symbol): continue
+                decorating.add(id(d))
+                args = list(d.args) + [k.value for k in d.keywords if k.arg == "name"]
+                if args and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, (str, type(None)))): return None
+                name = (args[0].value if args else None) or node.name.lower()
+                if isinstance(node, ast.ClassDef): out[name] = _class_spec(src, module, node)
+                else: out[name] = {**_args_spec(node, drop_first=False), "attrs": {}} if node.decorator_list == [d] else None
+        for n in ast.walk(m["tree"]):   # a registration written any other way: the source cannot list the names
+            if _is_register(n) and isinstance(n.func.value, ast.Name) and n.func.value.id == symbol and id(n) not in decorating:
+                return None
+    return out
+
 class Registry:
     "Maps names to classes or factories; `build(name, **kwargs)` validates both."
-    def __init__(self, kind: str, modules: tuple[str, ...] = ()):
-        "`modules` are imported on first lookup, so that everything registered there is known."
+    def __init__(self, kind: str, modules: tuple[str, ...] = (), symbol: str | None = None):
+        """`modules` are imported on first lookup, so that everything registered there is known. `symbol`, the name
+        they decorate with (`@LOSSES.register`), lets names and options be read from their source before that."""
         self.kind, self._items, self._modules, self._loaded = kind, {}, modules, not modules
+        self.symbol, self._static = symbol, None
     def _load(self):
         if not self._loaded:
             self._loaded = True
             import importlib
             for m in self._modules: importlib.import_module(m)
+    def _source(self) -> dict | None:
+        "The registrations read from the modules' source while they are not imported, else None."
+        if self._loaded or not self.symbol: return None
+        if self._static is None: self._static = _static_registrations(self._modules, self.symbol) or False
+        return self._static or None
     def register(self, name: str | None = None):
         "Decorator: register a class or function under `name` (default: its lower-case name)."
         def deco(obj):
@@ -115,39 +312,75 @@ class Registry:
             self._items[key] = obj
             return obj
         return deco
-    def __contains__(self, name): self._load(); return name in self._items
-    def __iter__(self): self._load(); return iter(sorted(self._items))
-    def __len__(self): self._load(); return len(self._items)
+    def names(self) -> list[str]:
+        "Every registered name (read from the source while the modules are not imported)."
+        src = self._source()
+        if src is None: self._load(); return sorted(self._items)
+        return sorted(set(src) | set(self._items))
+    def __contains__(self, name): return name in self.names()
+    def __iter__(self): return iter(self.names())
+    def __len__(self): return len(self.names())
     def __repr__(self): return f"Registry({self.kind!r}: {', '.join(self)})"
     def get(self, name: str):
         "The registered object for `name`; an unknown name is an error listing the valid ones."
         self._load()
         if name not in self._items: raise unknown_name_error(self.kind, name, self._items)
         return self._items[name]
+    def spec(self, name: str) -> dict:
+        "{'options': keyword options, 'var_kw': takes **kwargs, 'attrs': constant class attributes or None}."
+        if name not in self._items:
+            src = self._source()
+            if src is not None:
+                if name not in src: raise unknown_name_error(self.kind, name, self.names())
+                if src[name] is not None: return src[name]
+        return _live_spec(self.get(name))
     def options(self, name: str) -> list[str]:
         "Names of the keyword options that `name` accepts."
-        sig = inspect.signature(self.get(name))
-        return [p.name for p in sig.parameters.values()
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        return self.spec(name)["options"]
+    def accepts_any(self, name: str) -> bool:
+        "Whether `name` takes arbitrary keyword options (**kwargs): its options cannot be checked by name."
+        return self.spec(name)["var_kw"]
+    def attr(self, name: str, key: str, default=None):
+        "A class attribute of `name` (e.g. a loss's `default_miner`), from the source when it states it plainly."
+        spec = self.spec(name)
+        attrs = spec["attrs"]
+        if attrs is not None and key in attrs and attrs[key] is not _UNKNOWN: return attrs[key]
+        if attrs is not None and key not in attrs and spec.get("complete", True): return default
+        return getattr(self.get(name), key, default)
+    def default(self, name: str, option: str, fallback=None):
+        "The default value of `name`'s option `option` (`fallback` when it has none)."
+        spec = self.spec(name)
+        value = spec.get("defaults", {}).get(option, fallback)
+        return _live_spec(self.get(name))["defaults"].get(option, fallback) if value is _UNKNOWN else value
+    def check_options(self, name: str, options) -> None:
+        "An error naming the valid options if `options` holds one that `name` does not take."
+        if self.accepts_any(name): return
+        valid = self.options(name)
+        for k in options:
+            if k not in valid:
+                close = difflib.get_close_matches(k, valid, n=3, cutoff=0.5)
+                hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+                raise TypeError(f"{self.kind} {name!r} has no option {k!r}.{hint} "
+                                f"Valid options: {', '.join(valid) or '(none)'}")
     def build(self, name: str, **kwargs):
         "Instantiate `name` with `kwargs`; an option it does not take is an error naming the valid ones."
         obj = self.get(name)
-        sig = inspect.signature(obj)
-        if not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
-            valid = self.options(name)
+        spec = _live_spec(obj)
+        if not spec["var_kw"]:
             for k in kwargs:
-                if k not in valid:
-                    close = difflib.get_close_matches(k, valid, n=3, cutoff=0.5)
+                if k not in spec["options"]:
+                    close = difflib.get_close_matches(k, spec["options"], n=3, cutoff=0.5)
                     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
                     raise TypeError(f"{self.kind} {name!r} has no option {k!r}.{hint} "
-                                    f"Valid options: {', '.join(valid) or '(none)'}")
+                                    f"Valid options: {', '.join(spec['options']) or '(none)'}")
         return obj(**kwargs)
 
 # %% ../nbs/00_core.ipynb #b354fcea
-MINERS = Registry("miner", ("dml_nb.miners",))
-LOSSES = Registry("loss", ("dml_nb.losses", "dml_nb.proxy_nce"))
-BACKBONES = Registry("backbone", ("dml_nb.models",))
-METHODS = Registry("method", ("dml_nb.methods", "dml_nb.diva", "dml_nb.sharing", "dml_nb.dnc", "dml_nb.bspml"))
+MINERS = Registry("miner", ("dml_nb.miners",), symbol="MINERS")
+LOSSES = Registry("loss", ("dml_nb.losses", "dml_nb.proxy_nce"), symbol="LOSSES")
+BACKBONES = Registry("backbone", ("dml_nb.models",), symbol="BACKBONES")
+METHODS = Registry("method", ("dml_nb.methods", "dml_nb.diva", "dml_nb.sharing", "dml_nb.dnc", "dml_nb.bspml"),
+                   symbol="METHODS")
 
 # %% ../nbs/00_core.ipynb #a21bcd8b
 def data_root(name: str, root: str | Path | None = None) -> Path:
@@ -159,3 +392,70 @@ def data_root(name: str, root: str | Path | None = None) -> Path:
                                 f"root=... or export DML_DATA=/path/to/datasets (the data then lives in "
                                 f"$DML_DATA/{name})")
     return Path(base).expanduser() / name
+
+# %% ../nbs/00_core.ipynb #dfdb4d20
+class RunLockedError(RuntimeError):
+    "Another process holds the lock of a run directory."
+
+def _holder(path: Path) -> dict:
+    try: return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError): return {}
+
+def describe_holder(h: dict) -> str:
+    "'pid 123 on host gpu1 since 2025-01-01T10:00:00+00:00 (dml-train a.yaml)' from a lock file's record."
+    if not h: return "another process (no record of which)"
+    cmd = f" ({h['command']})" if h.get("command") else ""
+    return f"pid {h.get('pid', '?')} on host {h.get('host', '?')} since {h.get('since', '?')}{cmd}"
+
+class lock_dir:
+    """Exclusive lock on `folder` (created if needed) while the `with` block runs: `RunLockedError` naming the
+    holder if another process has it, or, with `wait=True`, wait for it (`on_wait(holder)` is called once first)."""
+    def __init__(self, folder: str | Path, wait: bool = False, on_wait: Callable[[dict], None] | None = None):
+        self.folder, self.wait, self.on_wait = Path(folder), wait, on_wait
+        self.path, self.fd, self.previous = self.folder / ".lock", None, {}
+
+    def __enter__(self) -> "lock_dir":
+        import fcntl
+        waited = False
+        while True:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                if e.errno in _DISK_ERRNOS: raise disk_write_error(self.path, e) from e
+                raise
+            try:
+                try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _holder(self.path)
+                    if not self.wait:
+                        raise RunLockedError(f"{self.folder} is in use by {describe_holder(holder)}: wait for it "
+                                             "(dml-train --wait, or run(..., wait=True)) or use another run directory")
+                    if not waited and self.on_wait is not None: self.on_wait(holder)
+                    waited = True
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                try: same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError: same = False
+            except BaseException:
+                os.close(fd); raise
+            if same: break
+            os.close(fd)        # the folder was removed while we waited: lock the new one
+        self.fd, self.previous = fd, _holder(self.path)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300] if sys.argv and sys.argv[0] else ""}
+        os.ftruncate(fd, 0); os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+        if self.fd is not None:
+            try: os.ftruncate(self.fd, 0)    # nobody holds it now
+            except OSError: pass
+            fcntl.flock(self.fd, fcntl.LOCK_UN); os.close(self.fd); self.fd = None
+
+    def release_and_remove(self) -> None:
+        "Remove the folder's lock file and release the lock (for a folder about to be deleted)."
+        try: self.path.unlink()
+        except FileNotFoundError: pass
+        self.__exit__()

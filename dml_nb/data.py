@@ -14,12 +14,14 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from .core import data_root, unknown_name_error
+from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
+                            UnreadableImagesError, check_images, inshop_test_classes, read_cars196, read_cub200,
+                            read_index, read_inshop, read_sop, read_vehicleid, write_fake_dataset)
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'BNINCEPTION_MEAN', 'BNINCEPTION_STD', 'PRESETS', 'SHAPES', 'TEXTURES', 'DATASETS',
-           'SPLITS', 'ToBGR', 'make_transform', 'ImageListDataset', 'read_cub200', 'read_cars196', 'read_sop',
-           'read_inshop', 'read_vehicleid', 'shapes_classes', 'render_shapes', 'ArrayDataset', 'make_shapes',
-           'make_digits', 'load_dataset', 'write_fake_dataset', 'add_label_noise']
+__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'BNINCEPTION_MEAN', 'BNINCEPTION_STD', 'PRESETS', 'SHAPES', 'TEXTURES',
+           'ON_UNREADABLE', 'ToBGR', 'make_transform', 'ImageListDataset', 'shapes_classes', 'render_shapes',
+           'ArrayDataset', 'make_shapes', 'make_digits', 'load_dataset', 'add_label_noise']
 
 # %% ../nbs/01_data.ipynb #63782dc6
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -58,16 +60,9 @@ def _renumber(raw: Sequence) -> tuple[np.ndarray, np.ndarray]:
 class ImageListDataset(torch.utils.data.Dataset):
     "Images read from `paths` with raw class ids `raw_labels`; `ds[i] -> (transform(image), label)`."
     def __init__(self, paths: Sequence, raw_labels: Sequence, transform: Callable | None = None,
-                 skip_unreadable: bool = False, name: str = "", split: str = "",
-                 class_ids: np.ndarray | None = None):
+                 name: str = "", split: str = "", class_ids: np.ndarray | None = None):
         paths, raw_labels = [Path(p) for p in paths], np.asarray(raw_labels)
         if len(paths) != len(raw_labels): raise ValueError(f"{len(paths)} paths but {len(raw_labels)} labels")
-        if skip_unreadable:
-            ok = np.array([_readable(p) for p in paths], dtype=bool)
-            if (~ok).any():
-                warnings.warn(f"{name or 'dataset'} {split}: skipped {int((~ok).sum())} unreadable image(s) "
-                              f"of {len(paths)}, e.g. {paths[int(np.argmin(ok))]}")
-                paths, raw_labels = [p for p, k in zip(paths, ok) if k], raw_labels[ok]
         self.paths, self.transform, self.name, self.split = paths, transform, name, split
         if class_ids is None: self.labels, self.class_ids = _renumber(raw_labels)
         else:  # a shared numbering (In-Shop query and gallery must agree on labels)
@@ -81,94 +76,14 @@ class ImageListDataset(torch.utils.data.Dataset):
         try:
             with Image.open(self.paths[i]) as im: return im.convert("RGB")
         except (OSError, ValueError) as e:
-            raise OSError(f"cannot read image {self.paths[i]} ({e}); fix or remove the file, or pass "
-                          f"skip_unreadable=True to load_dataset to drop unreadable images") from e
+            raise OSError(f"cannot read image {self.paths[i]} ({e}); replace or remove the file, or drop unreadable "
+                          "images with load_dataset(..., on_unreadable='skip') (dml-train: --set data.on_unreadable=skip; "
+                          "dml-train --check-data lists every unreadable image)") from e
     def __getitem__(self, i):
         img = self.load(i)
         return (self.transform(img) if self.transform else img), int(self.labels[i])
     def __repr__(self):
         return f"{type(self).__name__}({self.name}/{self.split}: {len(self)} images, {self.num_classes} classes)"
-
-def _readable(p: Path) -> bool:
-    try:
-        with Image.open(p) as im: im.verify()
-        return True
-    except Exception: return False
-
-# %% ../nbs/01_data.ipynb #c0c3dfde
-def _expect(root: Path, name: str, files: Sequence[str]) -> None:
-    "Raise a FileNotFoundError naming every expected file when one of `files` is missing under `root`."
-    missing = [f for f in files if not (root / f).exists()]
-    if missing:
-        raise FileNotFoundError(
-            f"dataset {name!r} not found at {root}: missing {', '.join(missing)}. Expected, as distributed by "
-            f"its authors: {', '.join(files)} under the dataset root (pass root=... or put it in "
-            f"$DML_DATA/{name})")
-
-def _read_lines(path: Path) -> list[list[str]]:
-    return [l.split() for l in path.read_text().splitlines() if l.strip()]
-
-def _half_split(raw: np.ndarray, split: str, name: str) -> np.ndarray:
-    "Boolean mask: the first half of the sorted classes for 'train', the second half for 'test'."
-    classes = np.unique(raw)
-    first = classes[: len(classes) // 2]
-    return np.isin(raw, first) if split == "train" else ~np.isin(raw, first)
-
-def read_cub200(root: Path, split: str):
-    "CUB-200-2011: `root` is the `CUB_200_2011` folder or its parent. Classes 1-100 train, 101-200 test."
-    if not (root / "images.txt").exists() and (root / "CUB_200_2011" / "images.txt").exists():
-        root = root / "CUB_200_2011"
-    _expect(root, "cub200", ["images.txt", "classes.txt", "images"])
-    images = {int(i): rel for i, rel in _read_lines(root / "images.txt")}
-    folder_to_class = {name: int(cid) for cid, name in _read_lines(root / "classes.txt")}
-    if (root / "image_class_labels.txt").exists():
-        cls = {int(i): int(c) for i, c in _read_lines(root / "image_class_labels.txt")}
-    else:  # the class is the image's folder, listed in classes.txt
-        cls = {i: folder_to_class[rel.split("/")[0]] for i, rel in images.items()}
-    ids = sorted(images)
-    raw = np.array([cls[i] for i in ids])
-    keep = _half_split(raw, split, "cub200")
-    return [root / "images" / images[i] for i, k in zip(ids, keep) if k], raw[keep]
-
-def read_cars196(root: Path, split: str):
-    "Stanford Cars: `cars_annos.mat` + `car_ims/`. Class ids from the .mat: 1-98 train, 99-196 test."
-    _expect(root, "cars196", ["cars_annos.mat", "car_ims"])
-    from scipy.io import loadmat
-    ann = loadmat(root / "cars_annos.mat", squeeze_me=True)["annotations"]
-    paths = np.atleast_1d(ann["relative_im_path"]); raw = np.atleast_1d(ann["class"]).astype(np.int64)
-    keep = _half_split(raw, split, "cars196")
-    return [root / str(p) for p, k in zip(paths, keep) if k], raw[keep]
-
-def read_sop(root: Path, split: str):
-    "Stanford Online Products: `Ebay_train.txt` / `Ebay_test.txt` (`image_id class_id super_class_id path`)."
-    f = {"train": "Ebay_train.txt", "test": "Ebay_test.txt"}[split]
-    _expect(root, "sop", ["Ebay_train.txt", "Ebay_test.txt"])
-    rows = _read_lines(root / f)
-    if rows[0][:2] != ["image_id", "class_id"]:
-        raise ValueError(f"{root / f}: expected the header 'image_id class_id super_class_id path', got {rows[0]}")
-    return [root / r[3] for r in rows[1:]], np.array([int(r[1]) for r in rows[1:]])
-
-def read_inshop(root: Path, split: str):
-    "In-Shop: `Eval/list_eval_partition.txt` (a count line, a header, then `image_name item_id evaluation_status`)."
-    f = "Eval/list_eval_partition.txt"
-    _expect(root, "inshop", [f, "img"])
-    rows = _read_lines(root / f)[2:]
-    status = {"train": {"train"}, "query": {"query"}, "gallery": {"gallery"}, "test": {"query", "gallery"}}[split]
-    sel = [r for r in rows if r[2] in status]
-    return [root / r[0] for r in sel], np.array([int(r[1].split("_")[-1]) for r in sel])
-
-def _inshop_test_classes(root: Path) -> np.ndarray:
-    "Item ids of query and gallery together, so that both splits number their classes the same way."
-    rows = _read_lines(root / "Eval/list_eval_partition.txt")[2:]
-    return np.unique([int(r[1].split("_")[-1]) for r in rows if r[2] in ("query", "gallery")])
-
-def read_vehicleid(root: Path, split: str):
-    "PKU VehicleID: `train_test_split/{train_list,test_list_800,...}.txt` (`image_name vehicle_id`), `image/`."
-    files = {"train": "train_list.txt", "test": "test_list_800.txt", "test800": "test_list_800.txt",
-             "test1600": "test_list_1600.txt", "test2400": "test_list_2400.txt"}
-    _expect(root, "vehicleid", ["train_test_split/" + files[split], "image"])
-    rows = _read_lines(root / "train_test_split" / files[split])
-    return [root / "image" / f"{r[0]}.jpg" for r in rows], np.array([int(r[1]) for r in rows])
 
 # %% ../nbs/01_data.ipynb #ea807596
 SHAPES = ("circle", "triangle", "square", "pentagon", "hexagon", "star",
@@ -314,15 +229,19 @@ def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
     return ArrayDataset(np.ascontiguousarray(img.numpy()), d.target[keep], name="digits", split=split)
 
 # %% ../nbs/01_data.ipynb #075af53b
-DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits")
-SPLITS = {"cub200": ("train", "test"), "cars196": ("train", "test"), "sop": ("train", "test"),
-          "inshop": ("train", "test", "query", "gallery"),
-          "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
-          "shapes": ("train", "test"), "digits": ("train", "test")}
-_READERS = {"cub200": read_cub200, "cars196": read_cars196, "sop": read_sop, "inshop": read_inshop,
-            "vehicleid": read_vehicleid}
-_OPTIONS = {**{n: ("skip_unreadable",) for n in _READERS},
-            "shapes": ("images_per_class", "seed"), "digits": ()}
+_OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": ()}
+ON_UNREADABLE = (None, "error", "skip")
+
+def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str, progress: bool = True):
+    "Check every image up front (cached): an error listing the unreadable ones, or drop them with a warning."
+    bad = check_images(paths, what, progress=progress)
+    if not bad: return paths, raw
+    if mode == "error": raise UnreadableImagesError(bad, len(paths), what)
+    gone = {p for p, _ in bad}
+    keep = np.array([p not in gone for p in paths], dtype=bool)
+    warnings.warn(f"{what}: skipped {len(bad)} unreadable image(s) of {len(paths)}: "
+                  + "; ".join(f"{p} ({r})" for p, r in bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+    return [p for p, k in zip(paths, keep) if k], raw[keep]
 
 def load_dataset(name: str, root: str | Path | None = None, split: str = "train", transform="auto",
                  preset: str | None = None, augment: bool | None = None, size: int | None = None, **options):
@@ -333,6 +252,8 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
     if bad:
         raise TypeError(f"load_dataset({name!r}) has no option {bad[0]!r}. Valid options: transform, preset, "
                         f"augment, size{''.join(', ' + o for o in _OPTIONS[name])}")
+    mode = options.get("on_unreadable")
+    if mode not in ON_UNREADABLE: raise unknown_name_error("on_unreadable value", mode, ["error", "skip"])
     embedded = name in ("shapes", "digits")
     train = (split == "train") if augment is None else augment
     if transform == "auto":
@@ -345,86 +266,11 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
         ds.transform = transform
         return ds
     root = data_root(name, root)
-    if not root.exists():
-        _expect(root, name, {"cub200": ["CUB_200_2011/images.txt", "CUB_200_2011/classes.txt", "CUB_200_2011/images"],
-                             "cars196": ["cars_annos.mat", "car_ims"], "sop": ["Ebay_train.txt", "Ebay_test.txt"],
-                             "inshop": ["Eval/list_eval_partition.txt", "img"],
-                             "vehicleid": ["train_test_split/train_list.txt", "image"]}[name])
-    paths, raw = _READERS[name](root, split)
-    if len(paths) == 0: raise ValueError(f"dataset {name!r} split {split!r} at {root} lists no images")
-    class_ids = _inshop_test_classes(root) if name == "inshop" and split in ("query", "gallery", "test") else None
-    return ImageListDataset(paths, raw, transform, skip_unreadable=options.get("skip_unreadable", False),
-                            name=name, split=split, class_ids=class_ids)
-
-# %% ../nbs/01_data.ipynb #d9f1e651
-def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_class: int = 3, size: int = 24) -> Path:
-    "Write a small tree in the real on-disk format of `name` under `root` (for tests); returns the dataset root."
-    if name not in _READERS: raise unknown_name_error("real dataset", name, _READERS)
-    root = Path(root); rng = np.random.default_rng(0)
-    def jpg(path: Path, c: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        a = np.full((size, size + 4, 3), (37 * c) % 256, np.uint8) + rng.integers(0, 20, (size, size + 4, 3), dtype=np.uint8)
-        Image.fromarray(a).save(path, quality=90)
-    if name == "cub200":
-        base = root / "CUB_200_2011"; i = 0
-        lines, lab, cls = [], [], []
-        for c in range(1, n_classes + 1):
-            folder = f"{c:03d}.Bird_{c}"; cls.append(f"{c} {folder}")
-            for k in range(per_class):
-                i += 1; rel = f"{folder}/Bird_{c}_{k:04d}.jpg"; jpg(base / "images" / rel, c)
-                lines.append(f"{i} {rel}"); lab.append(f"{i} {c}")
-        (base / "images.txt").write_text("\n".join(lines) + "\n")
-        (base / "classes.txt").write_text("\n".join(cls) + "\n")
-        (base / "image_class_labels.txt").write_text("\n".join(lab) + "\n")
-        return root
-    if name == "cars196":
-        from scipy.io import savemat
-        n = n_classes * per_class
-        ann = np.zeros((1, n), dtype=[(f, "O") for f in ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2",
-                                                           "bbox_y2", "class", "test")])
-        order = rng.permutation(n)  # file order differs from class order, as in the real file
-        for j, o in enumerate(order):
-            c = o % n_classes + 1; rel = f"car_ims/{j + 1:06d}.jpg"; jpg(root / rel, c)
-            ann[0, j] = (rel, *[np.array([[v]], np.uint8) for v in (1, 1, size, size)],
-                         np.array([[c]], np.uint8), np.array([[j % 2]], np.uint8))
-        names = np.empty((1, n_classes), dtype=object); names[0] = [f"Car {c}" for c in range(1, n_classes + 1)]
-        savemat(root / "cars_annos.mat", {"annotations": ann, "class_names": names})
-        return root
-    if name == "sop":
-        header = "image_id class_id super_class_id path"; i = 0; rows = {"train": [header], "test": [header]}
-        for c in range(1, n_classes + 1):
-            split = "train" if c <= n_classes // 2 else "test"
-            for k in range(per_class):
-                i += 1; rel = f"bicycle_final/{100000 + c}_{k}.JPG"; jpg(root / rel, c)
-                rows[split].append(f"{i} {c} 1 {rel}")
-        for s in rows: (root / f"Ebay_{s}.txt").write_text("\n".join(rows[s]) + "\n")
-        return root
-    if name == "inshop":
-        rows = []
-        for c in range(1, n_classes + 1):
-            item = f"id_{c:08d}"
-            for k in range(per_class):
-                rel = f"img/WOMEN/Dresses/{item}/{k:02d}_1_front.jpg"; jpg(root / rel, c)
-                status = "train" if c <= n_classes // 2 else ("query" if k == 0 else "gallery")
-                rows.append(f"{rel}  {item}  {status}")
-        (root / "Eval").mkdir(parents=True, exist_ok=True)
-        (root / "Eval/list_eval_partition.txt").write_text(
-            f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n")
-        return root
-    # vehicleid: a quarter of the classes in each test list, larger lists containing the smaller ones
-    rows = {"train": [], "800": [], "1600": [], "2400": []}; i = 0
-    q = max(1, n_classes // 4)
-    for c in range(1, n_classes + 1):
-        for k in range(per_class):
-            i += 1; name_ = f"{i:08d}"; jpg(root / "image" / f"{name_}.jpg", c)
-            if c <= n_classes - 3 * q: rows["train"].append(f"{name_} {c}")
-            for j, s in enumerate(("800", "1600", "2400")):
-                if n_classes - 3 * q < c <= n_classes - 3 * q + (j + 1) * q: rows[s].append(f"{name_} {c}")
-    (root / "train_test_split").mkdir(parents=True, exist_ok=True)
-    (root / "train_test_split/train_list.txt").write_text("\n".join(rows["train"]) + "\n")
-    for s in ("800", "1600", "2400"):
-        (root / f"train_test_split/test_list_{s}.txt").write_text("\n".join(rows[s]) + "\n")
-    return root
+    if not root.exists(): raise DatasetNotFoundError(name, root, EXPECTED_FILES[name])
+    paths, raw = read_index(name, root, split)
+    if mode is not None: paths, raw = _drop_unreadable(paths, raw, mode, f"{name} {split}", options.get("progress", True))
+    class_ids = inshop_test_classes(root) if name == "inshop" and split in ("query", "gallery", "test") else None
+    return ImageListDataset(paths, raw, transform, name=name, split=split, class_ids=class_ids)
 
 # %% ../nbs/01_data.ipynb #8cea659e
 def add_label_noise(labels, ratio: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

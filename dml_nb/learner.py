@@ -12,15 +12,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .core import LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, unknown_name_error
+from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
+                         unknown_name_error)
 from .metrics import evaluate
 from .cache import RawItems, pad_collate
 
 # %% auto #0
-__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'REPORTS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'derive_seed',
-           'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline',
-           'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError',
-           'NoTuplesError', 'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
+__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'MAX_WEIGHT', 'MAX_LOSS', 'REPORTS', 'CHECKPOINT_FORMAT',
+           'OPTIMIZERS', 'derive_seed', 'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback',
+           'Method', 'Baseline', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback',
+           'NonFiniteLossError', 'NoTuplesError', 'DivergedError', 'load_checkpoint', 'broadcast_state',
+           'all_reduce_gradients', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #fa64c9ac
 STEP, SAMPLE, EPOCH, EVAL, AUGMENT = 1, 2, 3, 4, 5   # domains of derive_seed, so that their seeds never coincide
@@ -265,6 +267,16 @@ class NonFiniteLossError(RuntimeError):
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
+class DivergedError(NonFiniteLossError):
+    "Training stopped because the weights or the loss left the sane range (`MAX_WEIGHT`, `MAX_LOSS`): the run diverged."
+
+# a checkpoint is written only while the model is sane: every parameter finite with |value| <= MAX_WEIGHT and the
+# epoch's mean loss (so far) finite with |loss| <= MAX_LOSS; beyond that the run stops as diverged. Embeddings are
+# L2-normalised and weight decay holds the weights near their initial scale, and the largest loss terms here (the
+# decorrelation terms, bounded by their weights rho / gamma, at most a few thousand) stay far below, so the bounds
+# catch runs that blew up (the "last good" checkpoint had weights of about 1e28), not slow ones
+MAX_WEIGHT, MAX_LOSS = 1e6, 1e6
+
 REPORTS = ("last", "best")
 
 CHECKPOINT_FORMAT = 1
@@ -289,6 +301,16 @@ def load_checkpoint(path: str | Path) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt
+
+def _insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
+    "Why these parameters are not sane (a non-finite value, or |value| > MAX_WEIGHT), or None; one device sync."
+    named = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
+    if not named: return None
+    peaks = torch.stack([v.detach().abs().max().float().cpu() for v in named.values()]).tolist()
+    for (k, _), m in zip(named.items(), peaks):
+        if not math.isfinite(m): return f"parameter {k!r} holds non-finite values"
+    k, m = max(zip(named, peaks), key=lambda kv: kv[1])
+    return f"the largest |parameter| is {m:.3g} (in {k!r}), above the bound {MAX_WEIGHT:g}" if m > MAX_WEIGHT else None
 
 def _dist_info() -> tuple[int, int]:
     import torch.distributed as dist
@@ -459,8 +481,14 @@ class Learner:
             items, batch_sampler=self._batches, collate_fn=collate,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
             pin_memory=self.device.type == "cuda")
+        if self.run_dir is not None and self.is_main: remove_temp_files(self.run_dir)   # writes a killed process left
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
-            self.load_state_dict(load_checkpoint(self.checkpoint_path))
+            ck = load_checkpoint(self.checkpoint_path)
+            problem = _insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
+            if problem is not None:
+                raise DivergedError(f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
+                                    "Delete it to start the run over, with a lower learning rate (a new run directory).")
+            self.load_state_dict(ck)
             self.resumed = True
         if self.world_size > 1:
             inner = self.sampler
@@ -557,6 +585,8 @@ class Learner:
             logs = self._train_step(batch)
             self.step, self.global_step = s + 1, self.global_step + 1
             for cb in self.callbacks: cb.after_step(self, logs)
+        problem = self._divergence()                # before evaluating a model that blew up
+        if problem is not None: self._stop_diverged(problem)
         self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()},
                     **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
         self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)
@@ -627,15 +657,11 @@ class Learner:
 
     def _stop_nonfinite(self, loss_v, gnorm_v, step):
         what = f"the loss is {loss_v}" if not math.isfinite(loss_v) else f"the gradient norm is {gnorm_v}"
-        path = self.checkpoint_path
-        if path is not None and path.exists():
-            ck = load_checkpoint(path)
-            kept = f"the last good checkpoint is kept at {path} (epoch {ck['epoch']}, step {ck['step']})"
-        else: kept = "there is no checkpoint (" + ("run_dir=None" if path is None else "none was written yet") + ")"
         raise NonFiniteLossError(
             f"training stopped: {what} at epoch {self.epoch} (0-based), step {step}. The optimiser step was not "
-            f"taken (the parameters are those before this step); {kept}. Lower the learning rate (lr={self.lr:g}), "
-            "set grad_clip, or check the loss and the data of this batch.")
+            f"taken (the parameters are those before this step); {self._kept()}. Lower the learning rate "
+            f"(lr={self.lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
+            + self._rerun())
 
     def _check_tuples(self, epoch: int) -> None:
         "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
@@ -788,6 +814,34 @@ class Learner:
         return out
 
     def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
-        "Write `run_dir/checkpoint.pt` atomically (rank 0 only); returns its path."
+        "Write `run_dir/checkpoint.pt` atomically (rank 0 only) if the model is sane (else `DivergedError`); returns its path."
+        problem = self._divergence()
+        if problem is not None: self._stop_diverged(problem)
         if self.checkpoint_path is None or not self.is_main: return None
         return atomic_torch_save(self.state_dict(), self.checkpoint_path)
+
+    def _divergence(self) -> str | None:
+        "Why the current weights or loss are not sane (see `MAX_WEIGHT`, `MAX_LOSS`), or None."
+        loss = self.running("loss")
+        if self._counts.get("loss") and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
+            return f"the mean loss of the epoch so far is {loss:.3g}, beyond the bound {MAX_LOSS:g}"
+        return _insane_weights(dict(self.method.named_parameters()))
+
+    def _kept(self) -> str:
+        "Which checkpoint is kept, for the messages of a stopped run."
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return "there is no checkpoint (" + ("run_dir=None" if path is None else "none was written yet") + ")"
+        ck = load_checkpoint(path)
+        return f"the last good checkpoint is kept at {path} (epoch {ck['epoch']}, step {ck['step']})"
+
+    def _stop_diverged(self, problem: str):
+        raise DivergedError(
+            f"training stopped: the run diverged by epoch {self.epoch} (0-based), step {self.step}: {problem}. This "
+            f"state was not saved; {self._kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) or set grad_clip "
+            f"(train.grad_clip). {self._rerun()}")
+
+    def _rerun(self) -> str:
+        has = self.checkpoint_path is not None and self.checkpoint_path.exists()
+        return ("Re-running the same config " + ("resumes from that checkpoint and " if has else "") +
+                "repeats the same steps: change the config (a new run directory).")

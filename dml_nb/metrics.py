@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from .core import unknown_name_error
+from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'RETRIEVAL_METRICS', 'METRICS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r',
-           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r', 'kmeans', 'nmi',
+           'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -120,10 +120,37 @@ KNN_BACKENDS: dict[str, Callable] = {
     "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
     "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
 
+def _distinct_rows(r: torch.Tensor):
+    """The distinct rows of `r` in order of first occurrence, and for each distinct row its rows of `r`:
+    (distinct (u, d), counts (u,), members (m,) grouped by distinct row in ascending index, start (u,) into members)."""
+    u, inv, counts = torch.unique(r, dim=0, return_inverse=True, return_counts=True)
+    first = torch.full((len(u),), len(r), dtype=torch.long, device=r.device).scatter_reduce_(
+        0, inv, torch.arange(len(r), device=r.device), "amin")
+    order = first.argsort()                                   # distinct rows by their first occurrence
+    rank = torch.empty_like(order); rank[order] = torch.arange(len(order), device=r.device)
+    inv, counts = rank[inv], counts[order]
+    members = torch.argsort(inv, stable=True)                 # rows of distinct row 0, then 1, ... each ascending
+    return r[first[order]], counts, members, counts.cumsum(0) - counts, inv
+
+def _by_distance_then_index(dist: torch.Tensor, idx: torch.Tensor):
+    "Sort each row of (distances, indices) by distance, equal distances by the smaller index."
+    o = idx.argsort(dim=1)
+    dist, idx = dist.gather(1, o), idx.gather(1, o)
+    o = torch.sort(dist, dim=1, stable=True).indices
+    return dist.gather(1, o), idx.gather(1, o)
+
+def _exact_rows(q: torch.Tensor, r: torch.Tensor, k: int, self_index: torch.Tensor | None):
+    "k-NN of a few queries by a stable sort of their whole row of distances (ties by index); `self_index` excluded."
+    u, counts, members, start, inv = _distinct_rows(r)
+    score = torch.addmm(u.pow(2).sum(1), q, u.T, beta=-1, alpha=2)[:, inv]   # identical rows: identical scores
+    if self_index is not None: score[torch.arange(len(q), device=q.device), self_index] = float("-inf")
+    val, idx = torch.sort(score, dim=1, descending=True, stable=True)
+    return (q.pow(2).sum(1, keepdim=True) - val[:, :k]).clamp_min_(0), idx[:, :k]
+
 def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "torch"):
     """Exact Euclidean `k` nearest neighbours of each `query` row among `reference` rows: (squared distances,
-    indices), both (n_query, k), nearest first. `exclude_self=True` (reference is the query set) removes each
-    query's own row by index."""
+    indices), both (n_query, k), nearest first, equal distances by the smaller index (the same for every k and
+    back end). `exclude_self=True` (reference is the query set) removes each query's own row by index."""
     if backend not in KNN_BACKENDS: raise unknown_name_error("knn backend", backend, KNN_BACKENDS)
     q = _as_embeddings(query, "query")
     r = _as_embeddings(reference, "reference", q.device)
@@ -136,7 +163,41 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
     if k > available:
         raise ValueError(f"k={k} is larger than the reference set ({available} items"
                          f"{', excluding the query itself' if exclude_self else ''}); use a smaller k")
-    return KNN_BACKENDS[backend](q, r, int(k), bool(exclude_self))
+    k, n = int(k), len(q)
+    L = k + int(exclude_self)                        # rows to take before removing the query's own
+    u, counts, members, start, inv = _distinct_rows(r)
+    K = min(len(u), L + 1)                           # distinct rows to search: each has >= 1 row; +1 shows ties at the cut
+    if backend == "faiss_gpu" and K > FAISS_GPU_MAX_K:
+        raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
+                         f"itself, +1 to see ties at the cut): use backend='torch'")
+    du, iu = KNN_BACKENDS[backend](q, u, K, False)
+    du, iu = du.to(q.device), iu.to(q.device)
+    if len(u) == len(r):                             # no duplicates: the distinct rows are the rows
+        dist, idx, last = du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=q.device)
+    else:                                            # expand each distinct row into its rows, ascending index; keep L
+        cnt = counts[iu]
+        cum = cnt.cumsum(1)
+        pos = torch.arange(L, device=q.device).expand(n, L)
+        g = torch.searchsorted(cum, pos.contiguous(), right=True)        # which found distinct row position p is in
+        idx = members[start[iu.gather(1, g)] + pos - (cum.gather(1, g) - cnt.gather(1, g))]
+        dist, last = du.gather(1, g), g[:, -1:]
+    # equal distances of different distinct rows: among fully used ones, sort by index; where the last one used (which
+    # may be cut) ties with another, rows outside the first L may belong in it: rank those queries exactly
+    same = du[:, 1:] == du[:, :-1]                   # same[:, j]: distinct rows j and j + 1 tie
+    j = torch.arange(K - 1, device=q.device)
+    redo = (same & ((j == last) | (j == last - 1))).any(1)
+    tidy = ((same & (j < last)).any(1) & ~redo).nonzero().flatten()
+    if len(tidy): dist[tidy], idx[tidy] = _by_distance_then_index(dist[tidy], idx[tidy])
+    redo = redo.nonzero().flatten()
+    if exclude_self:
+        is_self = idx == torch.arange(n, device=q.device)[:, None]
+        is_self[~is_self.any(1), -1] = True          # the query is not among them: drop the last
+        dist, idx = dist[~is_self].view(n, k), idx[~is_self].view(n, k)
+    if len(redo):
+        for s in range(0, len(redo), max(1, 2**25 // len(r))):
+            rows = redo[s:s + max(1, 2**25 // len(r))]
+            dist[rows], idx[rows] = _exact_rows(q[rows], r, k, rows if exclude_self else None)
+    return dist, idx
 
 # %% ../nbs/05_metrics.ipynb #115e8d83
 def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch") -> torch.Tensor:
@@ -331,23 +392,13 @@ def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
     return get(test_metrics, "test_metrics") - get(train_metrics, "train_metrics")
 
 # %% ../nbs/05_metrics.ipynb #27b18a62
-RETRIEVAL_METRICS = ("map@r", "r_precision")
-METRICS = ("recall@K", "map@r", "r_precision", "nmi", "spectral_decay")
-
-def _parse_metric(name: str):
-    if isinstance(name, str):
-        m = re.fullmatch(r"recall@(\d+)", name)
-        if m and int(m.group(1)) >= 1: return int(m.group(1))
-        if name in METRICS[1:]: return name
-    raise unknown_name_error("metric", name, ["recall@1", "recall@2", "recall@4", "recall@8", *METRICS])
-
 def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"),
              gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
              knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20,
              nmi_nredo: int | None = None) -> dict[str, float]:
     "Compute the named `metrics` (see `METRICS`) with one shared neighbour search; {name: value}."
     if isinstance(metrics, str): metrics = (metrics,)
-    parsed = {name: _parse_metric(name) for name in metrics}
+    parsed = {name: parse_metric(name) for name in metrics}
     q, ql, r, rl, self_ = _query_reference(emb, labels, gallery_emb, gallery_labels)
     out = {}
     ks = [p for p in parsed.values() if isinstance(p, int)]

@@ -4,8 +4,7 @@
 
 # %% ../nbs/10_repro.ipynb #84ec5f37
 from __future__ import annotations
-import copy, fcntl, hashlib, os, tempfile
-from contextlib import contextmanager
+import copy, hashlib, os, tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -135,19 +134,9 @@ def availability(raw: Mapping) -> str | None:
         except (FileNotFoundError, ValueError) as e: return f"backbone weights missing: {e}"
     return None
 
-@contextmanager
-def _locked(run_dir: Path):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try: yield
-        finally: fcntl.flock(fh, fcntl.LOCK_UN)
-
 def run_one(raw: Mapping, runs_dir: str | Path, progress: bool = True) -> RunResult:
-    "`experiment.run` under a lock on the run folder (parallel notebooks wait for each other's identical runs)."
-    cfg = make_config(raw)
-    with _locked(run_dir_for(cfg, runs_dir)):
-        return run(cfg, runs_dir=runs_dir, progress=progress)
+    "`experiment.run`, waiting for the run folder's lock (parallel notebooks wait for each other's identical runs)."
+    return run(make_config(raw), runs_dir=runs_dir, progress=progress, wait=True)
 
 # %% ../nbs/10_repro.ipynb #2bff406b
 def load_learner(result: RunResult | str | Path):

@@ -109,18 +109,23 @@ def test_unknown_name_split_option():
         load_dataset("shapes", images_per_clas=3)
 
 
-def test_unreadable_image_named_or_skipped(tmp_path):
+def test_unreadable_image_named_or_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
     bad = sorted((root / "bicycle_final").glob("*.JPG"))[0]
     bad.write_bytes(b"not a jpeg")
     ds = load_dataset("sop", root, "train")
-    with pytest.raises(OSError, match=rf"{bad.name}.*skip_unreadable=True"):
+    with pytest.raises(OSError, match=rf"{bad.name}.*on_unreadable='skip'.*--set data.on_unreadable=skip"):
         [ds[i] for i in range(len(ds))]
+    with pytest.raises(ValueError, match=rf"1 of 6 images of sop train cannot be read: .*{bad.name}"):
+        load_dataset("sop", root, "train", on_unreadable="error")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        ds = load_dataset("sop", root, "train", skip_unreadable=True)
-    assert len(ds) == 5 and sum("skipped 1 unreadable" in str(x.message) for x in w) == 1
+        ds = load_dataset("sop", root, "train", on_unreadable="skip")
+    assert len(ds) == 5 and sum("skipped 1 unreadable" in str(x.message) and bad.name in str(x.message) for x in w) == 1
     [ds[i] for i in range(len(ds))]
+    with pytest.raises(TypeError, match="Valid options: transform, preset, augment, size, on_unreadable"):
+        load_dataset("sop", root, "train", skip_unreadable=True)
 
 
 def test_transform_options(trees):

@@ -52,3 +52,13 @@ def test_batches_that_cannot_form_tuples_are_refused_before_training(tmp_path, b
 def test_unknown_report_is_a_config_error():
     with pytest.raises(ConfigError, match="report"):
         make_config({**TINY, "eval": {**TINY["eval"], "report": "median"}})
+
+
+def test_on_unreadable_at_its_default_keeps_the_hash():
+    a = config_to_dict(make_config(TINY))
+    assert "on_unreadable" not in a["data"]
+    b = config_to_dict(make_config({**TINY, "data": {**TINY["data"], "on_unreadable": "error"}}))
+    c = config_to_dict(make_config({**TINY, "data": {**TINY["data"], "on_unreadable": "skip"}}))
+    assert config_hash(a) == config_hash(b) != config_hash(c) and c["data"]["on_unreadable"] == "skip"
+    with pytest.raises(ConfigError, match="one of 'error', 'skip'"):
+        make_config({**TINY, "data": {**TINY["data"], "on_unreadable": "ignore"}})

@@ -241,7 +241,7 @@ def test_kmeans_is_a_lloyd_fixed_point_and_deterministic():
     again = kmeans(emb, 10, niter=100, nredo=1, seed=0)
     torch.testing.assert_close(again[0], labels)
     best_of_5 = kmeans(emb, 10, niter=100, nredo=5, seed=0)[2]
-    assert best_of_5 <= obj + 1e-6
+    assert best_of_5 <= obj * (1 + 1e-7)      # float32 sums: the same minimum may differ in the 8th digit
     assert kmeans(emb, 10, niter=100, backend="faiss")[2] == pytest.approx(obj, rel=0.2)  # same problem, similar optimum
 
 
@@ -406,3 +406,59 @@ def test_faiss_gpu_matches_faiss_cpu():
     _, _, obj_gpu = kmeans(x, 12, backend="faiss_gpu", nredo=3)
     _, _, obj_cpu = kmeans(x, 12, backend="faiss_cpu", nredo=3)
     assert obj_gpu == pytest.approx(obj_cpu, rel=0.05)
+
+
+# ---------------------------------------------------------------- ties between equal distances
+
+def duplicated(groups=50, size=3, dim=16, seed=0):
+    "Groups of `size` identical unit rows, a third of the rows relabelled: which tied neighbour comes first matters."
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.normalize(torch.randn(groups, dim, generator=g), dim=1).repeat_interleave(size, 0)
+    y = torch.arange(groups * size) // size
+    y[torch.randperm(groups * size, generator=g)[:groups * size // 3]] += 10_000
+    return x, y
+
+
+def index_order_neighbours(x, exclude_self=True):
+    "Brute force: every other row sorted by (distance, index); differences, not a matrix product: identical rows tie."
+    d = (x.double()[:, None] - x.double()[None]).pow(2).sum(-1)
+    if exclude_self: d.fill_diagonal_(float("inf"))
+    order = np.lexsort((np.arange(len(x))[None].repeat(len(x), 0), d.numpy()), axis=1)
+    return torch.from_numpy(order[:, :-1] if exclude_self else order)
+
+
+@pytest.mark.parametrize("seed", [0, 2, 4])
+@pytest.mark.parametrize("backend", ["torch", "faiss_cpu"])
+def test_ties_break_by_index_for_every_k_and_backend(seed, backend):
+    "Issue 13: torch's top-k gave R@1 0.9333 with ks=(1,) and 0.9200 with ks=(1, 2, 4, 8) on one set with duplicates."
+    x, y = duplicated(seed=seed)
+    nn = index_order_neighbours(x)
+    want = {k: (y[nn[:, :k]] == y[:, None]).any(1).double().mean().item() for k in (1, 2, 4, 8)}
+    for ks in [(1,), (2,), (1, 2, 4, 8), (8, 1), (1, 50)]:
+        got = recall_at_k(x, y, ks=ks, backend=backend)
+        assert got == {k: pytest.approx(want[k], abs=1e-12) for k in ks if k in want} | {k: got[k] for k in ks if k not in want}
+    for k in (1, 2, 5, 20):
+        assert torch.equal(knn(x, x, k, exclude_self=True, backend=backend)[1], nn[:, :k])
+    ev = evaluate(x, y, ("recall@1", "recall@8", "map@r"), knn_backend=backend)
+    assert ev["recall@1"] == pytest.approx(want[1], abs=1e-12)
+    assert ev["map@r"] == pytest.approx(map_at_r(x, y, backend="torch"), abs=1e-12)
+
+
+def test_a_backend_that_returns_ties_in_any_order_is_reranked(monkeypatch):
+    "faiss-gpu's k-selection does not promise index order among ties: the post-processing restores it."
+    import faiss
+    x, y = duplicated(groups=30, size=4)
+
+    class Scrambled:                       # ties in reverse index order, as an arbitrary k-select may give them
+        def __init__(self, d): self.r = None
+        def add(self, r): self.r = torch.from_numpy(r)
+        def search(self, q, k):
+            d = (torch.from_numpy(q).double()[:, None] - self.r.double()[None]).pow(2).sum(-1)
+            order = np.lexsort((-np.arange(len(self.r))[None].repeat(len(q), 0), d.numpy()), axis=1)[:, :k]
+            return np.take_along_axis(d.numpy(), order, 1).astype(np.float32), order.astype(np.int64)
+
+    monkeypatch.setattr(faiss, "IndexFlatL2", Scrambled)
+    nn = index_order_neighbours(x)
+    for k in (1, 3, 6):
+        assert torch.equal(knn(x, x, k, exclude_self=True, backend="faiss_cpu")[1], nn[:, :k])
+    assert recall_at_k(x, y, ks=(1,), backend="faiss_cpu") == recall_at_k(x, y, ks=(1,), backend="torch")
