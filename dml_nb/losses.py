@@ -115,15 +115,22 @@ class SoftTripletLoss(RankingLoss):
 # %% ../nbs/03_losses.ipynb #f13174cd
 @LOSSES.register("margin")
 class MarginLoss(RankingLoss):
-    "Wu et al. margin loss with per-class learnable boundary β, normalised by the number of non-zero terms."
+    "Wu et al. margin loss with boundary β (per class or one; learned or fixed), normalised by the non-zero terms."
     default_miner = "distance_weighted"
     def __init__(self, margin: float = 0.2, beta: float = 1.2, num_classes: int | None = None,
-                 learn_beta: bool = True, nu: float = 0.0, param_lr: float = 5e-4):
+                 class_specific_beta: bool = True, learn_beta: bool = True, pair_count: str = "terms", nu: float = 0.0,
+                 param_lr: float = 5e-4):
         super().__init__()
         if num_classes is not None and num_classes < 1: raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        self.margin, self.nu, self.num_classes, self.param_lr = margin, nu, num_classes, param_lr
-        b = torch.full((num_classes or 1,), float(beta))
-        if learn_beta: self.beta = nn.Parameter(b)
+        if pair_count not in ("terms", "triplets"):
+            raise ValueError(f"pair_count must be 'terms' (non-zero terms, Wu et al. / D&C / MIC) or 'triplets' "
+                             f"(triplets with a non-zero term, DiVA / Revisiting-DML on PyTorch >= 1.2), got {pair_count!r}")
+        self.pair_count = pair_count
+        self.margin, self.nu, self.param_lr = margin, nu, param_lr
+        self.class_specific_beta, self.learn_beta = bool(class_specific_beta), bool(learn_beta)
+        self.num_classes = num_classes if self.class_specific_beta else None
+        b = torch.full((self.num_classes or 1,), float(beta))
+        if self.learn_beta: self.beta = nn.Parameter(b)
         else: self.register_buffer("beta", b)
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
@@ -138,18 +145,26 @@ class MarginLoss(RankingLoss):
                                  f"labels in [{int(la.min())}, {int(la.max())}]; set num_classes to the number of "
                                  "training classes (or groups) and renumber labels 0..num_classes-1")
             beta = self.beta[la]
-        dist = pairwise_distance(x)
-        pos = F.relu(dist[a, p] - beta + self.margin)
-        neg = F.relu(beta - dist[a, n] + self.margin)
-        count = (pos > 0).sum() + (neg > 0).sum()
+        d_ap = ((x[a] - x[p]).pow(2).sum(1) + 1e-8).sqrt()
+        d_an = ((x[a] - x[n]).pow(2).sum(1) + 1e-8).sqrt()
+        pos = F.relu(d_ap - beta + self.margin)
+        neg = F.relu(beta - d_an + self.margin)
+        count = (pos > 0).sum() + (neg > 0).sum() if self.pair_count == "terms" else ((pos > 0) | (neg > 0)).sum()
         return ((pos + neg).sum() + self.nu * beta.sum()) / count.clamp_min(1)
 
 # %% ../nbs/03_losses.ipynb #b3107450
 @LOSSES.register("contrastive")
 class ContrastiveLoss(RankingLoss):
-    "Contrastive loss $[d - m^+]_+$ on positive and $[m^- - d]_+$ on negative pairs."
-    def __init__(self, pos_margin: float = 0.0, neg_margin: float = 0.5):
-        super().__init__(); self.pos_margin, self.neg_margin = pos_margin, neg_margin
+    "Contrastive loss: margins on Euclidean distances ($[d - m^+]_+$, $[m^- - d]_+$) or on cosine similarities."
+    _default_margins = {"euclidean": (0.0, 0.5), "cosine": (1.0, 0.0)}
+    def __init__(self, pos_margin: float | None = None, neg_margin: float | None = None, metric: str = "euclidean"):
+        super().__init__()
+        if metric not in self._default_margins:
+            raise ValueError(f"metric must be one of {sorted(self._default_margins)}, got {metric!r}")
+        pos_default, neg_default = self._default_margins[metric]
+        self.metric = metric
+        self.pos_margin = pos_default if pos_margin is None else float(pos_margin)
+        self.neg_margin = neg_default if neg_margin is None else float(neg_margin)
 
     def distances(self, x: Tensor) -> Tensor: return pairwise_distance(x)
 
@@ -157,10 +172,13 @@ class ContrastiveLoss(RankingLoss):
         x, labels = self.prepare(embeddings, labels)
         a1, p, a2, n = as_pairs(tuples, labels, type(self).__name__)
         if len(a1) + len(a2) == 0: return zero_loss(embeddings)
-        dist = self.distances(x)
-        pos = reduce_losses(F.relu(dist[a1, p] - self.pos_margin), "nonzero")
-        neg = reduce_losses(F.relu(self.neg_margin - dist[a2, n]), "nonzero")
-        return pos + neg
+        if self.metric == "cosine":
+            sim = x @ x.T
+            pos_terms, neg_terms = F.relu(self.pos_margin - sim[a1, p]), F.relu(sim[a2, n] - self.neg_margin)
+        else:
+            dist = self.distances(x)
+            pos_terms, neg_terms = F.relu(dist[a1, p] - self.pos_margin), F.relu(self.neg_margin - dist[a2, n])
+        return reduce_losses(pos_terms, "nonzero") + reduce_losses(neg_terms, "nonzero")
 
 # %% ../nbs/03_losses.ipynb #ccb1dc05
 @LOSSES.register("npair")
@@ -282,6 +300,7 @@ class SNRContrastiveLoss(ContrastiveLoss):
     "Contrastive loss on the signal-to-noise-ratio distance (Yuan et al. 2019)."
     def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0):
         super().__init__(pos_margin, neg_margin)
+        self.metric = "snr"
 
     def distances(self, x: Tensor) -> Tensor: return snr_distance(x)
 

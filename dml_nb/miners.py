@@ -13,10 +13,12 @@ from torch import Tensor
 from .core import MINERS
 
 # %% auto #0
-__all__ = ['pairwise_distance', 'distance_weights', 'positive_mask', 'negative_mask', 'uniform_choice', 'weighted_choice',
-           'with_uniform_fallback', 'empty_tuples', 'check_batch', 'TupleMiner', 'check_triplets', 'RandomTripletMiner',
-           'SemiHardMiner', 'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner',
-           'UnconstrainedTripletMiner', 'IntraClassTripletMiner', 'GroupingMiner', 'MultiSimilarityMiner']
+__all__ = ['POSITIVES', 'pairwise_distance', 'log_inverse_sphere_density', 'check_cutoffs', 'distance_weights', 'positive_mask',
+           'negative_mask', 'uniform_choice', 'weighted_choice', 'with_uniform_fallback', 'check_positives',
+           'anchor_positive_pairs', 'empty_tuples', 'check_batch', 'TupleMiner', 'check_triplets', 'RandomTripletMiner',
+           'SemiHardMiner', 'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner', 'SharedRandomMiner',
+           'UnconstrainedTripletMiner', 'IntraClassTripletMiner', 'DnCNearestMiner', 'GroupingMiner',
+           'MultiSimilarityMiner']
 
 # %% ../nbs/02a_miners.ipynb #61f8f022
 def pairwise_distance(x: Tensor, y: Tensor | None = None, eps: float = 1e-8) -> Tensor:
@@ -32,14 +34,25 @@ def pairwise_distance(x: Tensor, y: Tensor | None = None, eps: float = 1e-8) -> 
     return torch.where(keep, sq, torch.ones_like(sq)).sqrt() * keep
 
 # %% ../nbs/02a_miners.ipynb #a76eeb12
+def log_inverse_sphere_density(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
+    "$\\log q^{-1}(\\max(d, \\text{cutoff}))$ on the unit sphere in `dim` dimensions; finite for every $d \\ge 0$."
+    d = dist.clamp_min(cutoff)
+    return -(dim - 2) * d.log() - (dim - 3) / 2 * (1 - d * d / 4).clamp_min(1e-8).log()
+
+def check_cutoffs(cutoff: float, upper_cutoff: float | None) -> None:
+    "A lower cutoff >= 0 and an upper cutoff that is None (none) or above it."
+    if not cutoff >= 0: raise ValueError(f"cutoff must be >= 0, got {cutoff}")
+    if upper_cutoff is not None and not upper_cutoff > cutoff:
+        raise ValueError(f"upper_cutoff must be None (no upper cutoff) or larger than the cutoff {cutoff}, got {upper_cutoff}")
+
 @torch.no_grad()
 def distance_weights(dist: Tensor, dim: int, allowed: Tensor | None = None, cutoff: float = 0.5,
-                     upper_cutoff: float = 1.4) -> Tensor:
+                     upper_cutoff: float | None = None) -> Tensor:
     "Row-normalised inverse-density weights $q(d)^{-1}$ of Wu et al.; rows with no valid entry are all zero."
     dist = dist.detach()
-    d = dist.clamp_min(cutoff)
-    log_w = -(dim - 2) * d.log() - (dim - 3) / 2 * (1 - d * d / 4).clamp_min(1e-8).log()
-    valid = (dist < upper_cutoff) & torch.isfinite(log_w)
+    log_w = log_inverse_sphere_density(dist, dim, cutoff)
+    valid = torch.isfinite(log_w)
+    if upper_cutoff is not None: valid = valid & (dist < upper_cutoff)
     if allowed is not None: valid = valid & allowed.to(torch.bool)
     log_w = log_w.masked_fill(~valid, -math.inf)
     row_max = log_w.amax(1, keepdim=True).nan_to_num(0.0, neginf=0.0)
@@ -70,6 +83,21 @@ def with_uniform_fallback(weights: Tensor, allowed: Tensor) -> Tensor:
     empty = weights.sum(1, keepdim=True) <= 0
     uniform = allowed.to(weights.dtype) / allowed.sum(1, keepdim=True).clamp_min(1)
     return torch.where(empty, uniform, weights)
+
+POSITIVES = ("one", "all")
+
+def check_positives(positives: str) -> None:
+    if positives not in POSITIVES:
+        raise ValueError(f"positives must be 'one' (one random positive per anchor, the authors' miners) or 'all' "
+                         f"(every anchor-positive pair), got {positives!r}")
+
+def anchor_positive_pairs(pos: Tensor, neg: Tensor, positives: str = "one",
+                          generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    "`(a, p)` for anchors with a positive and a negative: one uniform positive each ('one') or every pair ('all')."
+    ok = pos.any(1) & neg.any(1)
+    if positives == "all": return (pos & ok[:, None]).nonzero(as_tuple=True)
+    a = ok.nonzero().squeeze(1)
+    return a, uniform_choice(pos[a], generator)
 
 def empty_tuples(k: int, device=None) -> tuple[Tensor, ...]:
     "`k` empty `LongTensor`s: the result of a miner that found nothing."
@@ -117,13 +145,18 @@ def check_triplets(tuples, labels: Tensor, relation: str = "class") -> bool:
 # %% ../nbs/02a_miners.ipynb #daec987a
 @MINERS.register("random")
 class RandomTripletMiner(TupleMiner):
-    "Uniformly random (anchor, positive, negative) triplets, `triplets_per_anchor` per anchor."
-    def __init__(self, triplets_per_anchor: int = 1, generator: torch.Generator | None = None):
+    "Uniformly random triplets: drawn from all of the batch's ('batch', authors' code) or per anchor ('anchor')."
+    def __init__(self, triplets_per_anchor: int = 1, sampling: str = "batch", generator: torch.Generator | None = None):
         if triplets_per_anchor < 1: raise ValueError(f"triplets_per_anchor must be >= 1, got {triplets_per_anchor}")
-        super().__init__(generator); self.triplets_per_anchor = triplets_per_anchor
+        if sampling not in ("batch", "anchor"): raise ValueError(f"sampling must be 'batch' or 'anchor', got {sampling!r}")
+        super().__init__(generator); self.triplets_per_anchor, self.sampling = triplets_per_anchor, sampling
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
+        if self.sampling == "batch":
+            a, p, n = (pos[:, :, None] & neg[:, None, :]).nonzero(as_tuple=True)
+            keep = torch.randperm(len(a), generator=generator, device=x.device)[:self.triplets_per_anchor * len(labels)]
+            return a[keep], p[keep], n[keep]
         a = (pos.any(1) & neg.any(1)).nonzero().squeeze(1).repeat(self.triplets_per_anchor)
         if len(a) == 0: return empty_tuples(3, x.device)
         return a, uniform_choice(pos[a], generator), uniform_choice(neg[a], generator)
@@ -132,47 +165,58 @@ class RandomTripletMiner(TupleMiner):
 @MINERS.register("semihard")
 class SemiHardMiner(TupleMiner):
     "FaceNet semi-hard triplets: $d_{ap} < d_{an} \\le d_{ap} + m$; `mode` 'sample' (one per pair) or 'all'."
-    def __init__(self, margin: float = 0.2, mode: str = "sample", generator: torch.Generator | None = None):
+    def __init__(self, margin: float = 0.2, mode: str = "sample", positives: str = "one", fallback: str = "random",
+                 generator: torch.Generator | None = None):
         if mode not in ("sample", "all"): raise ValueError(f"mode must be 'sample' or 'all', got {mode!r}")
-        super().__init__(generator); self.margin, self.mode = margin, mode
+        if fallback not in ("random", "nearest"): raise ValueError(f"fallback must be 'random' or 'nearest', got {fallback!r}")
+        check_positives(positives)
+        super().__init__(generator)
+        self.margin, self.mode, self.positives, self.fallback = margin, mode, positives, fallback
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
-        a, p = (pos & neg.any(1, keepdim=True)).nonzero(as_tuple=True)
+        a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
         if len(a) == 0: return empty_tuples(3, x.device)
         dist = pairwise_distance(x)
         d_ap, d_an, negs = dist[a, p][:, None], dist[a], neg[a]
         if self.mode == "all":
             t, n = (negs & (d_an > d_ap) & (d_an <= d_ap + self.margin)).nonzero(as_tuple=True)
             return a[t], p[t], n
-        return a, p, semihard_choice(d_ap, d_an, negs, self.margin, generator)
+        return a, p, semihard_choice(d_ap, d_an, negs, self.margin, generator, self.fallback)
 
-def semihard_choice(d_ap: Tensor, d_an: Tensor, negs: Tensor, margin: float, generator=None) -> Tensor:
-    "Per row, a uniform semi-hard negative ($d_{ap} < d_{an} \\le d_{ap} + m$); else the nearest farther one; else the farthest."
+def semihard_choice(d_ap: Tensor, d_an: Tensor, negs: Tensor, margin: float, generator=None,
+                    fallback: str = "nearest") -> Tensor:
+    "Per row, a uniform semi-hard negative ($d_{ap} < d_{an} \\le d_{ap} + m$), else the `fallback` ('nearest' / 'random')."
     farther = negs & (d_an > d_ap)
     semi = farther & (d_an <= d_ap + margin)
     n_semi = uniform_choice(semi, generator)
-    n_far = d_an.masked_fill(~farther, math.inf).argmin(1)
-    n_hard = d_an.masked_fill(~negs, -math.inf).argmax(1)
-    return torch.where(semi.any(1), n_semi, torch.where(farther.any(1), n_far, n_hard))
+    if fallback == "random": other = uniform_choice(negs, generator)
+    else:
+        n_far = d_an.masked_fill(~farther, math.inf).argmin(1)
+        n_hard = d_an.masked_fill(~negs, -math.inf).argmax(1)
+        other = torch.where(farther.any(1), n_far, n_hard)
+    return torch.where(semi.any(1), n_semi, other)
 
 # %% ../nbs/02a_miners.ipynb #f7fc0568
 @MINERS.register("distance_weighted")
 class DistanceWeightedMiner(TupleMiner):
-    "Wu et al. distance-weighted sampling: one negative ~ $q(d)^{-1}$ per anchor-positive pair."
-    def __init__(self, cutoff: float = 0.5, upper_cutoff: float = 1.4, generator: torch.Generator | None = None):
-        super().__init__(generator); self.cutoff, self.upper_cutoff = cutoff, upper_cutoff
+    "Wu et al. distance-weighted sampling: negatives ~ $q(d)^{-1}$; one random positive per anchor or every pair."
+    def __init__(self, cutoff: float = 0.5, upper_cutoff: float | None = None, positives: str = "one",
+                 generator: torch.Generator | None = None):
+        check_cutoffs(cutoff, upper_cutoff); check_positives(positives)
+        super().__init__(generator); self.cutoff, self.upper_cutoff, self.positives = cutoff, upper_cutoff, positives
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
-        a, p = (pos & neg.any(1, keepdim=True)).nonzero(as_tuple=True)
+        a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
         if len(a) == 0: return empty_tuples(3, x.device)
         w = distance_weights(pairwise_distance(x), x.shape[1], neg, self.cutoff, self.upper_cutoff)
         w = with_uniform_fallback(w, neg)
         return a, p, weighted_choice(w[a], generator)
 
 # %% ../nbs/02a_miners.ipynb #cddd8fc5
-def _draw(dist: Tensor, allowed: Tensor, how: str, dim: int, generator, cutoff: float, upper_cutoff: float) -> Tensor:
+def _draw(dist: Tensor, allowed: Tensor, how: str, dim: int, generator, cutoff: float,
+          upper_cutoff: float | None) -> Tensor:
     "One column per row among `allowed`: 'distance' (q(d)^-1 weights), 'random' (uniform) or 'nearest'."
     if how == "nearest": return dist.masked_fill(~allowed, math.inf).argmin(1)
     if how == "random": return uniform_choice(allowed, generator)
@@ -183,25 +227,44 @@ def _draw(dist: Tensor, allowed: Tensor, how: str, dim: int, generator, cutoff: 
 class SharedTripletMiner(TupleMiner):
     "Triplets from three mutually different classes; positive and negative distance-weighted by default."
     def __init__(self, positive: str = "distance", negative: str = "distance", cutoff: float = 0.5,
-                 upper_cutoff: float = 1.4, margin: float = 0.2, generator: torch.Generator | None = None):
+                 upper_cutoff: float | None = None, margin: float = 0.2, first: str = "positive",
+                 generator: torch.Generator | None = None):
         if positive not in ("distance", "nearest", "random"):
             raise ValueError(f"positive must be 'distance', 'nearest' or 'random', got {positive!r}")
         if negative not in ("distance", "random", "semihard"):
             raise ValueError(f"negative must be 'distance', 'random' or 'semihard', got {negative!r}")
+        if first not in ("positive", "negative"): raise ValueError(f"first must be 'positive' or 'negative', got {first!r}")
+        if first == "negative" and negative == "semihard":
+            raise ValueError("negative='semihard' needs the positive first (d_ap): use first='positive'")
+        check_cutoffs(cutoff, upper_cutoff)
         super().__init__(generator)
         self.positive, self.negative, self.cutoff, self.upper_cutoff = positive, negative, cutoff, upper_cutoff
-        self.margin = margin
+        self.margin, self.first = margin, first
 
     def mine(self, x, labels, generator):
         if len(labels.unique()) < 3: return empty_tuples(3, x.device)
         dist, other = pairwise_distance(x), negative_mask(labels)
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
         a = torch.arange(len(labels), device=x.device)
+        if self.first == "negative":
+            n = _draw(dist, other, self.negative, *args)
+            return a, _draw(dist, other & (labels[None, :] != labels[n][:, None]), self.positive, *args), n
         p = _draw(dist, other, self.positive, *args)
         third = other & (labels[None, :] != labels[p][:, None])
         if self.negative == "semihard":
             return a, p, semihard_choice(dist[a, p][:, None], dist, third, self.margin, generator)
         return a, p, _draw(dist, third, self.negative, *args)
+
+# %% ../nbs/02a_miners.ipynb #e77f05a8
+@MINERS.register("shared_random")
+class SharedRandomMiner(DistanceWeightedMiner):
+    "DiVA's 'random' sharing: the distance-weighted miner on a randomly permuted copy of the batch's labels."
+    def mine(self, x, labels, generator, permutation: Tensor | None = None):
+        if permutation is None: permutation = torch.randperm(len(labels), generator=generator, device=labels.device)
+        permutation = torch.as_tensor(permutation, device=labels.device)
+        if not torch.equal(permutation.sort().values, torch.arange(len(labels), device=labels.device)):
+            raise ValueError(f"permutation must be a permutation of 0..{len(labels) - 1}")
+        return super().mine(x, labels[permutation], generator)
 
 # %% ../nbs/02a_miners.ipynb #c8cc522e
 @MINERS.register("unconstrained")
@@ -221,9 +284,10 @@ class UnconstrainedTripletMiner(TupleMiner):
 class IntraClassTripletMiner(TupleMiner):
     "Triplets with all three members from one class (DiVA intra-class task)."
     def __init__(self, sampling: str = "random", distinct: bool = True, cutoff: float = 0.5,
-                 upper_cutoff: float = 1.4, generator: torch.Generator | None = None):
+                 upper_cutoff: float | None = None, generator: torch.Generator | None = None):
         if sampling not in ("random", "distance"):
             raise ValueError(f"sampling must be 'random' or 'distance', got {sampling!r}")
+        check_cutoffs(cutoff, upper_cutoff)
         super().__init__(generator)
         self.sampling, self.distinct, self.cutoff, self.upper_cutoff = sampling, distinct, cutoff, upper_cutoff
 
@@ -240,10 +304,33 @@ class IntraClassTripletMiner(TupleMiner):
         return a, p, n
 
     def _code_variant(self, labels, generator):
+        "DiVA's intra_random.py: per batch element a class uniform among the batch's, then a, p, n with replacement."
+        if len(labels) == 0: return empty_tuples(3, labels.device)
         classes = labels.unique()
         pick = torch.randint(len(classes), (len(labels),), generator=generator, device=labels.device)
         members = labels[None, :] == classes[pick][:, None]
         return tuple(uniform_choice(members, generator) for _ in range(3))
+
+# %% ../nbs/02a_miners.ipynb #26ac426d
+@MINERS.register("dnc_nearest")
+class DnCNearestMiner(TupleMiner):
+    "Official D&C sampler: positives (index order) paired with the nearest negatives at d >= cutoff (index order)."
+    def __init__(self, cutoff: float = 0.5, generator: torch.Generator | None = None):
+        check_cutoffs(cutoff, None)
+        super().__init__(generator); self.cutoff = cutoff
+
+    def mine(self, x, labels, generator):
+        pos = positive_mask(labels)
+        k = int(pos.sum()) // max(len(labels), 1)
+        if k == 0: return empty_tuples(3, x.device)
+        dist = pairwise_distance(x)
+        valid = negative_mask(labels) & (dist >= self.cutoff)
+        nearest = dist.masked_fill(~valid, math.inf).topk(k, dim=1, largest=False).indices
+        chosen = torch.zeros_like(valid).scatter_(1, nearest, True) & valid
+        m = torch.minimum(pos.sum(1), chosen.sum(1))[:, None]
+        a, p = (pos & (pos.cumsum(1) <= m)).nonzero(as_tuple=True)
+        n = (chosen & (chosen.cumsum(1) <= m)).nonzero(as_tuple=True)[1]
+        return a, p, n
 
 # %% ../nbs/02a_miners.ipynb #9ec7881a
 @MINERS.register("grouping")

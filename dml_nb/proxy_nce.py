@@ -4,17 +4,17 @@
 
 # %% ../nbs/03b_proxy_nce_losses.ipynb #6752a719
 from __future__ import annotations
-import math
+import functools, math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import LOSSES
-from .miners import distance_weights
+from .miners import log_inverse_sphere_density
 
 # %% auto #0
-__all__ = ['ProxyNCALoss', 'ProxyAnchorLoss', 'InfoNCELoss', 'QueueNCELoss', 'DaNCELoss', 'Decorrelation']
+__all__ = ['DANCE_AXES', 'ProxyNCALoss', 'ProxyAnchorLoss', 'InfoNCELoss', 'QueueNCELoss', 'DaNCELoss', 'Decorrelation']
 
 # %% ../nbs/03b_proxy_nce_losses.ipynb #6b348654
 def _check_embeddings(emb: Tensor, labels: Tensor | None = None, name: str = "embeddings") -> None:
@@ -167,6 +167,11 @@ def _check_query_keys_queue(loss_name: str, query: Tensor, keys: Tensor, queue: 
         raise ValueError(f"{loss_name} got an empty queue: fill the queue with keys before the first step "
                          "(DiVA fills it with 30 batches of keys before training)")
 
+def _full_precision(*tensors: Tensor) -> tuple[Tensor, ...]:
+    "The tensors in one dtype of at least float32 (half and bfloat16 inputs are upcast; float64 stays)."
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+    return tuple(t.to(dtype) for t in tensors)
+
 @LOSSES.register("nce_queue")
 class QueueNCELoss(nn.Module):
     "MoCo-style NCE: each query against its positive key and a queue of negative keys."
@@ -182,47 +187,71 @@ class QueueNCELoss(nn.Module):
                 queue: Tensor) -> Tensor:
         _check_query_keys_queue(type(self).__name__, query, keys, queue, tuples)
         if len(query) == 0: return _zero(query, keys)
-        q, k, k_neg = F.normalize(query, dim=1), F.normalize(keys, dim=1), F.normalize(queue, dim=1)
-        pos = (q * k).sum(1) / self.temperature
-        logits = q @ k_neg.T / self.temperature
-        if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
-        return (torch.logsumexp(logits, dim=1) - pos).mean()
+        with torch.autocast(query.device.type, enabled=False):       # fp32 even under autocast (see DaNCE)
+            q, k, k_neg = (F.normalize(t, dim=1) for t in _full_precision(query, keys, queue))
+            pos = (q * k).sum(1) / self.temperature
+            logits = q @ k_neg.T / self.temperature
+            if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
+            return (torch.logsumexp(logits, dim=1) - pos).mean()
 
 # %% ../nbs/03b_proxy_nce_losses.ipynb #0567de18
+DANCE_AXES = ("key", "query")
+
 @LOSSES.register("dance")
 class DaNCELoss(nn.Module):
-    "Distance-adapted NCE (DiVA eq. 6): queue negatives weighted by inverse sphere-distance density, per query."
+    "Distance-adapted NCE (DiVA eq. 6): queue negatives weighted by inverse sphere-distance density."
     default_miner: str | None = None
     extra_inputs: tuple[str, ...] = ("keys", "queue")
 
-    def __init__(self, temperature: float = 0.01, lower_cutoff: float = 0.5, upper_cutoff: float = 1.4,
-                 include_positive: bool = False):
+    def __init__(self, temperature: float = 0.01, lower_cutoff: float = 0.5, upper_cutoff: float | None = 1.4,
+                 include_positive: bool = False, normalize: str = "key"):
         super().__init__()
         if temperature <= 0: raise ValueError(f"temperature must be positive, got {temperature}")
-        if not 0 <= lower_cutoff < upper_cutoff:
-            raise ValueError(f"need 0 <= lower_cutoff < upper_cutoff, got {lower_cutoff}, {upper_cutoff}")
-        self.temperature, self.lower_cutoff, self.upper_cutoff = float(temperature), float(lower_cutoff), float(upper_cutoff)
-        self.include_positive = bool(include_positive)
+        if not lower_cutoff >= 0: raise ValueError(f"lower_cutoff must be >= 0, got {lower_cutoff}")
+        if upper_cutoff is not None and not upper_cutoff > lower_cutoff:
+            raise ValueError(f"need lower_cutoff < upper_cutoff (or upper_cutoff=None), got {lower_cutoff}, {upper_cutoff}")
+        if normalize not in DANCE_AXES:
+            raise ValueError(f"normalize must be 'key' (per key over the batch, the authors' default) or 'query' "
+                             f"(per query over the queue, their --diva_fixed), got {normalize!r}")
+        self.temperature, self.lower_cutoff, self.include_positive = float(temperature), float(lower_cutoff), bool(include_positive)
+        self.upper_cutoff = None if upper_cutoff is None else float(upper_cutoff)
+        self.normalize = normalize
+        self.last_stats: dict[str, Tensor] = {}
 
     def negative_weights(self, query: Tensor, queue: Tensor) -> Tensor:
-        "Detached weights w(d) of every queue key for every query, shape `(B, K)`; each row sums to 1, or is 0 if no key is closer than `upper_cutoff`."
-        q, k = F.normalize(query.detach(), dim=1), F.normalize(queue.detach(), dim=1)
+        "Detached weights of every queue key for every query, `(B, K)`, normalised along `self.normalize`."
+        q, k = (F.normalize(t.detach(), dim=1) for t in _full_precision(query, queue))
         return self._weights(q @ k.T, dim=q.shape[1])
+
+    def _within_cutoff(self, sim: Tensor) -> Tensor:
+        if self.upper_cutoff is None: return torch.ones_like(sim, dtype=torch.bool)
+        return (2 - 2 * sim.detach()).clamp_min(0).sqrt() <= self.upper_cutoff
 
     def _weights(self, sim: Tensor, dim: int) -> Tensor:
         dist = (2 - 2 * sim.detach()).clamp_min(0).sqrt()          # d = sqrt(2 - 2 q.k) on the sphere
-        return distance_weights(dist, dim=dim, cutoff=self.lower_cutoff, upper_cutoff=self.upper_cutoff)
+        log_w = log_inverse_sphere_density(dist, dim, self.lower_cutoff)
+        valid = torch.isfinite(log_w) & self._within_cutoff(sim)
+        axis = 0 if self.normalize == "key" else 1
+        log_w = log_w.masked_fill(~valid, -math.inf)
+        w = (log_w - log_w.amax(axis, keepdim=True).nan_to_num(0.0, neginf=0.0)).exp() * valid
+        total = w.sum(axis, keepdim=True)
+        uniform = torch.full_like(total, 1.0 / w.shape[axis])      # a line with no valid entry (the code's 1e-45 clamp)
+        return torch.where(total > 0, w / total.clamp_min(torch.finfo(w.dtype).tiny), uniform)
 
     def forward(self, query: Tensor, labels: Tensor | None = None, tuples=None, *, keys: Tensor,
                 queue: Tensor) -> Tensor:
         _check_query_keys_queue(type(self).__name__, query, keys, queue, tuples)
         if len(query) == 0: return _zero(query, keys)
-        q, k, k_neg = F.normalize(query, dim=1), F.normalize(keys, dim=1), F.normalize(queue, dim=1)
-        pos = (q * k).sum(1) / self.temperature                    # (B,)   positive logit, unweighted
-        sim = q @ k_neg.T                                          # (B, K)
-        logits = self._weights(sim, dim=q.shape[1]) * sim / self.temperature
-        if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
-        return (torch.logsumexp(logits, dim=1) - pos).mean()
+        with torch.autocast(query.device.type, enabled=False):       # fp32 even under autocast
+            q, k, k_neg = (F.normalize(t, dim=1) for t in _full_precision(query, keys, queue))
+            pos = (q * k).sum(1) / self.temperature                    # (B,)   positive logit, unweighted
+            sim = q @ k_neg.T                                          # (B, K)
+            w = self._weights(sim, dim=q.shape[1])
+            self.last_stats = {"nonzero_weight_fraction": (w > 0).float().mean().detach(),
+                               "within_cutoff_fraction": self._within_cutoff(sim).float().mean()}
+            logits = w * sim / self.temperature
+            if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
+            return (torch.logsumexp(logits, dim=1) - pos).mean()
 
 # %% ../nbs/03b_proxy_nce_losses.ipynb #7cd36e95
 from .models import GradientReversal, grad_reverse
@@ -234,11 +263,13 @@ class Decorrelation(nn.Module):
     param_weight_decay: float = 0.0
 
     def __init__(self, source_dim: int, target_dim: int, weight: float = 1.0, hidden_dim: int = 512,
-                 param_lr: float = 1e-5):
+                 param_lr: float = 1e-5, param_weight_decay: float = 0.0):
         super().__init__()
         if min(source_dim, target_dim, hidden_dim) < 1:
             raise ValueError(f"source_dim, target_dim and hidden_dim must be positive, got {source_dim}, {target_dim}, {hidden_dim}")
+        if not param_weight_decay >= 0: raise ValueError(f"param_weight_decay must be >= 0, got {param_weight_decay}")
         self.source_dim, self.target_dim, self.weight, self.param_lr = source_dim, target_dim, float(weight), float(param_lr)
+        self.param_weight_decay = float(param_weight_decay)
         self.psi = nn.Sequential(nn.Linear(source_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, target_dim))
 
     def correlation(self, source: Tensor, target: Tensor) -> Tensor:

@@ -205,3 +205,127 @@ def test_margin_label_range_error_and_param_lr():
     assert m.param_lr == 5e-4 and [n for n, _ in m.named_parameters()] == ["beta"]
     assert LOSSES.get("margin").default_miner == "distance_weighted"
     assert LOSSES.get("triplet").default_miner == "semihard"
+
+
+# ---------------------------------------------------------------- options of issues 11 / 12
+
+def test_contrastive_cosine_reading_matches_pml_cosine_similarity():
+    from pytorch_metric_learning.distances import CosineSimilarity
+    emb, labels = batch(seed=12)
+    theirs = pml_losses.ContrastiveLoss(pos_margin=1, neg_margin=0, distance=CosineSimilarity())
+    assert_same(ContrastiveLoss(metric="cosine"), theirs, emb, labels)
+    assert (ContrastiveLoss(metric="cosine").pos_margin, ContrastiveLoss(metric="cosine").neg_margin) == (1.0, 0.0)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        ContrastiveLoss(metric="dot")
+
+
+def test_margin_beta_readings():
+    emb, labels = batch(n_classes=3, k=2, dim=8, dtype=torch.float32)
+    fixed = LOSSES.build("margin", num_classes=3, class_specific_beta=False, learn_beta=False)   # official D&C
+    assert list(fixed.parameters()) == [] and fixed.beta.shape == (1,) and fixed.param_lr == 5e-4
+    per_class = LOSSES.build("margin", num_classes=3)                                           # DiVA / MIC
+    assert [n for n, _ in per_class.named_parameters()] == ["beta"] and per_class.beta.shape == (3,)
+    scalar_learned = LOSSES.build("margin", num_classes=3, class_specific_beta=False)
+    assert scalar_learned.beta.shape == (1,) and scalar_learned.beta.requires_grad
+    # a fixed scalar beta equals a per-class beta with all entries 1.2 that is never updated
+    torch.testing.assert_close(fixed(emb, labels), per_class(emb, labels))
+
+
+def test_fixed_beta_never_reaches_an_optimiser():
+    from dml_nb.learner import Method
+
+    class Tiny(Method):
+        def __init__(self, **loss_options):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 4)
+            self.loss = MarginLoss(num_classes=3, **loss_options)
+        def training_step(self, b): return {"loss": self.loss(self.head(b["x"]), b["y"])}
+
+    emb, labels = batch(n_classes=3, k=4, dim=8, dtype=torch.float32)
+    m = Tiny(class_specific_beta=False, learn_beta=False)
+    groups = m.param_groups(lr=1e-3, weight_decay=0.0)
+    assert all(p is not m.loss.beta for g in groups for p in g["params"])
+    assert [g["name"] for g in groups] == ["other"]                        # no group of its own: nothing to train
+    opt = torch.optim.Adam(groups)
+    for _ in range(5):
+        opt.zero_grad(); m.training_step({"x": emb, "y": labels})["loss"].backward(); opt.step()
+    assert torch.equal(m.loss.beta, torch.tensor([1.2]))
+    learned = Tiny()
+    groups = learned.param_groups(lr=1e-3, weight_decay=4e-4)
+    beta_group = [g for g in groups if any(p is learned.loss.beta for p in g["params"])]
+    assert len(beta_group) == 1 and beta_group[0]["lr"] == 5e-4 and beta_group[0]["weight_decay"] == 0.0
+    assert "beta" in dict(m.loss.state_dict())                             # the fixed beta is still checkpointed
+
+
+def test_margin_distance_has_the_authors_epsilon():
+    emb, labels = batch(n_classes=2, k=2, dim=4, dtype=torch.float64)
+    loss = MarginLoss(num_classes=2).double()
+    same = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))        # a = p = n: d = sqrt(1e-8) = 1e-4
+    torch.testing.assert_close(loss(emb, labels, same), torch.tensor(1.2 - 1e-4 + 0.2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- golden tests: the authors' margin losses
+
+import numpy as np
+from golden import arr, load_golden
+
+from dml_nb.miners import DnCNearestMiner
+
+
+def test_golden_margin_diva_per_class_beta():
+    """DiVA's criteria/margin.py (per-class beta, learned; PyTorch >= 1.2, so its pair count is the number of triplets
+    with a non-zero term) on fixed triplets with repeated indices: value, gradient wrt the embeddings and wrt beta.
+    One shared beta, or counting terms, fails."""
+    g = load_golden("blocks_margin_diva")
+    inp, out = g["inputs"], g["outputs"]
+    emb, labels = torch.tensor(inp["embeddings"], dtype=torch.float32), torch.tensor(inp["labels"])
+    tuples = tuple(torch.tensor(t) for t in zip(*inp["triplets"]))
+    loss = MarginLoss(num_classes=4, pair_count="triplets")
+    with torch.no_grad(): loss.beta.copy_(torch.tensor(inp["beta"]))
+    e = emb.clone().requires_grad_()
+    v = loss(e, labels, tuples)
+    v.backward()
+    assert abs(v.item() - out["loss"]) < 1e-6
+    np.testing.assert_allclose(e.grad.numpy(), arr(out["gradient"]), atol=1e-6)
+    np.testing.assert_allclose(loss.beta.grad.numpy(), arr(out["beta_gradient"]), atol=1e-6)
+    shared = MarginLoss(num_classes=4, class_specific_beta=False, pair_count="triplets")
+    with torch.no_grad(): shared.beta.fill_(float(np.mean(inp["beta"])))
+    assert abs(shared(emb, labels, tuples).item() - out["loss"]) > 1e-3
+    terms = MarginLoss(num_classes=4)
+    with torch.no_grad(): terms.beta.copy_(torch.tensor(inp["beta"]))
+    assert abs(terms(emb, labels, tuples).item() - out["loss"]) > 1e-2
+
+
+@pytest.mark.parametrize("case", ["balanced", "uneven"])
+@pytest.mark.parametrize("torch_version,pair_count", [("pytorch_1_0", "terms"), ("pytorch_2", "triplets")])
+def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
+    """The official D&C margin loss (lib/loss/margin_loss.py with its own sampler, one scalar beta never given to
+    the optimiser): the gradient at the first step and the loss over 4 Adam steps of the embeddings, as their code
+    computed it on the PyTorch of its release (non-zero terms counted) and as it runs today (triplets counted). A
+    learned beta (in its own group at 5e-4, as DiVA's) moves and the later losses fail; so does the other count."""
+    g = load_golden("blocks_dnc_nearest")
+    inp, out = g["inputs"][case], g["outputs"][case][torch_version]
+    labels = torch.tensor(inp["labels"])
+
+    def run(**options):
+        loss, miner = MarginLoss(num_classes=int(labels.max()) + 1, **options), DnCNearestMiner()
+        e = torch.nn.Parameter(torch.tensor(inp["embeddings"], dtype=torch.float32))
+        groups = [{"params": [e], "lr": 0.01}]
+        if list(loss.parameters()): groups.append({"params": list(loss.parameters()), "lr": loss.param_lr})
+        opt, values, grad0 = torch.optim.Adam(groups), [], None
+        for _ in range(4):
+            opt.zero_grad()
+            v = loss(e, labels, miner(e, labels))
+            v.backward()
+            values.append(v.item()); grad0 = e.grad.clone() if grad0 is None else grad0
+            opt.step()
+        return values, grad0, loss.beta
+
+    values, grad0, beta = run(class_specific_beta=False, learn_beta=False, pair_count=pair_count)
+    np.testing.assert_allclose(values, out["loss_per_step"], rtol=1e-5)
+    np.testing.assert_allclose(grad0.numpy(), arr(out["gradient_step0"]), atol=1e-6)
+    assert beta.item() == out["beta_after"] == pytest.approx(1.2)
+    learned, _, _ = run(class_specific_beta=False, learn_beta=True, pair_count=pair_count)
+    assert abs(learned[-1] - out["loss_per_step"][-1]) > 2e-5         # beyond the rtol 1e-5 above
+    other, _, _ = run(class_specific_beta=False, learn_beta=False, pair_count={"terms": "triplets"}.get(pair_count, "terms"))
+    assert abs(other[0] - out["loss_per_step"][0]) > 1e-2

@@ -176,49 +176,93 @@ def test_decorrelation_gradient_signs():
     torch.testing.assert_close(g_loss[1], 3.0 * g_r[1])
     for a, b in zip(g_loss[2:], g_r[2:]): torch.testing.assert_close(a, -3.0 * b)   # projector ascends r
     assert Decorrelation.param_lr == 1e-5 and Decorrelation.param_weight_decay == 0.0
+    assert Decorrelation(5, 4, param_weight_decay=1e-6).param_weight_decay == 1e-6   # MIC's regressor group
 
 
 # ---------------------------------------------------------------- DaNCE against a loop reference
 
-def _dance_reference(q, k, queue, tau, lower, upper, include_positive):
-    "DiVA eq. 6, one query at a time, written from the formula (no shared code with the library)."
+def _dance_reference(q, k, queue, tau, lower, upper, include_positive, normalize):
+    "DiVA eq. 6 written from the formula, one line (query row or key column) at a time; no code shared with the library."
     q, k, queue = (F.normalize(t, dim=1) for t in (q, k, queue))
     n = q.shape[1]
+    s = q @ queue.T
+    d = torch.sqrt(torch.clamp(2 - 2 * s, min=0)).detach()
+    dc = torch.clamp(d, min=lower)
+    logw = -(n - 2) * torch.log(dc) - (n - 3) / 2 * torch.log(1 - dc ** 2 / 4)
+    ok = d <= upper
+    w = torch.zeros_like(s)
+    lines = range(s.shape[0]) if normalize == "query" else range(s.shape[1])
+    for i in lines:
+        sel = (i, slice(None)) if normalize == "query" else (slice(None), i)
+        if ok[sel].any():
+            e = torch.where(ok[sel], torch.exp(logw[sel] - logw[sel][ok[sel]].max()), torch.zeros_like(logw[sel]))
+            w[sel] = e / e.sum()
+        else: w[sel] = 1.0 / len(logw[sel])               # the code's 1e-45 clamp: a line without valid entry is uniform
     losses = []
     for i in range(len(q)):
-        s = queue @ q[i]
-        d = torch.sqrt(torch.clamp(2 - 2 * s, min=0)).detach()
-        dc = torch.clamp(d, min=lower)
-        logw = -(n - 2) * torch.log(dc) - (n - 3) / 2 * torch.log(1 - dc ** 2 / 4)
-        w = torch.where(d < upper, torch.exp(logw - logw[d < upper].max()) if (d < upper).any() else 0 * logw, 0 * logw)
-        w = w / w.sum() if w.sum() > 0 else w
         pos = q[i] @ k[i] / tau
-        neg = w * s / tau
+        neg = w[i] * s[i] / tau
         den = torch.logsumexp(torch.cat([pos[None], neg]) if include_positive else neg, 0)
         losses.append(den - pos)
     return torch.stack(losses).mean()
 
 
+@pytest.mark.parametrize("normalize", ["key", "query"])
 @pytest.mark.parametrize("include_positive", [False, True])
 @pytest.mark.parametrize("dim", [16, 128])
-def test_dance_matches_loop_reference(include_positive, dim):
+def test_dance_matches_loop_reference(include_positive, dim, normalize):
     q, k, queue = _qkq(b=7, dim=dim, k=200, seed=3)
     with torch.no_grad():                       # put some keys close to the queries so all weight regimes occur
         queue[:7] = q + 0.3 * torch.randn_like(q)
-    loss = DaNCELoss(temperature=0.01, include_positive=include_positive)
-    ref = _dance_reference(q, k, queue, 0.01, 0.5, 1.4, include_positive)
+        queue[7] = -q[0]                        # a key far from every query: uniform column (per key)
+    loss = DaNCELoss(temperature=0.01, include_positive=include_positive, normalize=normalize)
+    ref = _dance_reference(q, k, queue, 0.01, 0.5, 1.4, include_positive, normalize)
     torch.testing.assert_close(loss(q, keys=k, queue=queue), ref)
     g1 = torch.autograd.grad(loss(q, keys=k, queue=queue), (q, k, queue))
     g2 = torch.autograd.grad(ref, (q, k, queue))
     for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
 
 
-def test_dance_weights_per_query_not_per_key():
+def test_dance_weights_per_key_and_per_query():
     q, _, queue = _qkq(b=4, dim=8, k=50)
-    w = DaNCELoss().negative_weights(q, queue)
-    torch.testing.assert_close(w.sum(1), torch.ones(4, dtype=w.dtype))
-    assert not torch.allclose(w.sum(0), torch.ones(50, dtype=w.dtype))
-    assert not w.requires_grad
+    wk = DaNCELoss().negative_weights(q, queue)                      # default: per key, the authors' code
+    torch.testing.assert_close(wk.sum(0), torch.ones(50, dtype=wk.dtype))
+    assert not torch.allclose(wk.sum(1), torch.ones(4, dtype=wk.dtype))
+    wq = DaNCELoss(normalize="query").negative_weights(q, queue)      # --diva_fixed
+    torch.testing.assert_close(wq.sum(1), torch.ones(4, dtype=wq.dtype))
+    assert not wk.requires_grad and not wq.requires_grad
+    assert DaNCELoss().normalize == "key" and DaNCELoss().upper_cutoff == 1.4
+
+
+def test_dance_last_stats_and_no_cutoff():
+    g = torch.Generator().manual_seed(0)
+    q, queue = torch.randn(32, 128, generator=g), torch.randn(512, 128, generator=g)
+    for normalize in ("key", "query"):
+        loss = DaNCELoss(normalize=normalize)
+        loss(q, keys=q, queue=queue)
+        within = float(loss.last_stats["within_cutoff_fraction"])
+        assert 0.35 < within < 0.47                                     # random 128-d: about 41% of pairs within 1.4
+        assert float(loss.last_stats["nonzero_weight_fraction"]) >= within
+        free = DaNCELoss(normalize=normalize, upper_cutoff=None)
+        free(q, keys=q, queue=queue)
+        assert float(free.last_stats["nonzero_weight_fraction"]) == 1.0
+
+
+@pytest.mark.parametrize("cls", [DaNCELoss, QueueNCELoss])
+def test_queue_losses_compute_in_fp32_under_bf16_autocast(cls):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 32, generator=g, requires_grad=True)
+    k, queue = torch.randn(16, 32, generator=g), torch.randn(200, 32, generator=g)
+    loss = cls(temperature=0.01)
+    ref = loss(q, keys=k, queue=queue)
+    g_ref, = torch.autograd.grad(ref, q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = loss(q.to(torch.bfloat16), keys=k.to(torch.bfloat16), queue=queue)   # bf16 inputs as from an autocast head
+        out_fp32 = loss(q, keys=k, queue=queue)
+    assert out.dtype == torch.float32
+    g_out, = torch.autograd.grad(out_fp32, q)
+    torch.testing.assert_close(out_fp32, ref)
+    torch.testing.assert_close(g_out, g_ref)
 
 
 # ---------------------------------------------------------------- edge cases
@@ -258,16 +302,18 @@ def test_queue_errors(cls):
 
 def test_dance_all_keys_far_is_finite():
     q = F.normalize(torch.randn(1, 16), dim=1)
-    queue = -q.repeat(5, 1)                                      # every key at distance 2 > 1.4: weights 0
-    loss = DaNCELoss()(q, keys=q, queue=queue)
-    torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / 0.01))
+    queue = -q.repeat(5, 1)                                      # every key at distance 2 > 1.4: uniform weights 1/5
+    loss = DaNCELoss(normalize="query")(q, keys=q, queue=queue)
+    torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / (5 * 0.01) - 1 / 0.01))
+    loss = DaNCELoss(normalize="key")(q, keys=q, queue=queue)   # per key over a batch of one query: weight 1
+    torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / 0.01 - 1 / 0.01))
 
 
 def test_dance_and_queue_nce_on_float32_at_diva_scale_are_finite():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(112, 128, generator=g, requires_grad=True)
     k, queue = torch.randn(112, 128, generator=g), F.normalize(torch.randn(3360, 128, generator=g), dim=1)
-    for loss in [DaNCELoss(), DaNCELoss(include_positive=True), QueueNCELoss(0.01)]:
+    for loss in [DaNCELoss(), DaNCELoss(include_positive=True), DaNCELoss(normalize="query"), QueueNCELoss(0.01)]:
         l = loss(q, keys=k, queue=queue)
         g_q, = torch.autograd.grad(l, q)
         assert torch.isfinite(l) and torch.isfinite(g_q).all()
@@ -278,3 +324,83 @@ def test_declared_attributes():
     assert ProxyNCALoss(2, 3, param_lr=1e-2).param_lr == 1e-2
     assert ProxyAnchorLoss.param_lr == 1e-3 and ProxyNCALoss.param_lr == 5e-4
     assert DaNCELoss.extra_inputs == ("keys", "queue")
+
+
+# ---------------------------------------------------------------- golden tests: the authors' DaNCE and decorrelation
+
+import numpy as np
+from golden import arr, load_golden
+
+
+@pytest.mark.parametrize("case", ["diva", "far_keys"])
+@pytest.mark.parametrize("axis", ["key", "query"])
+def test_golden_dance_both_axes(axis, case):
+    """DiVA's criteria/fast_moco.py: loss and gradient wrt the query, normalised per key (their default) and per query
+    (--diva_fixed), with the positive in the denominator as their cross-entropy has it; 'far_keys' has keys (columns)
+    and a query (row) with every distance beyond the cutoff, which the code's 1e-45 clamp makes uniform. The other
+    axis fails; so does a zero weight for such a line."""
+    g = load_golden("blocks_dance")
+    inp, out = g["inputs"][case], g["outputs"][case][axis]
+    keys, queue = torch.tensor(inp["keys"]), torch.tensor(inp["queue"])
+
+    def value_grad(loss):
+        q = torch.tensor(inp["query"], requires_grad=True)
+        v = loss(q, keys=keys, queue=queue)
+        return v.item(), torch.autograd.grad(v, q)[0].numpy()
+
+    options = dict(temperature=inp["temperature"], lower_cutoff=inp["lower_cutoff"], upper_cutoff=inp["upper_cutoff"],
+                   include_positive=True)
+    v, grad = value_grad(DaNCELoss(normalize=axis, **options))
+    assert v == pytest.approx(out["loss"], rel=1e-5)
+    np.testing.assert_allclose(grad, arr(out["gradient"]), atol=2e-5, rtol=1e-4)
+    other = value_grad(DaNCELoss(normalize="query" if axis == "key" else "key", **options))[0]
+    assert abs(other - out["loss"]) > 0.1
+    if case == "far_keys":
+        zero_lines = DaNCELoss(normalize=axis, **options)
+        inner = zero_lines._weights
+        zero_lines._weights = lambda sim, dim: inner(sim, dim) * zero_lines._within_cutoff(sim)
+        assert abs(value_grad(zero_lines)[0] - out["loss"]) > 1e-3
+
+
+def _decorrelation_from(reg_state, source_dim, target_dim, weight, hidden):
+    decor = Decorrelation(source_dim, target_dim, weight=weight, hidden_dim=hidden)
+    decor.psi.load_state_dict({k: torch.tensor(v) for k, v in reg_state.items()})
+    return decor
+
+
+def _check_decorrelation(decor, source, target, out, source_key, target_key):
+    s, t = (torch.tensor(x, requires_grad=True) for x in (source, target))
+    v = decor(s, t)
+    grads = torch.autograd.grad(v, [s, t, *decor.psi.parameters()])
+    assert v.item() == pytest.approx(out["loss"], rel=1e-5)
+    np.testing.assert_allclose(grads[0].numpy(), arr(out[source_key]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads[1].numpy(), arr(out[target_key]), rtol=1e-4, atol=1e-6)
+    for (name, _), gp in zip(decor.psi.named_parameters(), grads[2:]):
+        np.testing.assert_allclose(gp.numpy(), arr(out["regressor_gradient"][name]), rtol=1e-4, atol=1e-6)
+    return grads
+
+
+def test_golden_decorrelation_diva():
+    """DiVA's criteria/adversarial_separation.py with identical projector weights: the loss, the gradients that reach
+    both embeddings through the reversal, and the projector's gradients. Without the reversal the embeddings'
+    gradients flip sign and fail."""
+    g = load_golden("blocks_decorrelation_diva")
+    inp, out = g["inputs"], g["outputs"]
+    D = len(inp["source"][0])
+    decor = _decorrelation_from(inp["regressor"], D, D, inp["weight"], inp["hidden_dim"])
+    _check_decorrelation(decor, inp["source"], inp["target"], out, "source_gradient", "target_gradient")
+    s, t = (torch.tensor(x, requires_grad=True) for x in (inp["source"], inp["target"]))
+    plain = torch.autograd.grad(-inp["weight"] * decor.correlation(s, t), [s])[0]      # no reversal
+    np.testing.assert_allclose(plain.numpy(), -arr(out["source_gradient"]), rtol=1e-4, atol=1e-6)
+
+
+def test_golden_decorrelation_mic():
+    """MIC's losses.py AdvLoss (weight applied outside, as main.py does; the regressor maps the shared embedding
+    phi* to the class embedding phi): the same module with source = aux, target = class. Swapping the roles fails."""
+    g = load_golden("blocks_decorrelation_mic")
+    inp, out = g["inputs"], g["outputs"]
+    Da, Dc = len(inp["aux_features"][0]), len(inp["class_features"][0])
+    decor = _decorrelation_from(inp["regressor"], Da, Dc, inp["weight"], inp["hidden_dim"])
+    _check_decorrelation(decor, inp["aux_features"], inp["class_features"], out, "aux_gradient", "class_gradient")
+    with pytest.raises(ValueError, match="needs source"):
+        decor(torch.tensor(inp["class_features"]), torch.tensor(inp["aux_features"]))
