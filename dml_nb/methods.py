@@ -102,7 +102,8 @@ class MultiTaskMethod(Method):
     def __init__(self, backbone: nn.Module, dims: Mapping[str, int], tasks: Sequence[Task],
                  decorrelations: Sequence[tuple[str, str, float]] = (), *, separate: bool = False,
                  dropout: float = 0.0, output_noise: float = 0.0, input_noise: float = 0.0,
-                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5):
+                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5,
+                 decorrelation_weight_decay: float = 0.0):
         super().__init__()
         dims = dict(dims)
         if not dims: raise ValueError("a multi-task recipe needs at least one head, e.g. dims={'discriminative': 128}")
@@ -135,7 +136,8 @@ class MultiTaskMethod(Method):
             key = f"{s}_to_{g}"
             if key in self.pairs: raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
             self.pairs[key] = (s, g)
-            self.decorrelations[key] = Decorrelation(dims[s], dims[g], w, decorrelation_hidden_dim, param_lr=decorrelation_lr)
+            self.decorrelations[key] = Decorrelation(dims[s], dims[g], w, decorrelation_hidden_dim, param_lr=decorrelation_lr,
+                                                     param_weight_decay=decorrelation_weight_decay)
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
         self._steps = 0
         for t in tasks: t.setup(self)

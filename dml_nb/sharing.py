@@ -153,7 +153,6 @@ class SharingSampler(torch.utils.data.Sampler):
     (`seed`, epoch), the same on every process."""
     def __init__(self, base, shared=None, shared_probability: float = 1.0, seed: int = 0, discriminative: bool = True):
         if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
-        if shared is None and not discriminative: raise ValueError("a SharingSampler needs a discriminative or a shared stream")
         self.base, self.shared, self.shared_probability = base, shared, float(shared_probability)
         self.seed, self.discriminative, self.epoch = seed, bool(discriminative), getattr(base, "epoch", 0)
         self._labels, self._labels_epoch = {}, None
@@ -171,7 +170,9 @@ class SharingSampler(torch.utils.data.Sampler):
         "`(tag, indices)` for every update of the epoch, in order."
         epoch = self.epoch if epoch is None else epoch
         base = self.base.batches(epoch)
-        if self.shared is None: return [(DISCRIMINATIVE, b) for b in base]
+        if self.shared is None:
+            if not self.discriminative: raise RuntimeError("a SharingSampler without a discriminative task needs a shared stream (use_shared)")
+            return [(DISCRIMINATIVE, b) for b in base]
         shared = self.shared.batches(epoch)
         if len(shared) < len(base):
             raise RuntimeError(f"the shared stream has {len(shared)} batches for the {len(base)} iterations of epoch {epoch}")
@@ -261,7 +262,7 @@ class SharingMatters(MultiTaskMethod):
                  group_swap_probability: float = 0.2, rematch_groups: bool = False, embed: str = "concat",
                  regressor_hidden_dim: int = 512, regressor_lr: float | None = None,
                  regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1):
-        grouping = shared_sampling in ("tg_std", "tg_nostd")
+        grouping = shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"   # a shared task on groups
         if shared_batches is None: shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
         for name, value, valid in (("architecture", architecture, ARCHITECTURES), ("updates", updates, UPDATES),
                                    ("shared_sampling", shared_sampling, SHARED_SAMPLINGS), ("embed", embed, EMBEDS),
@@ -309,8 +310,8 @@ class SharingMatters(MultiTaskMethod):
                              embedding_dim=heads[shared_head]))
         pairs = [("phi_star", "phi", float(gamma))] if architecture == "separate_decorrelated" else []
         super().__init__(backbone, heads, tasks, pairs, decorrelation_hidden_dim=regressor_hidden_dim,
-                         decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr)
-        for d in self.decorrelations.values(): d.param_weight_decay = float(regressor_weight_decay)
+                         decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr,   # None: set in param_groups
+                         decorrelation_weight_decay=regressor_weight_decay)
         self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
         self.gamma, self.updates, self.shared_probability = float(gamma), updates, float(shared_probability)
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
@@ -448,6 +449,8 @@ class SharingMatters(MultiTaskMethod):
                 "sharing/regrouped": int(int(self.grouped_epoch) == epoch)}
 
 # %% ../nbs/07b_sharing.ipynb #8d4f1c03
+# T^G as the text reads (features f, mean-std standardised before every grouping), with dml_nb's earlier choices where
+# the text is silent (regroup every epoch, class-balanced shared batches, 5 k-means restarts, re-matched group ids)
 TG_PAPER_TEXT = dict(group_on="features", first_group_on=None, standardize="mean_std", regroup_standardize="mean_std",
                      regroup_every=1, shared_batches="class_balanced", rematch_groups=True, kmeans_redo=5)
 MIC_DEFAULTS = dict(shared_sampling="tg_std", gamma=2500.0, shared_probability=0.8, embed="phi", standardize="mean",

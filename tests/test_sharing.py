@@ -264,6 +264,14 @@ def test_group_batches_split_across_ranks_and_label_their_items():
            groups[GroupBatchSampler(groups, 24, 4, 0.0, seed=3).batches(0)[0][0]].tolist()   # no swaps: own group
 
 
+@pytest.mark.parametrize("arch", ["shared", "one_head", "discriminative"])
+def test_grouping_with_each_single_or_shared_head_architecture(shapes, arch):
+    hist = run(shapes, epochs=1, architecture=arch, shared_sampling="tg_std", num_groups=5).fit()
+    want = {"shared": (None, 5), "one_head": (5, 5), "discriminative": (5, None)}[arch]
+    assert (hist[0].get("updates/discriminative"), hist[0].get("updates/shared")) == want
+    assert ("sharing/regrouped" in hist[0]) == (arch != "discriminative")     # no shared task: nothing to group
+
+
 # architectures and setups -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
