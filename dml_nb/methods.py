@@ -102,7 +102,8 @@ class MultiTaskMethod(Method):
     def __init__(self, backbone: nn.Module, dims: Mapping[str, int], tasks: Sequence[Task],
                  decorrelations: Sequence[tuple[str, str, float]] = (), *, separate: bool = False,
                  dropout: float = 0.0, output_noise: float = 0.0, input_noise: float = 0.0,
-                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5):
+                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5,
+                 decorrelation_weight_decay: float = 0.0):
         super().__init__()
         dims = dict(dims)
         if not dims: raise ValueError("a multi-task recipe needs at least one head, e.g. dims={'discriminative': 128}")
@@ -135,7 +136,8 @@ class MultiTaskMethod(Method):
             key = f"{s}_to_{g}"
             if key in self.pairs: raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
             self.pairs[key] = (s, g)
-            self.decorrelations[key] = Decorrelation(dims[s], dims[g], w, decorrelation_hidden_dim, param_lr=decorrelation_lr)
+            self.decorrelations[key] = Decorrelation(dims[s], dims[g], w, decorrelation_hidden_dim, param_lr=decorrelation_lr,
+                                                     param_weight_decay=decorrelation_weight_decay)
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
         self._steps = 0
         for t in tasks: t.setup(self)
@@ -171,25 +173,33 @@ class MultiTaskMethod(Method):
         "The decorrelation pairs (keys of `self.decorrelations`) active at step `step`; default: all of them."
         return list(self.decorrelations)
 
+    def tasks_for_batch(self, batch: Mapping) -> list[Task]:
+        "The tasks trained on `batch`: by default those of the current step (a recipe whose sampler tags batches reads the tag)."
+        return self.tasks_for_step(self._steps)
+
+    def decorrelations_for_batch(self, batch: Mapping) -> list[str]:
+        "The decorrelation pairs active on `batch`: by default those of the current step."
+        return self.decorrelations_for_step(self._steps)
+
     # ---------------------------------------------------------------- training
     def training_step(self, batch: dict) -> dict:
         x = batch["x"]
         if self.input_noise > 0: x = x + self.input_noise * torch.randn_like(x)
         embs = self.head_embeddings(self.features(x))
         total, logs = None, {}
-        for task in self.tasks_for_step(self._steps):
+        for task in self.tasks_for_batch(batch):
             out = task(embs[task.head], batch, self)
             total = task.weight * out["loss"] if total is None else total + task.weight * out["loss"]
             logs[f"loss/{task.name}"] = out["loss"].detach()
             logs.update({f"{k}/{task.name}": (v.detach() if isinstance(v, torch.Tensor) else v)
                          for k, v in out.items() if k != "loss"})
-        for key in self.decorrelations_for_step(self._steps):
+        for key in self.decorrelations_for_batch(batch):
             s, g = self.pairs[key]
             term = self.decorrelations[key](embs[s], embs[g])
             total = term if total is None else total + term
             logs[f"decorrelation/{key}"] = term.detach()
         if total is None: raise RuntimeError(f"no task and no decorrelation pair is active at step {self._steps}: "
-                                             "tasks_for_step must return at least one task")
+                                             "tasks_for_step / tasks_for_batch must return at least one task")
         return {"loss": total, **logs}
 
     @torch.no_grad()

@@ -95,6 +95,34 @@ def test_each_projector_has_its_own_group():
         assert groups[key]["lr"] == 3e-5 and groups[key]["weight_decay"] == 0.0
         assert len(groups[key]["params"]) == 4
     assert {"backbone", "heads", "tasks.t.loss"} <= set(groups)
+    m = MultiTaskMethod(tiny_backbone(), {"d": 8, "a": 4}, [Task("t", "d", num_classes=4)], [("a", "d", 1.0)],
+                        decorrelation_lr=2e-4, decorrelation_weight_decay=1e-6)      # MIC's settings at lr 2e-4
+    g = {g["name"]: g for g in m.param_groups(1e-3, 4e-4)}["decorrelations.a_to_d"]
+    assert (g["lr"], g["weight_decay"]) == (2e-4, 1e-6)
+
+
+class Tagged(MultiTaskMethod):
+    "Trains the task named by the batch's tag, as a sampler yielding (tag, indices) sets it."
+    def tasks_for_batch(self, batch): return [list(self.tasks.values())[batch["group"]]]
+
+
+def test_tasks_for_batch_drives_a_learner_with_tagged_batches():
+    class TwoTasks:
+        "Yields every batch of `base` twice: tagged 0, then 1."
+        def __init__(self, base): self.base, self.epoch = base, 0
+        def set_epoch(self, e): self.epoch = e; self.base.set_epoch(e)
+        def batches(self, epoch=None): return [(t, b) for b in self.base.batches(epoch) for t in (0, 1)]
+    seen = []
+    class Spy(Callback):
+        def after_step(self, learner, logs): seen.append(sorted(k for k in logs if k.startswith("loss/")))
+    y = torch.arange(48) % 6
+    data = torch.utils.data.TensorDataset(torch.randn(48, 3, 32, 32), y)
+    data.labels = y.numpy()
+    m = Tagged(tiny_backbone(), {"d": 8, "s": 4}, [Task("disc", "d", num_classes=6), Task("shared", "s", miner="shared", num_classes=6)])
+    base = ClassBalancedBatchSampler(data.labels, batch_size=12, samples_per_class=4, seed=0, batches_per_epoch=3)
+    Learner(m, data, TwoTasks(base), epochs=1, lr=1e-3, progress=False, callbacks=[Spy()]).fit()
+    assert seen == [["loss/disc"], ["loss/shared"]] * 3
+    assert int(m.steps_done) == 6
 
 
 def test_separate_backbones_share_nothing():
