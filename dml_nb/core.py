@@ -257,6 +257,7 @@ def _class_spec(src: _Source, module: str, cls: ast.ClassDef) -> dict | None:
                     v = getattr(n, "value", None)
                     attrs[t.id] = v.value if isinstance(v, ast.Constant) else _UNKNOWN
     spec = {"options": [], "var_kw": False} if init is None else _args_spec(init, drop_first=True)
+    if spec["var_kw"]: return None              # **options passed on (e.g. a recipe with other defaults): import to see them
     return {**spec, "attrs": attrs, "complete": not external}
 
 def _static_registrations(modules, symbol: str) -> dict | None:

@@ -31,6 +31,15 @@ ABLATED: dict[str, set[str]] = {
     "repro_diva_table4/*": {"train.epochs", "train.schedule"},
     "repro_diva_fig4_left/*": {"train.epochs", "train.schedule", "method.options.embed_weights"},
     "repro_diva_fig4_right/*": {"train.epochs", "train.schedule", "method.options.embed_weights"},
+    # Sharing: Tables 6 and 7 switch the architecture, Table 4 the loss (and its batch shape), Table 8 the shared
+    # triplets; the TPAMI tables 1-3 report MIC's T^G run on the concatenation [phi, phi*]
+    "repro_sharing_table6/*": {"method.options.architecture"},
+    "repro_sharing_table7/*": {"method.options.architecture", "method.options.gamma"},
+    "repro_sharing_figs2_7_8/*": {"method.options.architecture"},
+    "repro_sharing_table4/*": {"method.options.loss", "method.options.miner", "method.options.shared_sampler",
+                               "train.samples_per_class"},
+    "repro_sharing_table8/*": {"method.options.shared_sampling", "method.options.shared_sampler"},
+    "repro_sharing_tables1_3/Ours (T^G)*": {"method.options.embed"},
 }
 
 
@@ -51,6 +60,7 @@ def table(paper: str) -> pd.DataFrame:
 
 def paper_of(method: str, source: Path) -> str | None:
     "Which paper's protocol a config follows: the method's own paper; baselines follow the file's paper."
+    if method == "mic": return "sharing"
     if method in PAPERS: return method
     stem = source.parent.name
     if stem == "repro_table3" or source.parent.name == "train": return "diva"

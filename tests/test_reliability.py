@@ -488,7 +488,11 @@ def test_registry_names_and_options_read_from_source_match_the_imported_classes(
         reg._load()
         assert sorted(static) == reg.names(), reg.kind
         for name, spec in static.items():
-            assert spec is not None, f"{reg.kind} {name!r}: not readable from source"
+            if spec is None:    # only a recipe that passes **options on may need importing (e.g. `mic`)
+                import inspect
+                init = inspect.signature(reg.get(name).__init__).parameters.values()
+                assert any(p.kind == p.VAR_KEYWORD for p in init), f"{reg.kind} {name!r}: not readable from source"
+                continue
             live = reg.spec(name)
             assert (spec["options"], spec["var_kw"]) == (live["options"], live["var_kw"]), (reg.kind, name)
             for opt, value in spec["defaults"].items():
