@@ -18,10 +18,10 @@ from .formats import (DATASETS, REAL_DATASETS, SPLITS, DatasetFormatError, Datas
                             UnreadableImagesError, check_images, read_index)
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'ConfigError',
-           'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override',
-           'load_config', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for', 'load_result',
-           'run', 'run_seeds', 'main']
+__all__ = ['RECIPES_VERSION', 'USER_ERRORS', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',
+           'ConfigError', 'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml',
+           'apply_override', 'load_config', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for',
+           'load_result', 'run', 'run_seeds', 'main']
 
 # %% ../nbs/09_experiment.ipynb #dd7b8c31
 @dataclass
@@ -482,9 +482,15 @@ class RunResult:
         import pandas as pd
         return pd.DataFrame(self.history)
 
+# Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
+# sets, so its hash alone cannot tell): run folders of older recipes are then not reused. 2: the fidelity defaults
+# (authors' miners, DiVA / D&C / Sharing / BSPML recipes as their code ran them).
+RECIPES_VERSION = 2
+
 def run_dir_for(cfg: Config, runs_dir: str | Path = "runs") -> Path:
-    "Where `run` keeps the run of `cfg`: named by method, dataset and the config's hash."
-    return Path(runs_dir) / f"{cfg.method.name}-{cfg.data.name}-{config_hash(config_to_dict(cfg))}"
+    "Where `run` keeps the run of `cfg`: named by method, dataset and the hash of the config and `RECIPES_VERSION`."
+    h = config_hash({"config": config_to_dict(cfg), "recipes": RECIPES_VERSION})
+    return Path(runs_dir) / f"{cfg.method.name}-{cfg.data.name}-{h}"
 
 def _versions() -> dict:
     import dml_nb, numpy as np, torch, torchvision

@@ -62,3 +62,13 @@ def test_on_unreadable_at_its_default_keeps_the_hash():
     assert config_hash(a) == config_hash(b) != config_hash(c) and c["data"]["on_unreadable"] == "skip"
     with pytest.raises(ConfigError, match="one of 'error', 'skip'"):
         make_config({**TINY, "data": {**TINY["data"], "on_unreadable": "ignore"}})
+
+
+def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
+    "A default that changes what an unchanged config trains bumps RECIPES_VERSION: the run folder moves."
+    import dml_nb.experiment as ex
+    cfg = make_config(TINY)
+    now = ex.run_dir_for(cfg, tmp_path)
+    assert now.name != f"baseline-shapes-{config_hash(config_to_dict(cfg))}"     # the name before the fidelity defaults
+    monkeypatch.setattr(ex, "RECIPES_VERSION", ex.RECIPES_VERSION + 1)
+    assert ex.run_dir_for(cfg, tmp_path) != now
