@@ -397,9 +397,11 @@ class BSPML(Method):
     @torch.no_grad()
     def update_weights(self, learner) -> dict:
         "One weight step of Algorithm 1: terms from the current model, Algorithm 3 at the current age, then grow the age."
-        xi_pos, xi_neg = (t.double() for t in self.per_sample_terms(learner))
-        labels, lam = self.labels.to(xi_pos.device), float(self.age)
-        w0 = self.weights.to(xi_pos.device, torch.float64)
+        # the terms on the embeddings' device; the O(N) solver on the CPU in float64 (CUDA's atomic index_add would
+        # make a resumed run differ in the last bits)
+        xi_pos, xi_neg = (t.double().cpu() for t in self.per_sample_terms(learner))
+        labels, lam = self.labels.cpu(), float(self.age)
+        w0 = self.weights.to("cpu", torch.float64)
         gen = torch.Generator().manual_seed(derive_seed(learner.seed, BSPML_SEED, learner.epoch))
         w, info = solve_spl_weights(xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, return_info=True, **self.solver)
         self.last_update = {"lambda": lam, "spl_objective": info["objective"], "spl_pg": info["pg"],
