@@ -5,11 +5,13 @@
 # %% ../nbs/07d_bspml.ipynb #b7f3dabb
 from __future__ import annotations
 import copy
+import math
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from .core import LOSSES, METHODS, MINERS, unknown_name_error
@@ -18,7 +20,8 @@ from .metrics import maw_sdaw
 from .models import EmbeddingHead, EmbeddingModel
 
 # %% auto #0
-__all__ = ['BSPML_SEED', 'TERMS_TRANSFORMS', 'class_index', 'spl_objective', 'spl_gradient', 'ClassIndex',
+__all__ = ['XI_SCOPES', 'SOLVERS', 'BSPML_SEED', 'TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'class_index', 'spl_objective',
+           'spl_gradient', 'pair_loss_floor', 'terms_chunk_rows', 'sample_terms', 'ClassIndex',
            'spl_stochastic_gradient', 'solve_spl_weights', 'projected_gradient_norm', 'SPLLogger', 'BSPML']
 
 # %% ../nbs/07d_bspml.ipynb #0868d5d2
@@ -72,6 +75,84 @@ def spl_gradient(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam:
     g_b = 2 * mu * (m_c - (m.sum() - m_c) / (C - 1))
     return (g_p + g_n + g_b - lam) / n_c
 
+# %% ../nbs/07d_bspml.ipynb #b1f10002
+XI_SCOPES = ("class", "batch")
+
+def pair_loss_floor(labels, alpha: float = 2.0, rho: float = 1.0, scope: str = "class", K: int = 4) -> Tensor:
+    "Per-sample lower bound of the pair loss at $\\mathbf w = \\mathbf 1$: $\\frac2\\alpha\\log(1 + n_a e^{-\\alpha(1-\\rho)})$, $n_a$ = positives."
+    if scope not in XI_SCOPES: raise unknown_name_error("xi_scope", scope, XI_SCOPES)
+    inv, counts = _classes(labels, torch.device("cpu"))
+    n = (counts - 1).double() if scope == "class" else torch.full(counts.shape, K - 1.0, dtype=torch.float64)
+    n = torch.where(counts > 1, n, torch.zeros_like(n))          # a class of one sample has no positives
+    return _at(2 / alpha * torch.log1p(n * math.exp(-alpha * (1 - rho))), inv)
+
+def _free_memory(device: torch.device) -> int:
+    "Bytes free for temporaries: CUDA's free memory, else MemAvailable of /proc/meminfo (2 GiB if unknown)."
+    if device.type == "cuda": return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
+    except OSError: pass
+    return 2 << 30
+
+def terms_chunk_rows(n: int, device, fraction: float = 0.25, cpu_cap: int = 512 << 20) -> int:
+    "Rows per chunk of `sample_terms`: three (rows x n) float32 buffers within `fraction` of the free memory (CPU: at most `cpu_cap` bytes)."
+    device = torch.device(device)
+    budget = fraction * _free_memory(device)
+    if device.type != "cuda": budget = min(budget, cpu_cap)
+    return int(max(1, min(n, budget // (3 * 4 * n))))
+
+def _log1p_scaled_sum(z: Tensor, scale: Tensor) -> Tensor:
+    "Row-wise $\\log(1 + s\\sum_j e^{z_j})$ ($-\\infty$ entries drop out); consumes `z`; shifted only where a row's max exceeds 0."
+    m = z.amax(1).clamp_min(0)
+    if not bool(m.any()): return torch.log1p(scale * z.exp_().sum(1))
+    return m + torch.log(torch.exp(-m) + scale * z.sub_(m[:, None]).exp_().sum(1))
+
+@torch.no_grad()
+def sample_terms(embeddings: Tensor, labels, alpha: float = 2.0, beta: float = 50.0, rho: float = 1.0,
+                 epsilon: float = 0.1, scope: str = "class", batch: Sequence[int] = (16, 4), mine: bool = False,
+                 chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    "$\\xi^+$, $\\xi^-$ of every sample (eq. 3) against its class / all other classes (`scope='class'`) or scaled to a P x K batch."
+    if scope not in XI_SCOPES: raise unknown_name_error("xi_scope", scope, XI_SCOPES)
+    P, K = (int(v) for v in batch)
+    if P < 2 or K < 2: raise ValueError(f"batch = (P, K) needs P >= 2 classes and K >= 2 samples per class, got {tuple(batch)}")
+    x = F.normalize(embeddings.detach().float(), dim=1)
+    inv, counts = class_index(torch.as_tensor(labels).to(x.device))
+    if len(inv) != len(x): raise ValueError(f"{len(x)} embeddings but {len(inv)} labels")
+    N, dev = len(inv), x.device
+    order = torch.argsort(inv, stable=True)                       # class-sorted: a class is a contiguous block
+    xs, ys = x[order], inv[order]
+    start = torch.cumsum(counts, 0) - counts
+    cnt = counts.float()
+    if scope == "class": s_pos = s_neg = torch.ones_like(cnt)
+    else:                                                         # expected in-batch sums: K-1 of the N^c-1 positives,
+        s_pos = (K - 1) / (cnt - 1).clamp_min(1)                  # (P-1)K of the N-N^c negatives
+        s_neg = (P - 1) * K / (N - cnt)
+    span = torch.arange(int(counts.max()), device=dev)
+    rows = int(chunk_rows) if chunk_rows else terms_chunk_rows(N, dev)
+    xi_pos, xi_neg = torch.empty(N, device=dev), torch.empty(N, device=dev)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        yr, me = ys[r0:r1], torch.arange(r0, r1, device=dev)
+        mates = _at(start, yr)[:, None] + span                    # (rows, max class size): the row's class, padded
+        valid = span < _at(counts, yr)[:, None]
+        mates = torch.where(valid, mates, me[:, None])            # padding points at the row itself
+        pos = valid & (mates != me[:, None])
+        z = xs[r0:r1] @ xs.T                                      # (rows, N): no N x N matrix
+        sp = z.gather(1, mates)                                   # similarities to the classmates
+        z.sub_(rho).mul_(beta).scatter_(1, mates, -math.inf)      # beta (S - rho) on the negatives only
+        if mine:                                                  # eqs. 4-5, as MultiSimilarityLoss._informative
+            min_pos = sp.masked_fill(~pos, math.inf).amin(1)
+            pos &= sp - epsilon < (z.amax(1) / beta + rho)[:, None]
+            z.masked_fill_(z <= (beta * (min_pos - epsilon - rho))[:, None], -math.inf)
+        xi_neg[r0:r1] = _log1p_scaled_sum(z, _at(s_neg, yr)) / beta
+        zp = sp.sub_(rho).mul_(-alpha).masked_fill_(~pos, -math.inf)
+        xi_pos[r0:r1] = _log1p_scaled_sum(zp, _at(s_pos, yr)) / alpha
+    out_pos, out_neg = torch.empty_like(xi_pos), torch.empty_like(xi_neg)
+    out_pos[order], out_neg[order] = xi_pos, xi_neg
+    return out_pos, out_neg
+
 # %% ../nbs/07d_bspml.ipynb #cee382c8
 class ClassIndex:
     "Class ids, sizes, and positions of every sample in class-sorted order (for sampling class members by index)."
@@ -106,27 +187,34 @@ def spl_stochastic_gradient(w: Tensor, idx: Tensor, xi_pos: Tensor, xi_neg: Tens
     return (g_p + g_n + g_b - lam) / n_c[:, 0].to(w.dtype)
 
 # %% ../nbs/07d_bspml.ipynb #13ffb73f
-def solve_spl_weights(xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float, mu: float = 0.0,
-                      w0: Tensor | None = None, iters: int = 1000, block: float = 0.1, step_size: float = 0.5,
-                      step_decay: float = 0.01, P: int | None = 16, K: int | None = 4,
-                      generator: torch.Generator | None = None) -> Tensor:
-    "Algorithm 3 (block form): projected coordinate gradient on `spl_objective`; returns w in [0, 1]^N."
-    xi_pos, xi_neg = torch.as_tensor(xi_pos), torch.as_tensor(xi_neg)
-    dtype = xi_pos.dtype if xi_pos.is_floating_point() else torch.float32
-    xi_pos, xi_neg = xi_pos.to(dtype), xi_neg.to(dtype=dtype, device=xi_pos.device)
-    labels = torch.as_tensor(labels).to(xi_pos.device)
-    N = len(labels)
-    w = torch.ones(N, dtype=dtype, device=xi_pos.device) if w0 is None else torch.as_tensor(w0).to(xi_pos.device, dtype).clone()
-    _check_terms(w, xi_pos, xi_neg, labels)
-    if not (torch.isfinite(xi_pos).all() and torch.isfinite(xi_neg).all()):
-        raise ValueError("xi_pos / xi_neg contain NaN or infinite values: check the embeddings")
-    if iters < 0: raise ValueError(f"iters must be >= 0, got {iters}")
-    if not 0 < block <= 1: raise ValueError(f"block is the fraction of weights updated per iteration, in (0, 1]; got {block}")
-    if not step_size > 0 or step_decay < 0: raise ValueError(f"need step_size > 0 and step_decay >= 0, got {step_size}, {step_decay}")
-    if (P is None) != (K is None): raise ValueError(f"P and K are both None (exact gradients) or both integers, got P={P}, K={K}")
-    if K is not None and (P < 1 or K < 1): raise ValueError(f"P and K must be >= 1, got P={P}, K={K}")
-    w = w.clamp(0, 1)
-    ci = ClassIndex(labels)
+SOLVERS = ("exact", "stochastic")
+
+def _projected_step(w: Tensor, g: Tensor, scale: Tensor) -> Tensor:
+    "$w - P_{[0,1]}(w - N^c g)$: the projected gradient (eq. 10) with the solver's per-class step scaling."
+    return w - (w - scale * g).clamp(0, 1)
+
+def _solve_exact(w, xi_pos, xi_neg, ci, lam, mu, iters, tol, sigma=1e-4):
+    "Projected gradient with exact gradients, Armijo backtracking on the projection arc; stops when RMS(PG) <= tol."
+    scale = _at(ci.counts.to(w.dtype), ci.inv)                    # N^c: one step moves a weight by ~(G_p+G_n+G_b-lambda)
+    f = spl_objective(w, xi_pos, xi_neg, ci, lam, mu)
+    g = spl_gradient(w, xi_pos, xi_neg, ci, lam, mu)
+    t, it = 1.0, 0
+    while True:
+        pg = float(_projected_step(w, g, scale).pow(2).mean().sqrt())
+        if pg <= tol or it == iters: break
+        t, d = min(2 * t, 1e6), scale * g
+        while True:                                               # backtracking: sufficient decrease along the arc
+            w_new = (w - t * d).clamp(0, 1)
+            f_new = spl_objective(w_new, xi_pos, xi_neg, ci, lam, mu)
+            if f_new <= f + sigma * (g * (w_new - w)).sum() or t < 1e-12: break
+            t /= 2
+        w, f, it = w_new, f_new, it + 1
+        g = spl_gradient(w, xi_pos, xi_neg, ci, lam, mu)
+    return w, {"iters": it, "pg": pg, "objective": float(f), "converged": pg <= tol}
+
+def _solve_stochastic(w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, step_decay, P, K, generator):
+    "Algorithm 3 in block form: a random block of coordinates per iteration, each with its eq. 8 estimate."
+    N, dtype = len(w), w.dtype
     size = max(1, int(round(block * N)))
     n = ci.counts.to(dtype)
     # gamma_a = step N^c, capped below 2 / L: L = 2 mu b_c / (N^c)^2 for the b_c ~ block N^c weights of a class
@@ -139,18 +227,47 @@ def solve_spl_weights(xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float
         else: G = spl_stochastic_gradient(w, idx, xi_pos, xi_neg, ci, lam, mu, P, K, generator)
         decay = 1 / (1 + step_decay * t)
         w.index_copy_(0, idx, (_at(w, idx) - decay * _at(scale, idx) * G).clamp(0, 1))
-    return w
+    pg = projected_gradient_norm(w, xi_pos, xi_neg, ci, lam, mu)
+    return w, {"iters": iters, "pg": pg, "objective": float(spl_objective(w, xi_pos, xi_neg, ci, lam, mu)), "converged": None}
 
-def projected_gradient_norm(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float,
-                            mu: float = 0.0) -> float:
+def solve_spl_weights(xi_pos: Tensor, xi_neg: Tensor, labels, lam: float, mu: float = 0.0,
+                      w0: Tensor | None = None, solver: str = "exact", iters: int | None = None, tol: float = 1e-6,
+                      block: float = 0.1, step_size: float = 0.5, step_decay: float = 0.01, P: int | None = 16,
+                      K: int | None = 4, generator: torch.Generator | None = None, return_info: bool = False):
+    "Minimise `spl_objective` over $[0,1]^N$ from `w0` (default 1): exact projected gradient, or Algorithm 3 (`solver='stochastic'`)."
+    if solver not in SOLVERS: raise unknown_name_error("solver", solver, SOLVERS)
+    xi_pos, xi_neg = torch.as_tensor(xi_pos), torch.as_tensor(xi_neg)
+    dtype = xi_pos.dtype if xi_pos.is_floating_point() else torch.float32
+    xi_pos, xi_neg = xi_pos.to(dtype), xi_neg.to(dtype=dtype, device=xi_pos.device)
+    ci = labels if isinstance(labels, ClassIndex) else ClassIndex(torch.as_tensor(labels).to(xi_pos.device))
+    N = len(ci.inv)
+    w = torch.ones(N, dtype=dtype, device=xi_pos.device) if w0 is None else torch.as_tensor(w0).to(xi_pos.device, dtype).clone()
+    _check_terms(w, xi_pos, xi_neg, ci)
+    if not (torch.isfinite(xi_pos).all() and torch.isfinite(xi_neg).all()):
+        raise ValueError("xi_pos / xi_neg contain NaN or infinite values: check the embeddings")
+    iters = (10000 if solver == "exact" else 1000) if iters is None else int(iters)
+    if iters < 0: raise ValueError(f"iters must be >= 0, got {iters}")
+    w = w.clamp(0, 1)
+    if solver == "exact":
+        if not tol >= 0: raise ValueError(f"tol (the projected-gradient RMS to stop at) must be >= 0, got {tol}")
+        w, info = _solve_exact(w, xi_pos, xi_neg, ci, lam, mu, iters, tol)
+    else:
+        if not 0 < block <= 1: raise ValueError(f"block is the fraction of weights updated per iteration, in (0, 1]; got {block}")
+        if not step_size > 0 or step_decay < 0: raise ValueError(f"need step_size > 0 and step_decay >= 0, got {step_size}, {step_decay}")
+        if (P is None) != (K is None): raise ValueError(f"P and K are both None (exact gradients) or both integers, got P={P}, K={K}")
+        if K is not None and (P < 1 or K < 1): raise ValueError(f"P and K must be >= 1, got P={P}, K={K}")
+        w, info = _solve_stochastic(w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, step_decay, P, K, generator)
+    return (w, info) if return_info else w
+
+def projected_gradient_norm(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels, lam: float, mu: float = 0.0) -> float:
     "RMS of $w - P_{[0,1]}(w - N^c \\nabla\\mathcal L)$ (eq. 10 with the solver's step scaling): 0 at a stationary point."
     inv, n = _classes(labels, w.device)
-    g = spl_gradient(w, xi_pos, xi_neg, labels, lam, mu) * _at(n, inv).to(w.dtype)
-    return float((w - (w - g).clamp(0, 1)).pow(2).mean().sqrt())
+    return float(_projected_step(w, spl_gradient(w, xi_pos, xi_neg, labels, lam, mu), _at(n, inv).to(w.dtype)).pow(2).mean().sqrt())
 
 # %% ../nbs/07d_bspml.ipynb #e81e1608
 BSPML_SEED = 0xB5      # derive_seed domain of the weight solver (the learner uses 1-4)
 TERMS_TRANSFORMS = ("test", "train")
+LAMBDA_UNITS = ("floor", "absolute")
 
 class SPLLogger(Callback):
     "Adds the SPL weight statistics of a BSPML recipe to the epoch's history row (before the CSV is written)."
@@ -160,14 +277,16 @@ class SPLLogger(Callback):
 
 @METHODS.register("bspml")
 class BSPML(Method):
-    "Balanced self-paced metric learning: weighted multi-similarity loss + SPL weights solved by Algorithm 3."
+    "Balanced self-paced metric learning: weighted multi-similarity loss + SPL weights from eq. 6 (Algorithm 1)."
     def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 512,
                  alpha: float = 2.0, beta: float = 50.0, rho: float = 1.0, epsilon: float = 0.1,
-                 spl: bool = True, balance: bool = True, lambda_init: float = 1.0, c: float = 1.2,
-                 lambda_inf: float = 3.0, mu: float | None = None, update_every: int = 1,
-                 solver_iters: int = 1000, solver_block: float = 0.1, step_size: float = 0.5,
-                 step_decay: float = 0.01, solver_P: int | None = 16, solver_K: int | None = 4,
-                 mine_terms: bool = False, terms_transform: str = "test", flipped: Sequence[bool] | None = None):
+                 spl: bool = True, balance: bool = True, xi_scope: str = "class", xi_batch: Sequence[int] = (16, 4),
+                 lambda_unit: str = "floor", lambda_init: float = 0.5, c: float = 1.2,
+                 lambda_inf: float = 1.0, mu: float | None = None, update_every: int = 1,
+                 solver: str = "exact", solver_iters: int | None = None, solver_tol: float = 1e-6,
+                 solver_block: float = 0.1, step_size: float = 0.5, step_decay: float = 0.01,
+                 solver_P: int | None = 16, solver_K: int | None = 4, mine_terms: bool = False,
+                 terms_transform: str = "test", flipped: Sequence[bool] | None = None):
         super().__init__()
         if not hasattr(backbone, "feature_dim"): raise TypeError("backbone must be a dml_nb.models backbone (with .feature_dim)")
         if embedding_dim < 1: raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
@@ -179,21 +298,28 @@ class BSPML(Method):
             raise ValueError("mu weighs the balance term, which balance=False switches off: leave mu unset for SPMS")
         if mu is not None and mu < 0: raise ValueError(f"mu must be >= 0, got {mu}")
         if terms_transform not in TERMS_TRANSFORMS: raise unknown_name_error("terms_transform", terms_transform, TERMS_TRANSFORMS)
+        if xi_scope not in XI_SCOPES: raise unknown_name_error("xi_scope", xi_scope, XI_SCOPES)
+        if lambda_unit not in LAMBDA_UNITS: raise unknown_name_error("lambda_unit", lambda_unit, LAMBDA_UNITS)
+        if solver not in SOLVERS: raise unknown_name_error("solver", solver, SOLVERS)
+        xi_batch = tuple(int(v) for v in xi_batch)
+        if len(xi_batch) != 2 or min(xi_batch) < 2:
+            raise ValueError(f"xi_batch is (P classes, K samples per class) of a batch, both >= 2; got {xi_batch}")
         if spl and train_labels is None:
             raise ValueError("BSPML with spl=True keeps one weight per training sample: pass train_labels "
                              "(the training set's possibly noisy labels, e.g. ds.labels)")
         self.model = EmbeddingModel(backbone, EmbeddingHead(backbone.feature_dim, embedding_dim))
         self.num_classes, self.spl, self.balance = int(num_classes), bool(spl), bool(balance)
-        self.lambda_init, self.c, self.lambda_inf = float(lambda_init), float(c), float(lambda_inf)
-        self.mu = (float(lambda_inf) if mu is None else float(mu)) if balance else 0.0
+        self.xi_scope, self.xi_batch, self.lambda_unit = xi_scope, xi_batch, lambda_unit
+        self.alpha, self.beta, self.rho, self.epsilon = float(alpha), float(beta), float(rho), float(epsilon)
         self.update_every, self.mine_terms, self.terms_transform = int(update_every), bool(mine_terms), terms_transform
-        self.solver = dict(iters=int(solver_iters), block=float(solver_block), step_size=float(step_size),
-                           step_decay=float(step_decay), P=solver_P, K=solver_K)
+        self.solver = dict(solver=solver, iters=solver_iters, tol=float(solver_tol), block=float(solver_block),
+                           step_size=float(step_size), step_decay=float(step_decay), P=solver_P, K=solver_K)
         if (solver_P is None) != (solver_K is None) or (solver_K is not None and min(solver_P, solver_K) < 1):
             raise ValueError(f"solver_P and solver_K are both None (exact gradients) or both >= 1, got {solver_P}, {solver_K}")
         if not 0 < solver_block <= 1: raise ValueError(f"solver_block must be in (0, 1], got {solver_block}")
-        if solver_iters < 0 or step_size <= 0 or step_decay < 0:
-            raise ValueError(f"need solver_iters >= 0, step_size > 0, step_decay >= 0; got {solver_iters}, {step_size}, {step_decay}")
+        if (solver_iters is not None and solver_iters < 0) or not solver_tol >= 0 or step_size <= 0 or step_decay < 0:
+            raise ValueError(f"need solver_iters >= 0, solver_tol >= 0, step_size > 0, step_decay >= 0; got "
+                             f"{solver_iters}, {solver_tol}, {step_size}, {step_decay}")
         self.miner = MINERS.build("multi_similarity", epsilon=epsilon)
         self.loss = LOSSES.build("weighted_multi_similarity", alpha=alpha, beta=beta, base=rho, epsilon=epsilon)
         labels = None if train_labels is None else torch.as_tensor(np.asarray(train_labels), dtype=torch.long)
@@ -203,6 +329,12 @@ class BSPML(Method):
             if int(labels.min()) < 0 or int(labels.max()) >= self.num_classes:
                 raise ValueError(f"train_labels must lie in 0..num_classes-1 = {self.num_classes - 1}, "
                                  f"got {int(labels.min())}..{int(labels.max())}")
+        # the age scale: lambda_unit='floor' reads lambda_init / lambda_inf in units of the mean pair-loss floor
+        self.floor = float(pair_loss_floor(labels, self.alpha, self.rho, xi_scope, xi_batch[1]).mean()) \
+            if labels is not None else float("nan")
+        unit = self.floor if lambda_unit == "floor" and labels is not None else 1.0
+        self.lambda_init, self.c, self.lambda_inf = float(lambda_init) * unit, float(c), float(lambda_inf) * unit
+        self.mu = (self.lambda_inf if mu is None else float(mu)) if balance else 0.0
         self.register_buffer("labels", labels, persistent=False)
         self.register_buffer("weights", None if labels is None else torch.ones(len(labels)))
         self.register_buffer("age", torch.tensor(self.lambda_init, dtype=torch.float64))
@@ -259,25 +391,28 @@ class BSPML(Method):
             raise ValueError(f"terms_dataset has {len(ds)} items, the training set {len(self.labels)}: it must be "
                              "the training set (same order) with test transforms")
         emb, _ = learner.embed(ds)
-        return self.loss.per_sample_terms(next(iter(emb.values())), self.labels.to(learner.device), mine=self.mine_terms)
+        return sample_terms(next(iter(emb.values())), self.labels.to(learner.device), self.alpha, self.beta, self.rho,
+                            self.epsilon, scope=self.xi_scope, batch=self.xi_batch, mine=self.mine_terms)
 
     @torch.no_grad()
     def update_weights(self, learner) -> dict:
         "One weight step of Algorithm 1: terms from the current model, Algorithm 3 at the current age, then grow the age."
-        xi_pos, xi_neg = (t.double() for t in self.per_sample_terms(learner))
-        labels, lam = self.labels.to(xi_pos.device), float(self.age)
-        w0 = self.weights.to(xi_pos.device, torch.float64)
+        # the terms on the embeddings' device; the O(N) solver on the CPU in float64 (CUDA's atomic index_add would
+        # make a resumed run differ in the last bits)
+        xi_pos, xi_neg = (t.double().cpu() for t in self.per_sample_terms(learner))
+        labels, lam = self.labels.cpu(), float(self.age)
+        w0 = self.weights.to("cpu", torch.float64)
         gen = torch.Generator().manual_seed(derive_seed(learner.seed, BSPML_SEED, learner.epoch))
-        w = solve_spl_weights(xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, **self.solver)
-        self.last_update = {"lambda": lam, "spl_objective": float(spl_objective(w, xi_pos, xi_neg, labels, lam, self.mu)),
-                            "xi_pos": float(xi_pos.mean()), "xi_neg": float(xi_neg.mean())}
+        w, info = solve_spl_weights(xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, return_info=True, **self.solver)
+        self.last_update = {"lambda": lam, "spl_objective": info["objective"], "spl_pg": info["pg"],
+                            "spl_iters": info["iters"], "xi_pos": float(xi_pos.mean()), "xi_neg": float(xi_neg.mean())}
         self.weights.copy_(w.to(self.weights))
         self.age.fill_(min(self.c * lam, self.lambda_inf))
         self.updates += 1
         return self.last_update
 
     def weight_stats(self) -> dict:
-        "MAW, SDAW (eq. 14), fraction of weights < 0.5, mean weight of clean / flipped samples, the last age used."
+        "MAW, SDAW (eq. 14), fraction of weights < 0.5, mean weight of clean / flipped samples, the last age and solve."
         if self.weights is None: return {}
         w = self.weights.detach().cpu()
         maw, sdaw = maw_sdaw(w, self.labels.cpu())
@@ -287,5 +422,6 @@ class BSPML(Method):
             f = self._flipped
             out["w_clean"] = float(w[~f].mean()) if (~f).any() else float("nan")
             out["w_flipped"] = float(w[f].mean()) if f.any() else float("nan")
-        if "spl_objective" in self.last_update: out["spl_objective"] = self.last_update["spl_objective"]
+        for k in ("spl_objective", "spl_pg", "spl_iters"):
+            if k in self.last_update: out[k] = self.last_update[k]
         return out

@@ -1,16 +1,20 @@
-"""dml_nb.bspml: the SPL weight sub-problem (objective, exact and stochastic gradients of eq. 8, the Algorithm 3
-solver, the mu = 0 threshold rule, brute force on tiny problems) and the BSPML recipe (weights looked up by
-batch index, history fields, flipped mask, ablations, age schedule, exact resume with the SPL state)."""
+"""dml_nb.bspml: the SPL weight sub-problem (objective, exact and stochastic gradients of eq. 8 against autograd and
+finite differences, the per-sample terms of either scope and their floor, the stationary-point bound on MAW, the exact
+projected-gradient solver and the paper's stochastic Algorithm 3, KKT conditions, the mu = 0 threshold rule, brute
+force on tiny problems) and the BSPML recipe (weights looked up by batch index, history fields, flipped mask,
+ablations, the age schedule in floor units, exact resume with the SPL state for both solvers)."""
 import csv
 import itertools
+import math
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from dml_nb.bspml import (BSPML, ClassIndex, projected_gradient_norm, solve_spl_weights, spl_gradient,
-                          spl_objective, spl_stochastic_gradient)
+from dml_nb.bspml import (BSPML, SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor, projected_gradient_norm, sample_terms,
+                          solve_spl_weights, spl_gradient, spl_objective, spl_stochastic_gradient, terms_chunk_rows)
+from dml_nb.losses import WeightedMultiSimilarityLoss
 from dml_nb.learner import eval_view
 from dml_nb.data import add_label_noise, load_dataset, make_transform
 from dml_nb.learner import Callback, Learner, load_checkpoint
@@ -69,6 +73,10 @@ def test_objective_matches_formula_and_gradient_matches_autograd(lam, mu):
     torch.testing.assert_close(spl_gradient(w, xp, xn, y, lam, mu), auto, rtol=1e-10, atol=1e-12)
     # a precomputed ClassIndex gives the same
     torch.testing.assert_close(spl_gradient(w, xp, xn, ClassIndex(y), lam, mu), auto, rtol=1e-10, atol=1e-12)
+    # central finite differences of the objective (a quadratic: exact up to rounding)
+    h, E = 1e-5, torch.eye(len(w), dtype=F64)
+    fd = torch.stack([(spl_objective(w + h * e, xp, xn, y, lam, mu) - spl_objective(w - h * e, xp, xn, y, lam, mu)) / (2 * h) for e in E])
+    torch.testing.assert_close(spl_gradient(w, xp, xn, y, lam, mu), fd, rtol=1e-7, atol=1e-9)
 
 
 def test_gradient_is_eq8_with_full_sums():
@@ -121,23 +129,131 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="at least two classes"): spl_objective(w, xp, xn, torch.zeros_like(y), 1.0)
     with pytest.raises(ValueError, match="one value per sample"): spl_gradient(w[:-1], xp, xn, y, 1.0)
     with pytest.raises(ValueError, match="NaN"): solve_spl_weights(xp * float("nan"), xn, y, 1.0)
-    with pytest.raises(ValueError, match="both None"): solve_spl_weights(xp, xn, y, 1.0, P=None, K=4)
-    with pytest.raises(ValueError, match="block"): solve_spl_weights(xp, xn, y, 1.0, block=0.0)
+    # the block / sampling options belong to the stochastic solver (no longer the default: solver="exact")
+    with pytest.raises(ValueError, match="both None"): solve_spl_weights(xp, xn, y, 1.0, solver="stochastic", P=None, K=4)
+    with pytest.raises(ValueError, match="block"): solve_spl_weights(xp, xn, y, 1.0, solver="stochastic", block=0.0)
+    with pytest.raises(ValueError, match="Valid solvers"): solve_spl_weights(xp, xn, y, 1.0, solver="newton")
+    with pytest.raises(ValueError, match="tol"): solve_spl_weights(xp, xn, y, 1.0, tol=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the terms
+def embedded(n=90, classes=9, dim=8, seed=0):
+    "Random embeddings around class centres, every class present, plus one class of a single sample."
+    g = torch.Generator().manual_seed(seed)
+    y = torch.cat([torch.arange(classes), torch.randint(0, classes, (n - classes - 1,), generator=g), torch.tensor([classes])])
+    return torch.randn(n, dim, generator=g) + 1.5 * torch.randn(classes + 1, dim, generator=g)[y], y
+
+
+@pytest.mark.parametrize("mine", [False, True])
+def test_class_terms_match_the_loss_for_any_chunk(mine):
+    e, y = embedded()
+    ref = WeightedMultiSimilarityLoss().per_sample_terms(e, y, mine=mine)
+    for rows in (1, 5, 64, None):
+        got = sample_terms(e, y, mine=mine, chunk_rows=rows)
+        for a, b in zip(got, ref): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_terms_are_the_scaled_sums():
+    e, y = embedded(seed=1)
+    P, K = 3, 4
+    xp, xn = sample_terms(e, y, scope="batch", batch=(P, K), chunk_rows=7)
+    x = torch.nn.functional.normalize(e, dim=1).double()
+    S = x @ x.T
+    for a in range(len(y)):
+        same = y == y[a]; pos = same.clone(); pos[a] = False
+        sp = torch.exp(-2 * (S[a][pos] - 1)).sum() * (K - 1) / max(int(pos.sum()), 1)
+        sn = torch.exp(50 * (S[a][~same] - 1)).sum() * (P - 1) * K / int((~same).sum())
+        assert xp[a].item() == pytest.approx(math.log1p(sp) / 2, rel=1e-5, abs=1e-6)
+        assert xn[a].item() == pytest.approx(math.log1p(sn) / 50, rel=1e-4, abs=1e-9)
+    # with as many positives as the batch has (N^c = K, P = C), the two scopes agree on xi+
+    y4 = torch.arange(5).repeat_interleave(4)
+    e4 = torch.randn(20, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(sample_terms(e4, y4, scope="batch", batch=(5, 4))[0], sample_terms(e4, y4)[0])
+    with pytest.raises(ValueError, match="Valid xi_scopes"): sample_terms(e, y, scope="episode")
+    with pytest.raises(ValueError, match="P >= 2"): sample_terms(e, y, scope="batch", batch=(16, 1))
+
+
+@pytest.mark.parametrize("scope", XI_SCOPES)
+def test_pair_loss_floor_bounds_the_pair_loss_and_is_reached_by_a_collapsed_class(scope):
+    e, y = embedded(seed=3)
+    F_a = pair_loss_floor(y, scope=scope)
+    n_c = torch.bincount(y)[y].double()
+    expected = n_c.log() if scope == "class" else torch.full_like(n_c, math.log(4))
+    expected[n_c == 1] = 0.0
+    torch.testing.assert_close(F_a, expected)                                 # alpha 2, rho 1: log N^c or log K
+    xp, xn = (t.double() for t in sample_terms(e, y, scope=scope))
+    ell = spl_gradient(torch.ones(len(y), dtype=F64), xp, xn, y, 0.0, 0.0) * n_c
+    assert (ell >= F_a - 1e-6).all()
+    centres = torch.nn.functional.normalize(torch.randn(10, 8, generator=torch.Generator().manual_seed(4)), dim=1)
+    xp, _ = sample_terms(centres[y], y, scope=scope, beta=1e3)
+    torch.testing.assert_close(2 * xp.double(), F_a, rtol=1e-5, atol=1e-5)   # every class one point: xi+ = F / 2
+    # rho < 1: each positive term is at least exp(-alpha (1 - rho))
+    torch.testing.assert_close(pair_loss_floor(y, alpha=2.0, rho=0.5, scope=scope),
+                               torch.log1p((F_a.exp() - 1) * math.exp(-1.0)))
+
+
+def test_chunk_rows_follow_the_memory_budget():
+    n = 60000
+    rows = terms_chunk_rows(n, "cpu")
+    assert 1 <= rows and 3 * 4 * n * rows <= (512 << 20)                      # the CPU cap: 512 MiB of buffers
+    assert terms_chunk_rows(n, "cpu", cpu_cap=3 * 4 * n * 10) == 10
+    assert terms_chunk_rows(10, "cpu") == 10
 
 
 # ---------------------------------------------------------------------------------------------- the solver
-@pytest.mark.parametrize("exact", [False, True])
+def kkt_violation(w, g, tol=1e-6):
+    "Largest violation of the box KKT conditions: w=0 needs g>=0, w=1 needs g<=0, 0<w<1 needs g=0."
+    lo, hi = w <= tol, w >= 1 - tol
+    mid = ~(lo | hi)
+    return float(torch.cat([(-g[lo]).clamp_min(0), g[hi].clamp_min(0), g[mid].abs(), g.new_zeros(1)]).max())
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("lam,mu", [(2.0, 0.0), (2.0, 2.0), (1.0, 1.0)])
-def test_solver_box_decrease_stationarity_and_denoising(exact, lam, mu):
+def test_solver_box_decrease_stationarity_and_denoising(solver, lam, mu):
     xp, xn, y, flipped = synthetic()
-    opts = dict(P=None, K=None, step_decay=0.0) if exact else {}
     ones = torch.ones(len(y), dtype=F64)
-    w = solve_spl_weights(xp, xn, y, lam, mu, generator=torch.Generator().manual_seed(0), **opts)
+    w, info = solve_spl_weights(xp, xn, y, lam, mu, solver=solver, generator=torch.Generator().manual_seed(0), return_info=True)
     assert w.dtype == F64 and ((w >= 0) & (w <= 1)).all()
     assert spl_objective(w, xp, xn, y, lam, mu) < spl_objective(ones, xp, xn, y, lam, mu)
     pg0, pg = projected_gradient_norm(ones, xp, xn, y, lam, mu), projected_gradient_norm(w, xp, xn, y, lam, mu)
-    assert pg < (0.02 if exact else 0.1) * pg0, (pg0, pg)
+    assert info["pg"] == pytest.approx(pg, rel=1e-12, abs=1e-15)
+    assert info["objective"] == pytest.approx(spl_objective(w, xp, xn, y, lam, mu).item(), rel=1e-12)
+    if solver == "exact":                                                      # stops on the projected gradient
+        assert pg <= 1e-6 and info["converged"] and info["iters"] < 10000
+        assert kkt_violation(w, 12 * spl_gradient(w, xp, xn, y, lam, mu)) < 1e-4
+    else:
+        assert pg < 0.1 * pg0 and info["iters"] == 1000, (pg0, pg)
     assert w[flipped].mean() < 0.5 * w[~flipped].mean()
+
+
+def test_exact_solver_beats_the_stochastic_one_at_the_same_problem():
+    "Issue 12: the paper's stochastic block method stops short; the exact one reaches a stationary point, lower objective."
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(40).repeat_interleave(25)
+    flipped = torch.rand(len(y), generator=g) < 0.2
+    xp = 0.5 * math.log(25) + 0.3 + 0.1 * torch.rand(len(y), generator=g, dtype=F64) + 0.4 * flipped
+    xn = 0.01 * torch.rand(len(y), generator=g, dtype=F64)
+    lam = 3.2
+    ws, si = solve_spl_weights(xp, xn, y, lam, lam, solver="stochastic", generator=torch.Generator().manual_seed(0), return_info=True)
+    we, ei = solve_spl_weights(xp, xn, y, lam, lam, return_info=True)
+    assert ei["pg"] <= 1e-6 < 1e-3 < si["pg"] and ei["objective"] < si["objective"]
+    assert we[flipped].mean() < ws[flipped].mean() and we[~flipped].mean() > 0.9
+    assert ((we > 0) & (we < 1)).double().mean() < 0.05 < 0.3 < ((ws > 0) & (ws < 1)).double().mean()   # vertices vs stuck inside
+
+
+@pytest.mark.parametrize("mu", [0.0, 3.0])
+@pytest.mark.parametrize("scope", XI_SCOPES)
+def test_maw_bound_at_stationary_points(scope, mu):
+    "At a stationary point, max_c mean weight <= max_c (lambda / F_c + 1 / N^c): the age is measured against the floor."
+    e, y = embedded(n=400, classes=20, seed=5)
+    xp, xn = (t.double() for t in sample_terms(e, y, scope=scope))
+    F_a, n_c = pair_loss_floor(y, scope=scope), torch.bincount(y)[y].double()
+    for lam in (0.3, 0.6, 1.0, 1.5):
+        w = solve_spl_weights(xp, xn, y, lam, mu)
+        means = torch.zeros(int(y.max()) + 1, dtype=F64).index_add_(0, y, w) / torch.bincount(y).double()
+        bound = (lam / F_a[F_a > 0] + 1 / n_c[F_a > 0]).max()
+        assert means[torch.bincount(y) > 1].max() <= bound + 1e-9, (lam, float(means.max()), float(bound))
 
 
 def test_solver_is_deterministic_and_clips_the_start():
@@ -154,8 +270,7 @@ def test_mu0_threshold_rule():
     "mu = 0: the result is w_a = 1[l_a(w) < lambda], l_a = N^c dL/dw_a + lambda (independent of w_a itself)."
     xp, xn, y, _ = synthetic(seed=2)
     lam = 2.0
-    w = solve_spl_weights(xp, xn, y, lam, 0.0, iters=600, step_size=5.0, step_decay=0.0, P=None, K=None,
-                          generator=torch.Generator().manual_seed(0))
+    w = solve_spl_weights(xp, xn, y, lam, 0.0)
     ell = spl_gradient(w, xp, xn, y, lam, 0.0) * 12 + lam
     clear = (ell - lam).abs() > 0.05
     assert clear.float().mean() > 0.9
@@ -169,9 +284,8 @@ def test_mu0_lambda_above_all_losses_keeps_every_sample():
     "The classic SPL limit: if lambda exceeds every l_a(1), w = 1 is stationary and nothing is excluded."
     xp, xn, y, _ = synthetic(seed=4)
     ell1 = spl_gradient(torch.ones(len(y), dtype=F64), xp, xn, y, 0.0, 0.0) * 12
-    for exact in (True, False):
-        opts = dict(P=None, K=None) if exact else {}
-        w = solve_spl_weights(xp, xn, y, float(ell1.max()) + 0.5, 0.0, generator=torch.Generator().manual_seed(0), **opts)
+    for solver in SOLVERS:
+        w = solve_spl_weights(xp, xn, y, float(ell1.max()) + 0.5, 0.0, solver=solver, generator=torch.Generator().manual_seed(0))
         assert torch.equal(w, torch.ones_like(w))
 
 
@@ -182,8 +296,7 @@ def test_mu0_brute_force_over_vertices():
     xn = torch.tensor([0.01, 0.02, 0.01, 0.5, 0.02, 0.01, 0.4, 0.02], dtype=F64)
     verts = torch.tensor(list(itertools.product([0.0, 1.0], repeat=8)), dtype=F64)
     vals = torch.stack([spl_objective(v, xp, xn, y, 2.0) for v in verts])
-    for exact in (True, False):
-        opts = dict(P=None, K=None) if exact else dict(P=1, K=3)
+    for opts in (dict(solver="exact"), dict(solver="stochastic", P=None, K=None), dict(solver="stochastic", P=1, K=3)):
         w = solve_spl_weights(xp, xn, y, 2.0, iters=400, block=0.25, generator=torch.Generator().manual_seed(0), **opts)
         assert spl_objective(w, xp, xn, y, 2.0).item() == pytest.approx(vals.min().item(), abs=1e-6)
         assert torch.equal(w.round(), verts[vals.argmin()])
@@ -205,14 +318,16 @@ def test_mu_positive_brute_force_on_a_grid():
         vals = 0.5 * ((W @ Q) * W).sum(1) + W @ b                      # f(0) = 0: f is this quadratic
         w_star = W[vals.argmin()]
         torch.testing.assert_close(f(w_star), vals.min())
-        opts = dict(iters=2000, block=1 / 6, step_decay=0.0, P=None, K=None, generator=torch.Generator().manual_seed(0))
-        w = solve_spl_weights(xp, xn, y, lam, mu, w0=w_star, **opts)
-        assert f(w).item() <= vals.min().item() + 1e-9 and (w - w_star).abs().max() <= 0.1 + 1e-9
-        assert projected_gradient_norm(w, xp, xn, y, lam, mu) < 1e-6
-        w1 = solve_spl_weights(xp, xn, y, lam, mu, **opts)
-        assert projected_gradient_norm(w1, xp, xn, y, lam, mu) < 1e-6
-        assert f(w1) < f(torch.ones(6, dtype=F64))
-        assert w1[2] == 0.0                                            # the outlier of class 0 is excluded
+        for opts in (dict(solver="exact", tol=1e-9),
+                     dict(solver="stochastic", iters=2000, block=1 / 6, step_decay=0.0, P=None, K=None,
+                          generator=torch.Generator().manual_seed(0))):
+            w = solve_spl_weights(xp, xn, y, lam, mu, w0=w_star, **opts)
+            assert f(w).item() <= vals.min().item() + 1e-9 and (w - w_star).abs().max() <= 0.1 + 1e-9
+            assert projected_gradient_norm(w, xp, xn, y, lam, mu) < 1e-6
+            w1 = solve_spl_weights(xp, xn, y, lam, mu, **opts)
+            assert projected_gradient_norm(w1, xp, xn, y, lam, mu) < 1e-6
+            assert f(w1) < f(torch.ones(6, dtype=F64))
+            assert w1[2] == 0.0                                        # the outlier of class 0 is excluded
 
 
 def test_balance_term_reduces_sdaw():
@@ -270,7 +385,21 @@ def test_option_errors():
         BSPML(build_backbone("small_cnn", width=4), num_classes=2, train_labels=lab)
     with pytest.raises(ValueError, match="one entry per training sample"): method(lab, flipped=[True, False])
     with pytest.raises(ValueError, match="pass train_labels"): BSPML(build_backbone("small_cnn", width=4), num_classes=3)
-    assert method(lab).mu == 3.0 and method(lab, mu=1.0).mu == 1.0 and method(lab, balance=False).mu == 0.0
+    with pytest.raises(ValueError, match="Valid xi_scopes"): method(lab, xi_scope="all")
+    with pytest.raises(ValueError, match="Valid lambda_units"): method(lab, lambda_unit="loss")
+    with pytest.raises(ValueError, match="Valid solvers"): method(lab, solver="sgd")
+    with pytest.raises(ValueError, match="xi_batch"): method(lab, xi_batch=(16, 1))
+    with pytest.raises(ValueError, match="solver_tol"): method(lab, solver_tol=-1.0)
+    # defaults changed (issue 12): the age in units of the pair-loss floor, lambda0 = 0.5 floor -> lambda_inf = floor,
+    # mu = lambda_inf; classes of 2 samples: floor = log 2 (was: lambda0 = 1, lambda_inf = mu = 3 absolute)
+    m = method(lab)
+    assert m.floor == pytest.approx(math.log(2)) and (m.xi_scope, m.lambda_unit, m.solver["solver"]) == ("class", "floor", "exact")
+    assert (m.lambda_init, m.lambda_inf, m.mu, m.c) == pytest.approx((0.5 * math.log(2), math.log(2), math.log(2), 1.2))
+    assert float(m.age) == pytest.approx(0.5 * math.log(2))
+    assert method(lab, xi_scope="batch").floor == pytest.approx(math.log(4))        # K = 4 of xi_batch (16, 4)
+    a = method(lab, lambda_unit="absolute", lambda_init=1.0, lambda_inf=3.0)
+    assert (a.lambda_init, a.lambda_inf, a.mu) == (1.0, 3.0, 3.0)
+    assert method(lab, mu=1.0).mu == 1.0 and method(lab, balance=False).mu == 0.0
     BSPML(build_backbone("small_cnn", width=4), num_classes=3, spl=False)          # plain MS needs no labels
 
 
@@ -293,10 +422,10 @@ def test_training_step_uses_weights_by_index():
 
 
 def test_history_fields_flipped_from_dataset_and_schedule(noisy, tmp_path):
-    L = learner(noisy, tmp_path, epochs=3, lambda_init=1.0, c=2.0, lambda_inf=3.0)
+    L = learner(noisy, tmp_path, epochs=3, lambda_unit="absolute", lambda_init=1.0, c=2.0, lambda_inf=3.0)
     hist = L.fit()
     rows = list(csv.DictReader(open(tmp_path / "history.csv")))
-    for k in ("lambda", "maw", "sdaw", "w_zero", "w_clean", "w_flipped", "spl_objective", "batch_weight"):
+    for k in ("lambda", "maw", "sdaw", "w_zero", "w_clean", "w_flipped", "spl_objective", "spl_pg", "spl_iters", "batch_weight"):
         assert k in rows[0], k
     assert [r["lambda"] for r in hist] == [1.0, 2.0, 3.0]
     assert float(L.method.age) == 3.0 and int(L.method.updates) == 3
@@ -312,7 +441,7 @@ def test_flipped_option_update_every_and_ablations(noisy):
     flipped = np.zeros(len(noisy), dtype=bool); flipped[:3] = True
     L = learner(noisy, epochs=2, flipped=flipped, update_every=2)
     hist = L.fit()
-    assert np.isnan(hist[0]["lambda"]) and hist[1]["lambda"] == 1.0 and int(L.method.updates) == 1
+    assert np.isnan(hist[0]["lambda"]) and hist[1]["lambda"] == pytest.approx(0.5 * L.method.floor) and int(L.method.updates) == 1
     assert hist[0]["maw"] == 1.0                                       # no update after epoch 1
     assert hist[1]["w_flipped"] == pytest.approx(float(L.method.weights[:3].mean()))
     ms = learner(noisy, epochs=1, spl=False).fit()
@@ -340,6 +469,10 @@ def test_terms_use_test_transforms_and_the_current_model(noisy):
     emb, _ = L.embed(clean_view)
     ref = L.method.loss.per_sample_terms(emb["embedding"], torch.as_tensor(noisy.labels))
     torch.testing.assert_close((xp, xn), ref)
+    Lb = learner(noisy, epochs=1, xi_scope="batch", xi_batch=(4, 3))                 # the batch reading reaches the update
+    Lb._setup(); Lb.method.on_fit_start(Lb)
+    torch.testing.assert_close(Lb.method.per_sample_terms(Lb),
+                               sample_terms(Lb.embed(clean_view)[0]["embedding"], torch.as_tensor(noisy.labels), scope="batch", batch=(4, 3)))
 
 
 def test_test_view_for_imagenet_presets():
@@ -361,17 +494,17 @@ class KillAt(Callback):
         if (learner.epoch, learner.step) == self.at: raise KeyboardInterrupt("killed")
 
 
-@pytest.mark.parametrize("kill", [(1, 2), (2, 1)])
-def test_resume_is_exact_with_spl_state(noisy, tmp_path, kill):
-    ref = learner(noisy, tmp_path / "ref", epochs=3)
+@pytest.mark.parametrize("kill,solver", [((1, 2), "exact"), ((2, 1), "exact"), ((1, 2), "stochastic")])
+def test_resume_is_exact_with_spl_state(noisy, tmp_path, kill, solver):
+    ref = learner(noisy, tmp_path / "ref", epochs=3, solver=solver)
     ref_hist = ref.fit()
     d = tmp_path / "killed"
-    with pytest.raises(KeyboardInterrupt): learner(noisy, d, epochs=3, callbacks=[KillAt(*kill)]).fit()
+    with pytest.raises(KeyboardInterrupt): learner(noisy, d, epochs=3, solver=solver, callbacks=[KillAt(*kill)]).fit()
     ck = load_checkpoint(d / "checkpoint.pt")
     assert (ck["epoch"], ck["step"]) == (kill[0], kill[1] - 1)        # the kill comes before that step's checkpoint
     assert int(ck["method"]["updates"]) == kill[0]                     # the SPL state is in the checkpoint
     assert not torch.equal(ck["method"]["weights"], torch.ones_like(ck["method"]["weights"]))
-    res = learner(noisy, d, epochs=3)
+    res = learner(noisy, d, epochs=3, solver=solver)
     res_hist = res.fit()
     assert res.resumed
     sd_ref, sd_res = ref.method.state_dict(), res.method.state_dict()
