@@ -355,7 +355,7 @@ class BSPML(Method):
         emb, y = self.model(batch["x"]).float(), batch["y"]
         pairs = self.miner(emb, y)
         w = self.weights[batch["index"]] if self.weights is not None else None
-        logs = {"loss": self.loss(emb, y, pairs, weights=w)}
+        logs = {"loss": self.loss(emb, y, pairs, weights=w), "tuples": float(len(pairs[0]) + len(pairs[2]))}   # informative pairs
         if w is not None: logs["batch_weight"] = w.mean()
         return logs
 
