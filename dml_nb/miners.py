@@ -315,18 +315,23 @@ class IntraClassTripletMiner(TupleMiner):
 @MINERS.register("dnc_nearest")
 class DnCNearestMiner(TupleMiner):
     "Official D&C sampler: positives (index order) paired with the nearest negatives at d >= cutoff (index order)."
-    def __init__(self, cutoff: float = 0.5, generator: torch.Generator | None = None):
+    def __init__(self, cutoff: float = 0.5, short: str = "fill", generator: torch.Generator | None = None):
         check_cutoffs(cutoff, None)
-        super().__init__(generator); self.cutoff = cutoff
+        if short not in ("fill", "drop"): raise ValueError(f"short must be 'fill' or 'drop', got {short!r}")
+        super().__init__(generator); self.cutoff, self.short = cutoff, short
 
     def mine(self, x, labels, generator):
         pos = positive_mask(labels)
         k = int(pos.sum()) // max(len(labels), 1)
         if k == 0: return empty_tuples(3, x.device)
         dist = pairwise_distance(x)
-        valid = negative_mask(labels) & (dist >= self.cutoff)
-        nearest = dist.masked_fill(~valid, math.inf).topk(k, dim=1, largest=False).indices
-        chosen = torch.zeros_like(valid).scatter_(1, nearest, True) & valid
+        neg = negative_mask(labels)
+        valid = neg & (dist >= self.cutoff)
+        score = dist.masked_fill(~valid, math.inf)             # valid negatives first, nearest first
+        if self.short == "fill":                                # then those below the cutoff, closest to it first
+            score = torch.where(neg & ~valid, 4.0 + (self.cutoff - dist), score)
+        nearest = score.topk(min(k, len(labels)), dim=1, largest=False).indices
+        chosen = torch.zeros_like(valid).scatter_(1, nearest, True) & score.isfinite()
         m = torch.minimum(pos.sum(1), chosen.sum(1))[:, None]
         a, p = (pos & (pos.cumsum(1) <= m)).nonzero(as_tuple=True)
         n = (chosen & (chosen.cumsum(1) <= m)).nonzero(as_tuple=True)[1]
