@@ -24,7 +24,8 @@ from .viz import markdown_table
 # %% auto #0
 __all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability',
            'run_one', 'load_learner', 'portable', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare',
-           'write_table', 'collect_runs', 'Claims', 'better', 'fmt']
+           'write_table', 'collect_runs', 'Claims', 'better', 'fmt', 'notebook_hash', 'claims_summary',
+           'update_readme_claims', 'reproduce', 'reproduce_main']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 def project_root(start: str | Path | None = None) -> Path:
@@ -294,3 +295,76 @@ def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
         s = table[f"{metric} std"].get(n, np.nan) if f"{metric} std" in table else np.nan
         out.append(f"{n} {metric} {'n/a' if pd.isna(v) else f'{v:.1f}'}" + ("" if pd.isna(s) else f" ± {s:.1f}"))
     return ", ".join(out)
+
+# %% ../nbs/10_repro.ipynb #60c58678
+def notebook_hash(nb: Path) -> str:
+    "Hash of a notebook's code cells and of the library source: a notebook re-runs when either changes."
+    import json as _json
+    cells = _json.loads(Path(nb).read_text())["cells"]
+    h = hashlib.sha1("".join("".join(c["source"]) for c in cells if c["cell_type"] == "code").encode())
+    h.update(_source_hash().encode())
+    return h.hexdigest()[:12]
+
+def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
+    "A Markdown table (notebook, hold, do not hold, not tested, the claims that hold) of `figures/*_claims.md`, and the totals."
+    rows, total = [], {"holds": 0, "does not hold": 0, "not tested": 0}
+    for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
+        lines = [l for l in f.read_text().splitlines()[2:] if l.startswith("|")]
+        cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
+        count = {k: sum(1 for c in cells if len(c) > 1 and c[1] == k) for k in total}
+        for k in total: total[k] += count[k]
+        held = "; ".join(c[0] for c in cells if len(c) > 1 and c[1] == "holds") or "-"
+        stem = f.name[:-len("_claims.md")]
+        rows.append(f"| [`{stem}`](figures/{f.name}) | {count['holds']} | {count['does not hold']} | {count['not tested']} | {held} |")
+    head = "| notebook | hold | do not hold | not tested | claims that hold |\n| --- | --- | --- | --- | --- |\n"
+    return head + "\n".join(rows) + "\n", total
+
+def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
+    "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
+    readme = Path(readme)
+    text = readme.read_text()
+    start, end = "<!-- claims -->", "<!-- /claims -->"
+    if start not in text or end not in text:
+        raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
+    table, total = claims_summary(figures_dir)
+    lead = (f"Total: {total['holds']} hold, {total['does not hold']} do not hold, {total['not tested']} not tested.\n\n")
+    atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
+    return total
+
+def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root: str | Path | None = None,
+              progress: bool = True) -> dict:
+    "Run the reproduction notebooks (default: all, the flagship first), skipping those already run on this source; returns the state."
+    import json as _json, time as _time
+    import papermill
+    root = Path(root) if root is not None else project_root()
+    nbs = sorted((root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
+    if notebooks: nbs = [p for p in nbs if p.stem in set(notebooks)] or [root / "nbs" / f"{n}.ipynb" for n in notebooks]
+    missing = [str(p) for p in nbs if not p.exists()]
+    if missing: raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
+    state_path = root / "figures" / ".reproduced.json"
+    state = _json.loads(state_path.read_text()) if state_path.exists() else {}
+    out_dir = Path(tempfile.gettempdir()) / "dml_nb_reproduce"; out_dir.mkdir(exist_ok=True)
+    bar = tqdm(nbs, desc="notebooks", disable=not progress)
+    for nb in bar:
+        h = notebook_hash(nb)
+        if not force and state.get(nb.stem, {}).get("hash") == h: continue
+        bar.set_postfix_str(nb.stem)
+        t0 = _time.time()
+        papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
+                                   parameters={"progress": False})
+        state[nb.stem] = {"hash": h, "seconds": round(_time.time() - t0, 1)}
+        atomic_write(state_path, _json.dumps(state, indent=1, sort_keys=True) + "\n")
+    if (root / "README.md").exists(): update_readme_claims(root / "README.md", root / "figures")
+    return state
+
+def reproduce_main(argv: Sequence[str] | None = None) -> int:
+    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`."
+    import argparse
+    ap = argparse.ArgumentParser(prog="dml-reproduce", description="Re-run the reproduction notebooks (resumable) and "
+                                 "rewrite the README's claim table.")
+    ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
+    ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
+    args = ap.parse_args(argv)
+    state = reproduce(args.notebooks or None, force=args.force)
+    for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
+    return 0

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from .core import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, derive_seed
 from .methods import MultiTaskMethod, Task
-from .models import BNInception, GoogLeNet, ResNet50, SmallCNN
 from .samplers import ClassBalancedBatchSampler
 from .dnc import cluster_statistics, kmeans_assign, match_clusters
 
@@ -66,12 +65,13 @@ def early_stage(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The backbone's first stage at a quarter of the input resolution: ResNet50's stem + `layer1` (MIC's code);
     dml_nb's analogues: GoogLeNet's and BN-Inception's stem up to the second pooling, the small CNN's first block."""
     b = backbone
-    if isinstance(b, ResNet50): return b.layer1(b.maxpool(b.relu(b.bn1(b.conv1(x)))))
-    if isinstance(b, GoogLeNet): return b.conv3(b.conv2(b.maxpool1(b.conv1(x * b._in_scale + b._in_shift))))
-    if isinstance(b, BNInception):
+    kind = next((c.__name__ for c in type(b).__mro__ if c.__name__ in ("ResNet50", "GoogLeNet", "BNInception", "SmallCNN")), None)
+    if kind == "ResNet50": return b.layer1(b.maxpool(b.relu(b.bn1(b.conv1(x)))))   # by name: also a class a notebook re-defined
+    if kind == "GoogLeNet": return b.conv3(b.conv2(b.maxpool1(b.conv1(x * b._in_scale + b._in_shift))))
+    if kind == "BNInception":
         x = F.max_pool2d(b._cbr("conv1_7x7_s2", x), 3, stride=2, ceil_mode=True)
         return b._cbr("conv2_3x3", b._cbr("conv2_3x3_reduce", x))
-    if isinstance(b, SmallCNN): return b.body[:4](x)
+    if kind == "SmallCNN": return b.body[:4](x)
     raise ValueError(f"early features (MIC's first grouping) are defined for the resnet50, googlenet, bninception and "
                      f"small_cnn backbones, not {type(b).__name__}: set first_group_on='features' (or 'phi_star')")
 
