@@ -22,10 +22,10 @@ from .models import resolve_pretrained
 from .viz import markdown_table
 
 # %% auto #0
-__all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability',
-           'run_one', 'load_learner', 'portable', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare',
-           'write_table', 'collect_runs', 'Claims', 'better', 'fmt', 'notebook_hash', 'claims_summary',
-           'update_readme_claims', 'reproduce', 'reproduce_main']
+__all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'paper_variant', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from',
+           'availability', 'run_one', 'load_learner', 'portable', 'run_rows', 'reported_as', 'summarize',
+           'paper_numbers', 'compare', 'write_table', 'collect_runs', 'Claims', 'better', 'fmt', 'notebook_hash',
+           'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 def project_root(start: str | Path | None = None) -> Path:
@@ -42,14 +42,24 @@ def _source_hash() -> str:
     for p in sorted(Path(dml_nb.__file__).parent.glob("*.py")): h.update(p.read_bytes())
     return h.hexdigest()[:10]
 
-def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None) -> tuple[Path, Path]:
-    "(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs`; a temporary pair under `nbdev_test`."
+def paper_variant(raw: Mapping) -> str | None:
+    "None for a run on embedded data; else '<dataset>-<backbone>': the folder a paper-scale run's figures go to."
+    name = raw.get("data", {}).get("name", "shapes")
+    if name in ("shapes", "digits"): return None
+    return f"{name}-{raw.get('model', {}).get('backbone', 'small_cnn')}"
+
+def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None,
+                variant: str | None = None) -> tuple[Path, Path]:
+    """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs`; a temporary pair
+    under `nbdev_test`. A paper-scale run (`variant`, see `paper_variant`) writes to `figures/<variant>/`, so it never
+    overwrites the committed figures of the embedded defaults."""
     if in_test():
         smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{_source_hash()}"
         base_f, base_r = smoke / "figures", smoke / "runs"
     else:
         root = project_root()
         base_f, base_r = root / "figures", root / "runs"
+    if variant: base_f = base_f / variant
     f = Path(figures_dir) if figures_dir and not in_test() else base_f
     r = Path(runs_dir) if runs_dir and not in_test() else base_r
     f.mkdir(parents=True, exist_ok=True); r.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,7 @@ def test_paper_numbers_of_the_flagship():
 
 
 def test_smoke_shrinks_only_when_asked(monkeypatch):
-    monkeypatch.delenv("IN_TEST", raising=False)
+    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
     raw = {**base_config(), "method": {"name": "bspml"}}
     # pytest sets PYTEST_CURRENT_TEST, so in_test() is true here: force=False still shrinks; check the sizes
     s = smoke(raw, force=True)
@@ -123,3 +123,16 @@ def test_tables_say_which_epoch_their_runs_report():
     assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [best, best]})) == best
     assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [last, best]})) == f"mixed: {last} (a) / {best} (b)"
     assert reported_as(pd.DataFrame({"row": ["a"], "status": ["not run: no data"]})) == last
+
+
+def test_paper_scale_runs_write_their_own_figure_folder(tmp_path, monkeypatch):
+    from dml_nb.repro import output_dirs, paper_variant
+    assert paper_variant(base_config("shapes")) is None and paper_variant(base_config("digits")) is None
+    raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
+    variant = paper_variant(base_config(raw["dataset"], raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval")))
+    assert variant == "cub200-resnet50"
+    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
+    (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
+    monkeypatch.chdir(tmp_path)
+    f, _ = output_dirs(variant=variant)
+    assert f == tmp_path / "figures" / "cub200-resnet50" and output_dirs()[0] == tmp_path / "figures"
