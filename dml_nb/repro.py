@@ -53,15 +53,15 @@ def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | No
     """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs`; a temporary pair
     under `nbdev_test`. A paper-scale run (`variant`, see `paper_variant`) writes to `figures/<variant>/`, so it never
     overwrites the committed figures of the embedded defaults."""
-    if in_test():
-        smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{_source_hash()}"
-        base_f, base_r = smoke / "figures", smoke / "runs"
+    smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{_source_hash()}"
+    if in_test(): base_f, base_r = smoke / "figures", smoke / "runs"
     else:
         root = project_root()
         base_f, base_r = root / "figures", root / "runs"
     if variant: base_f = base_f / variant
-    f = Path(figures_dir) if figures_dir and not in_test() else base_f
-    r = Path(runs_dir) if runs_dir and not in_test() else base_r
+    given = lambda d: d and (not in_test() or Path(d).resolve().is_relative_to(smoke.resolve()))   # tests: only inside the smoke folder
+    f = Path(figures_dir) if given(figures_dir) else base_f
+    r = Path(runs_dir) if given(runs_dir) else base_r
     f.mkdir(parents=True, exist_ok=True); r.mkdir(parents=True, exist_ok=True)
     return f, r
 
