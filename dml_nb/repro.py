@@ -16,7 +16,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .core import BACKBONES, METHODS, atomic_write, data_root, in_test
-from .experiment import (ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
+from .experiment import (RECIPES_VERSION, ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
                                run_dir_for)
 from .models import resolve_pretrained
 from .viz import markdown_table
@@ -315,8 +315,18 @@ def notebook_hash(nb: Path) -> str:
     h.update(_source_hash().encode())
     return h.hexdigest()[:12]
 
+def _provenance(state: Mapping, stem: str) -> str:
+    "Which recipes (`RECIPES_VERSION`) and day a notebook's committed figures come from, as `dml-reproduce` recorded."
+    e = state.get(stem)
+    if not e or "recipes" not in e: return "1 (before the fidelity fixes)"
+    return f"{e['recipes']} ({e.get('date', '?')})"
+
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
-    "A Markdown table (notebook, hold, do not hold, not tested, the claims that hold) of `figures/*_claims.md`, and the totals."
+    """A Markdown table (notebook, recipes the figures come from, hold, do not hold, not tested, the claims that hold)
+    of `figures/*_claims.md`, and the totals."""
+    import json as _json
+    sp = Path(figures_dir) / ".reproduced.json"
+    state = _json.loads(sp.read_text()) if sp.exists() else {}
     rows, total = [], {"holds": 0, "does not hold": 0, "not tested": 0}
     for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
         lines = [l for l in f.read_text().splitlines()[2:] if l.startswith("|")]
@@ -325,8 +335,10 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         for k in total: total[k] += count[k]
         held = "; ".join(c[0] for c in cells if len(c) > 1 and c[1] == "holds") or "-"
         stem = f.name[:-len("_claims.md")]
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {count['holds']} | {count['does not hold']} | {count['not tested']} | {held} |")
-    head = "| notebook | hold | do not hold | not tested | claims that hold |\n| --- | --- | --- | --- | --- |\n"
+        rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {count['holds']} | "
+                    f"{count['does not hold']} | {count['not tested']} | {held} |")
+    head = ("| notebook | recipes (run on) | hold | do not hold | not tested | claims that hold |\n"
+            "| --- | --- | --- | --- | --- | --- |\n")
     return head + "\n".join(rows) + "\n", total
 
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
@@ -337,7 +349,9 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     if start not in text or end not in text:
         raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
     table, total = claims_summary(figures_dir)
-    lead = (f"Total: {total['holds']} hold, {total['does not hold']} do not hold, {total['not tested']} not tested.\n\n")
+    lead = (f"Total: {total['holds']} hold, {total['does not hold']} do not hold, {total['not tested']} not tested. "
+            f"Recipes: `RECIPES_VERSION` of the code that produced a notebook's figures (now {RECIPES_VERSION}); "
+            "`dml-reproduce` re-runs those made with older recipes.\n\n")
     atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
     return total
 
@@ -362,7 +376,8 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
         t0 = _time.time()
         papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
                                    parameters={"progress": False})
-        state[nb.stem] = {"hash": h, "seconds": round(_time.time() - t0, 1)}
+        state[nb.stem] = {"hash": h, "seconds": round(_time.time() - t0, 1), "recipes": RECIPES_VERSION,
+                          "date": _time.strftime("%Y-%m-%d")}
         atomic_write(state_path, _json.dumps(state, indent=1, sort_keys=True) + "\n")
     if (root / "README.md").exists(): update_readme_claims(root / "README.md", root / "figures")
     return state
