@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_metrics.ipynb #7ed29a60
 from __future__ import annotations
-import re, warnings
+import contextlib, glob, math, re, warnings
 from typing import Callable
 
 import numpy as np
@@ -14,8 +14,8 @@ from sklearn.metrics import normalized_mutual_info_score
 from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r', 'kmeans', 'nmi',
-           'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'lowp_supported', 'faiss_gpus', 'set_num_threads', 'knn', 'recall_at_k', 'map_at_r',
+           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -55,6 +55,171 @@ def _query_reference(emb, labels, gallery_emb=None, gallery_labels=None):
     if r.shape[1] != q.shape[1]:
         raise ValueError(f"emb has dimension {q.shape[1]} but gallery_emb has dimension {r.shape[1]}; they must match")
     return q, ql, r, _as_labels(gallery_labels, len(r), "gallery_labels", q.device), False
+
+# %% ../nbs/05_metrics.ipynb #f434c56d
+def _cache_bytes() -> int:
+    "The largest CPU cache (usually L3) in bytes, from Linux's sysfs; 32 MiB where it cannot be read."
+    best = 0
+    for p in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            s = open(p).read().strip()
+            best = max(best, int(s.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1))
+        except (OSError, ValueError): pass
+    return best or 32 << 20
+
+def _block_rows(n: int, device: torch.device) -> int:
+    """Rows per distance block: on the CPU a B x B float32 block takes an eighth of the largest cache (B = 2048 for
+    32 MiB: the block, its two operands and the screening passes stay in cache); on a GPU 8192 (256 MiB blocks)."""
+    if device.type != "cpu": return min(n, 8192)
+    return max(256, min(n, math.isqrt(_cache_bytes() // 8) // 256 * 256))
+
+class _single_thread:
+    """Run the small bookkeeping ops of a block on one thread: on a shared machine a 2-thread OpenMP region waits
+    for a descheduled thread at every op (measured: 3x slower whole search at load 3-4 on 2 cores)."""
+    def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
+    def __exit__(self, *a): torch.set_num_threads(self.n)
+
+def _row_candidates(D: torch.Tensor, tau: torch.Tensor, g: int = 16):
+    """(rows, cols, values) of the entries of `D` below their row's threshold `tau`: column groups of `g` are
+    screened by their minimum first (one pass over `D`), then only the groups that pass are read entry by entry."""
+    B, C = D.shape
+    C0 = C // g * g
+    r, c = (D[:, :C0].reshape(B, C0 // g, g).amin(2) < tau[:, None]).nonzero(as_tuple=True)
+    c = (c * g)[:, None] + torch.arange(g, device=D.device)
+    r = r[:, None].expand_as(c)
+    v = D[r, c]
+    keep = v < tau[r]
+    r, c, v = r[keep], c[keep], v[keep]
+    if C0 < C:                                       # the last columns, fewer than g
+        rt, ct = (D[:, C0:] < tau[:, None]).nonzero(as_tuple=True)
+        r, c, v = torch.cat([r, rt]), torch.cat([c, ct + C0]), torch.cat([v, D[rt, ct + C0]])
+    return r, c, v
+
+def _col_candidates(D: torch.Tensor, tau: torch.Tensor, g: int = 16):
+    "`_row_candidates` for the columns of `D` (thresholds `tau` per column): row groups of `g` screened by their minimum."
+    B, C = D.shape
+    B0 = B // g * g
+    gr, c = (D[:B0].view(B0 // g, g, C).amin(1) < tau[None, :]).nonzero(as_tuple=True)
+    r = (gr * g)[:, None] + torch.arange(g, device=D.device)
+    c = c[:, None].expand_as(r)
+    v = D[r, c]
+    keep = v < tau[c]
+    r, c, v = r[keep], c[keep], v[keep]
+    if B0 < B:                                       # the last rows, fewer than g
+        rt, ct = (D[B0:] < tau[None, :]).nonzero(as_tuple=True)
+        r, c, v = torch.cat([r, rt + B0]), torch.cat([c, ct]), torch.cat([v, D[rt + B0, ct]])
+    return r, c, v
+
+def _merge_top(vals: torch.Tensor, idx: torch.Tensor, owner, other, v):
+    "Merge (row `owner`, neighbour `other`, distance `v`) triples into each row's running k smallest (vals, idx)."
+    if len(owner) == 0: return
+    k = vals.shape[1]
+    o = torch.argsort(owner)
+    owner, other, v = owner[o], other[o], v[o]
+    rows, cnt = torch.unique_consecutive(owner, return_counts=True)
+    slot = torch.repeat_interleave(torch.arange(len(rows), device=v.device), cnt)
+    pos = torch.arange(len(owner), device=v.device) - (cnt.cumsum(0) - cnt)[slot]
+    w = int(cnt.max())
+    dv = torch.full((len(rows), w), float("inf"), device=v.device)
+    di = torch.full((len(rows), w), -1, dtype=torch.long, device=v.device)
+    dv[slot, pos], di[slot, pos] = v, other
+    dv, di = torch.cat([vals[rows], dv], 1), torch.cat([idx[rows], di], 1)
+    dv, o = dv.topk(k, dim=1, largest=False)
+    vals[rows], idx[rows] = dv, di.gather(1, o)
+
+def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = None):
+    """The `k` smallest squared distances from each row of `x` to all rows of `x` (itself included) and their
+    indices, ascending; each distance block (i, j), j >= i, is computed once and serves rows i and columns j.
+    `lowp=True`: blocks from a bfloat16 product (approximate; see `_knn_self_lowp`)."""
+    n, dev = len(x), x.device
+    B = block or _block_rows(n, dev)
+    sq = x.pow(2).sum(1)
+    xm = x.to(torch.bfloat16) if lowp else x
+    vals = torch.full((n, k), float("inf"), device=dev)
+    idx = torch.full((n, k), -1, dtype=torch.long, device=dev)
+    starts = range(0, n, B)
+    def dist(s, e, t, f):                            # |x_i|^2 + |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
+        if lowp: D = torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
+        else: D = torch.addmm(sq[t:f], x[s:e], x[t:f].T, alpha=-2)
+        return D.add_(sq[s:e, None])
+    for s in starts:                                 # diagonal blocks: made exactly symmetric, then top-k per row
+        e = min(n, s + B)
+        D = dist(s, e, s, e).triu()
+        D = D + D.triu(1).T
+        kk = min(k, e - s)
+        vals[s:e, :kk], i = D.topk(kk, dim=1, largest=False)
+        idx[s:e, :kk] = i + s
+    for s in starts:                                 # off-diagonal blocks: entries below a row's or a column's k-th best
+        e = min(n, s + B)
+        for t in starts:
+            if t <= s: continue
+            f = min(n, t + B)
+            D = dist(s, e, t, f)
+            with _single_thread():
+                r1, c1, v1 = _row_candidates(D, vals[s:e, -1])
+                r2, c2, v2 = _col_candidates(D, vals[t:f, -1])
+                _merge_top(vals, idx, torch.cat([r1 + s, c2 + t]), torch.cat([c1 + t, r2 + s]), torch.cat([v1, v2]))
+    vals, o = vals.sort(1)
+    return vals.clamp_min_(0), idx.gather(1, o)
+
+
+# %% ../nbs/05_metrics.ipynb #7cf98ea3
+def lowp_supported(device) -> bool:
+    """Whether a bfloat16 matrix product is fast on `device`: a CUDA GPU with bf16 tensor cores (compute capability
+    >= 8.0), or a CPU whose torch build dispatches AVX-512 and that has AMX-BF16 or AVX512-BF16 units."""
+    device = torch.device(device)
+    if device.type == "cuda": return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cpu" or "AVX512" not in torch.backends.cpu.get_cpu_capability(): return False
+    try: flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
+    except (OSError, AttributeError): return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+def _lowp_margin(x: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """Per row, a bound on |approximate - exact| squared distance to any row: bfloat16 inputs (relative error
+    u = 2^-8 each), a bfloat16 output (u) and float32 accumulation over d terms bound the dot product's error by
+    (3u + u^2 + 2 d 2^-24) |x_i| |x_j|; distances carry it twice, plus float32 rounding of the sums."""
+    c = 3 * 2.0**-8 + 2.0**-16 + 2 * (x.shape[1] + 2) * 2.0**-24
+    top = sq.max()
+    return 2 * c * (sq * top).sqrt() + 2.0**-20 * (sq + top)
+
+def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None):
+    """`_knn_self(x, k)` with the candidate search in bfloat16 and exact float32 re-ranking. The bf16 search keeps
+    k2 = 2k + 8 candidates and the (k2+1)-th; a row is certified when its (k2+1)-th approximate distance minus the
+    margin exceeds its k-th plus the margin (then every row within the exact k-th distance is a candidate, ties
+    included); certified rows are re-ranked in float32, the others searched again in float32."""
+    n = len(x)
+    k2 = 2 * k + 8 if extra is None else k + extra
+    if k2 + 1 > n: return _knn_self(x, k)
+    ctx = contextlib.nullcontext()
+    if x.device.type == "cuda":                      # full-precision accumulation for the bound above
+        ctx = _cuda_bf16_full_reduction()
+    with ctx: dv, di = _knn_self(x, k2 + 1, lowp=True)
+    sq = x.pow(2).sum(1)
+    m = _lowp_margin(x, sq)
+    ok = dv[:, k2] - m > dv[:, k - 1] + m
+    cand = di[:, :k2]
+    vals = torch.empty(n, k, device=x.device)
+    idx = torch.empty(n, k, dtype=torch.long, device=x.device)
+    step = max(1, 2**22 // (k2 * x.shape[1]))
+    for s in range(0, n, step):                      # exact float32 distances of the candidates
+        c = cand[s:s + step]
+        d = (sq[s:s + step, None] + sq[c] - 2 * torch.bmm(x[c], x[s:s + step, :, None])[..., 0]).clamp_min_(0)
+        v, o = d.topk(k, dim=1, largest=False)
+        vals[s:s + step], idx[s:s + step] = v, c.gather(1, o)
+    bad = (~ok).nonzero().flatten()
+    if len(bad):
+        v, i = _knn_torch(x[bad], x, k, False)
+        vals[bad], idx[bad] = v, i
+    return vals, idx
+
+class _cuda_bf16_full_reduction:
+    "Turn off cuBLAS's reduced-precision reductions for bf16 products for the duration (the margin assumes fp32 sums)."
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.old = m.allow_bf16_reduced_precision_reduction
+        m.allow_bf16_reduced_precision_reduction = False
+    def __exit__(self, *a): torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.old
+
 
 # %% ../nbs/05_metrics.ipynb #506c12f1
 def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, max_chunk: int = 2**25):
@@ -96,6 +261,7 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
     """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
     (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
     import faiss
+    faiss.omp_set_num_threads(torch.get_num_threads())   # faiss's OpenMP pool follows torch's thread setting
     q, r = query.cpu().numpy(), reference.cpu().numpy()
     index = faiss.IndexFlatL2(r.shape[1])
     dev = None if gpu is False else _faiss_gpu_device(query, required=bool(gpu))
@@ -116,9 +282,21 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
 
 KNN_BACKENDS: dict[str, Callable] = {
     "torch": _knn_torch,                                                           # on the embeddings' device
+    "torch_fp32": _knn_torch,                   # self-retrieval: float32 blocks only (`torch`: bf16 where fast)
+    "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking everywhere
     "faiss": _knn_faiss,                                                           # faiss-gpu if present, else CPU
     "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
     "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
+
+_SELF_LOWP = {"torch": None, "torch_fp32": False, "torch_bf16": True}   # None: `lowp_supported(device)`
+
+def set_num_threads(n: int):
+    "Set torch's and faiss's (its own OpenMP runtime) thread counts together; the faiss back ends also follow torch's."
+    torch.set_num_threads(n)
+    try:
+        import faiss
+        faiss.omp_set_num_threads(n)
+    except ImportError: pass
 
 def _distinct_rows(r: torch.Tensor):
     """The distinct rows of `r` in order of first occurrence, and for each distinct row its rows of `r`:
@@ -170,8 +348,16 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
     if backend == "faiss_gpu" and K > FAISS_GPU_MAX_K:
         raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
                          f"itself, +1 to see ties at the cut): use backend='torch'")
-    du, iu = KNN_BACKENDS[backend](q, u, K, False)
-    du, iu = du.to(q.device), iu.to(q.device)
+    if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
+        # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
+        if backend in _SELF_LOWP:
+            lowp = lowp_supported(q.device) if _SELF_LOWP[backend] is None else _SELF_LOWP[backend]
+            du, iu = (_knn_self_lowp if lowp else _knn_self)(u, K)
+        else: du, iu = KNN_BACKENDS[backend](u, u, K, False)
+        du, iu = du.to(q.device)[inv], iu.to(q.device)[inv]
+    else:
+        du, iu = KNN_BACKENDS[backend](q, u, K, False)
+        du, iu = du.to(q.device), iu.to(q.device)
     if len(u) == len(r):                             # no duplicates: the distinct rows are the rows
         dist, idx, last = du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=q.device)
     else:                                            # expand each distinct row into its rows, ascending index; keep L
@@ -320,6 +506,7 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
 def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gpu: bool | None = None):
     "faiss k-means: on a GPU when faiss has GPU support (`gpu=None`), always (`gpu=True`) or never (`gpu=False`)."
     import faiss
+    faiss.omp_set_num_threads(torch.get_num_threads())
     xn = x.cpu().numpy()
     dev = None if gpu is False else _faiss_gpu_device(x, required=bool(gpu))
     km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=seed, verbose=False,
