@@ -79,36 +79,47 @@ class _single_thread:
     def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
     def __exit__(self, *a): torch.set_num_threads(self.n)
 
-def _row_candidates(D: torch.Tensor, tau: torch.Tensor, g: int = 16):
-    """(rows, cols, values) of the entries of `D` below their row's threshold `tau`: column groups of `g` are
-    screened by their minimum first (one pass over `D`), then only the groups that pass are read entry by entry."""
-    B, C = D.shape
-    C0 = C // g * g
-    r, c = (D[:, :C0].reshape(B, C0 // g, g).amin(2) < tau[:, None]).nonzero(as_tuple=True)
-    c = (c * g)[:, None] + torch.arange(g, device=D.device)
-    r = r[:, None].expand_as(c)
-    v = D[r, c]
-    keep = v < tau[r]
-    r, c, v = r[keep], c[keep], v[keep]
-    if C0 < C:                                       # the last columns, fewer than g
-        rt, ct = (D[:, C0:] < tau[:, None]).nonzero(as_tuple=True)
-        r, c, v = torch.cat([r, rt]), torch.cat([c, ct + C0]), torch.cat([v, D[rt, ct + C0]])
-    return r, c, v
+_G = 16   # entries screened together by their minimum
 
-def _col_candidates(D: torch.Tensor, tau: torch.Tensor, g: int = 16):
-    "`_row_candidates` for the columns of `D` (thresholds `tau` per column): row groups of `g` screened by their minimum."
-    B, C = D.shape
-    B0 = B // g * g
-    gr, c = (D[:B0].view(B0 // g, g, C).amin(1) < tau[None, :]).nonzero(as_tuple=True)
-    r = (gr * g)[:, None] + torch.arange(g, device=D.device)
+def _slack(t: torch.Tensor) -> torch.Tensor:
+    "A few float32 ulps of `t`: screening with thresholds loosened by this never drops an entry the exact test keeps."
+    return t.abs() * 2.0**-20 + 2.0**-60
+
+def _row_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
+    """(rows, cols, distances) of the block's entries below their row's threshold `tau`, where the block is
+    P = |x_j|^2 - 2 x_i.x_j (distance = P + |x_i|^2 = P + `sq_r`) and `gmin` its minima over `_G` columns
+    g, g + C/_G, g + 2C/_G, ... (strided groups: a reduction over the middle axis of a (B, _G, C/_G) view, 4x
+    faster than over contiguous groups): only groups whose minimum passes are read entry by entry."""
+    B, C = P.shape
+    C0 = C // _G * _G
+    lim = tau - sq_r
+    r, c = (gmin < (lim + _slack(lim) + _slack(sq_r))[:, None]).nonzero(as_tuple=True)
+    c = c[:, None] + torch.arange(_G, device=P.device) * (C0 // _G)
+    r = r[:, None].expand_as(c)
+    if C0 < C:                                       # the last columns, fewer than _G: read them all
+        rt = torch.arange(B, device=P.device)[:, None].expand(B, C - C0)
+        r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), torch.arange(C0, C, device=P.device).expand(B, C - C0).reshape(-1)])
+    v = P[r, c] + sq_r[r]
+    keep = v < tau[r]
+    return r[keep], c[keep], v[keep]
+
+def _col_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
+    """`_row_candidates` for the columns (thresholds `tau` per column), `gmin` the minima of P over row groups of
+    `_G`; min over a group of (P + |x_i|^2) >= min P + min |x_i|^2 screens without adding the norms to the block."""
+    B, C = P.shape
+    B0 = B // _G * _G
+    lo = sq_r[:B0].view(-1, _G).amin(1)
+    lim = tau[None, :] - lo[:, None]
+    gr, c = (gmin < lim + _slack(lim) + _slack(lo)[:, None]).nonzero(as_tuple=True)
+    r = (gr * _G)[:, None] + torch.arange(_G, device=P.device)
     c = c[:, None].expand_as(r)
-    v = D[r, c]
+    if B0 < B:                                       # the last rows, fewer than _G: read them all
+        rt = torch.arange(B0, B, device=P.device)[:, None].expand(B - B0, C)
+        ct = torch.arange(C, device=P.device).expand(B - B0, C)
+        r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), ct.reshape(-1)])
+    v = P[r, c] + sq_r[r]
     keep = v < tau[c]
-    r, c, v = r[keep], c[keep], v[keep]
-    if B0 < B:                                       # the last rows, fewer than g
-        rt, ct = (D[B0:] < tau[None, :]).nonzero(as_tuple=True)
-        r, c, v = torch.cat([r, rt + B0]), torch.cat([c, ct]), torch.cat([v, D[rt + B0, ct]])
-    return r, c, v
+    return r[keep], c[keep], v[keep]
 
 def _merge_top(vals: torch.Tensor, idx: torch.Tensor, owner, other, v):
     "Merge (row `owner`, neighbour `other`, distance `v`) triples into each row's running k smallest (vals, idx)."
@@ -138,26 +149,26 @@ def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = N
     vals = torch.full((n, k), float("inf"), device=dev)
     idx = torch.full((n, k), -1, dtype=torch.long, device=dev)
     starts = range(0, n, B)
-    def dist(s, e, t, f):                            # |x_i|^2 + |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
-        if lowp: D = torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
-        else: D = torch.addmm(sq[t:f], x[s:e], x[t:f].T, alpha=-2)
-        return D.add_(sq[s:e, None])
-    for s in starts:                                 # diagonal blocks: made exactly symmetric, then top-k per row
+    def part(s, e, t, f):                            # |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
+        if lowp: return torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
+        return torch.addmm(sq[t:f], x[s:e], x[t:f].T, alpha=-2)
+    for s in starts:                                 # diagonal blocks: top-k per row
         e = min(n, s + B)
-        D = dist(s, e, s, e).triu()
-        D = D + D.triu(1).T
         kk = min(k, e - s)
-        vals[s:e, :kk], i = D.topk(kk, dim=1, largest=False)
+        vals[s:e, :kk], i = part(s, e, s, e).add_(sq[s:e, None]).topk(kk, dim=1, largest=False)
         idx[s:e, :kk] = i + s
-    for s in starts:                                 # off-diagonal blocks: entries below a row's or a column's k-th best
+    for s in starts:                                 # off-diagonal blocks: entries below a row's or a column's k-th
         e = min(n, s + B)
         for t in starts:
             if t <= s: continue
             f = min(n, t + B)
-            D = dist(s, e, t, f)
+            P = part(s, e, t, f)
+            C0, B0 = (f - t) // _G * _G, (e - s) // _G * _G
             with _single_thread():
-                r1, c1, v1 = _row_candidates(D, vals[s:e, -1])
-                r2, c2, v2 = _col_candidates(D, vals[t:f, -1])
+                rmin = P[:, :C0].reshape(e - s, _G, -1).amin(1)
+                cmin = P[:B0].view(-1, _G, f - t).amin(1)
+                r1, c1, v1 = _row_candidates(P, sq[s:e], vals[s:e, -1], rmin)
+                r2, c2, v2 = _col_candidates(P, sq[s:e], vals[t:f, -1], cmin)
                 _merge_top(vals, idx, torch.cat([r1 + s, c2 + t]), torch.cat([c1 + t, r2 + s]), torch.cat([v1, v2]))
     vals, o = vals.sort(1)
     return vals.clamp_min_(0), idx.gather(1, o)
