@@ -491,9 +491,37 @@ def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.
                                          size=(n_runs * k, n))
     return onehot @ x, counts
 
-def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Generator):
+def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
+    """The next `_assign` after the centroids moved from `old`, computing only what can have changed: a point whose
+    own centroid did not move is compared with the moved centroids only (the others are where they were when it
+    chose its own), a point whose own centroid moved with all of its run's centroids. Where that would cost more
+    than half of a full pass (early rounds: most centroids move) the plain stacked `_assign` runs. Equal
+    distances go to the smaller index, as in `_assign`."""
+    n, n_runs = labels.shape
+    moved = (centroids != old).any(1).view(n_runs, k)
+    own = moved.gather(1, labels.T).T                # (n, n_runs): the point's own centroid moved
+    work = int((own.sum(0) * k + (~own).sum(0) * moved.sum(1)).sum())
+    if 2 * work > n * k * n_runs: return _assign(x, x_sq, centroids, n_runs)
+    labels, dist = labels.clone(), dist.clone()
+    for r in range(n_runs):
+        cr, m = centroids[r * k:(r + 1) * k], moved[r].nonzero().flatten()
+        if len(m) == 0: continue
+        rows = own[:, r].nonzero().flatten()
+        if len(rows):
+            labels[rows, r:r + 1], dist[rows, r:r + 1] = _assign(x[rows], x_sq[rows], cr)
+        rows = (~own[:, r]).nonzero().flatten()
+        if len(rows):
+            lab, d = _assign(x[rows], x_sq[rows], cr[m])
+            lab, d = m[lab[:, 0]], d[:, 0]
+            cur, dcur = labels[rows, r], dist[rows, r]
+            switch = (d < dcur) | ((d == dcur) & (lab < cur))
+            labels[rows[switch], r], dist[rows[switch], r] = lab[switch], d[switch]
+    return labels, dist
+
+def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Generator, reassign: bool = True):
     """`n_runs` independent Lloyd runs advanced together (one matrix product per round for all of them); the run
-    with the lowest objective is returned as (labels, centroids, objective)."""
+    with the lowest objective is returned as (labels, centroids, objective). `reassign`: rounds after the first
+    recompute only what moved centroids can change (`_reassign`; the same assignments)."""
     n, d = x.shape
     init = torch.cat([torch.randperm(n, generator=generator)[:k] for _ in range(n_runs)]).to(x.device)
     centroids = x[init].clone()  # run r owns rows r*k .. (r+1)*k - 1
@@ -501,12 +529,13 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
     labels, dist = _assign(x, x_sq, centroids, n_runs)
     for _ in range(niter):
         sums, counts = _cluster_sums(x, labels, k)
-        centroids = sums / counts.clamp_min(1)[:, None].to(x.dtype)
+        old, centroids = centroids, sums / counts.clamp_min(1)[:, None].to(x.dtype)
         if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
             for r in range(n_runs):
                 empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
                 if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
-        new_labels, dist = _assign(x, x_sq, centroids, n_runs)
+        if reassign: new_labels, dist = _reassign(x, x_sq, centroids, old, labels, dist, k)
+        else: new_labels, dist = _assign(x, x_sq, centroids, n_runs)
         converged = torch.equal(new_labels, labels)  # every run repeats its assignment: nothing would change
         labels = new_labels
         if converged: break
