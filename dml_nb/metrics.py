@@ -459,7 +459,7 @@ def map_at_r(emb, labels, gallery_emb=None, gallery_labels=None, max_r: int | No
 def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs: int = 1, max_chunk: int = 2**25):
     """Nearest centroid of every row of `x` (squared norms `x_sq`) within each of `n_runs` stacked centroid sets,
     and the squared distance to it: two (n, n_runs) tensors. Chunked like `knn` (k = 1)."""
-    c_sq = centroids.pow(2).sum(1)
+    with _single_thread(): c_sq = centroids.pow(2).sum(1)
     rows = max(1, max_chunk // len(centroids))
     labels = torch.empty(len(x), n_runs, dtype=torch.long, device=x.device)
     dist = torch.empty(len(x), n_runs, dtype=x.dtype, device=x.device)
@@ -467,7 +467,7 @@ def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs
         xc = x[s:s + rows]
         score = torch.addmm(c_sq, xc, centroids.T, beta=-1, alpha=2).view(len(xc), n_runs, -1)
         best, labels[s:s + rows] = score.max(2)
-        dist[s:s + rows] = (x_sq[s:s + rows, None] - best).clamp_min_(0)
+        with _single_thread(): dist[s:s + rows] = (x_sq[s:s + rows, None] - best).clamp_min_(0)
     return labels, dist
 
 def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,9 +498,10 @@ def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
     than half of a full pass (early rounds: most centroids move) the plain stacked `_assign` runs. Equal
     distances go to the smaller index, as in `_assign`."""
     n, n_runs = labels.shape
-    moved = (centroids != old).any(1).view(n_runs, k)
-    own = moved.gather(1, labels.T).T                # (n, n_runs): the point's own centroid moved
-    work = int((own.sum(0) * k + (~own).sum(0) * moved.sum(1)).sum())
+    with _single_thread():                           # small bookkeeping on one thread (see `_single_thread`)
+        moved = (centroids != old).any(1).view(n_runs, k)
+        own = moved.gather(1, labels.T).T            # (n, n_runs): the point's own centroid moved
+        work = int((own.sum(0) * k + (~own).sum(0) * moved.sum(1)).sum())
     if 2 * work > n * k * n_runs: return _assign(x, x_sq, centroids, n_runs)
     labels, dist = labels.clone(), dist.clone()
     for r in range(n_runs):
@@ -528,12 +529,13 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
     x_sq = x.pow(2).sum(1)
     labels, dist = _assign(x, x_sq, centroids, n_runs)
     for _ in range(niter):
-        sums, counts = _cluster_sums(x, labels, k)
-        old, centroids = centroids, sums / counts.clamp_min(1)[:, None].to(x.dtype)
-        if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
-            for r in range(n_runs):
-                empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
-                if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
+        with _single_thread():                       # the sums and re-seeding are small: one thread (`_single_thread`)
+            sums, counts = _cluster_sums(x, labels, k)
+            old, centroids = centroids, sums / counts.clamp_min(1)[:, None].to(x.dtype)
+            if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
+                for r in range(n_runs):
+                    empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
+                    if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
         if reassign: new_labels, dist = _reassign(x, x_sq, centroids, old, labels, dist, k)
         else: new_labels, dist = _assign(x, x_sq, centroids, n_runs)
         converged = torch.equal(new_labels, labels)  # every run repeats its assignment: nothing would change
