@@ -7,16 +7,25 @@ k = "max_bin_count" (the setting MAP@R needs) and NMI from its faiss k-means (ni
 Data: synthetic L2-normalised 512-d embeddings with class structure (class centre + Gaussian noise) at
 CUB scale (5,924 x 512, 100 classes) and SOP scale (60,502 x 512, 11,316 classes of 2 or more images).
 
-    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml]
+    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml] [--device cpu|cuda]
+
+Every table comes with the machine: CPU model, the SIMD flags that matter here (AVX2/FMA, AVX-512, AVX512-BF16,
+AMX), cores, torch's and faiss's thread settings, the sustained float32 and bfloat16 GEMM rates (torch.mm), the
+FLOP lower bound they imply for the symmetric distance matrix, and the 1-minute load average before and after
+each part (the ratios are what to read on a shared machine). NMI rows carry the k-means objective
+(sum of squared distances to the centroids) beside the time: ours from `kmeans` (what `nmi` runs), PML's from
+`faiss.Kmeans` called as PML calls it (niter=20, faiss's default seed), re-run untimed.
 """
 from __future__ import annotations
-import argparse, logging, time
+import argparse, logging, os, platform, re, time
 
 import faiss
 import numpy as np
 import torch
 
-from dml_nb.metrics import evaluate
+from sklearn.metrics import normalized_mutual_info_score
+
+from dml_nb.metrics import _auto_nredo, _cache_bytes, evaluate, kmeans, lowp_supported, set_num_threads
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),
@@ -41,6 +50,42 @@ def synthetic(n: int, classes: int, dim: int = 512, noise: float = 0.1, min_size
     return torch.from_numpy(emb), torch.from_numpy(labels)
 
 
+FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def load() -> float: return float(open("/proc/loadavg").read().split()[0])
+
+
+def gemm_rate(dtype, device, n: int = 4096, d: int = 512) -> float:
+    "Sustained GFLOP/s of torch.mm (n x d) @ (d x n), best of 5."
+    a, b = torch.randn(n, d, device=device).to(dtype), torch.randn(n, d, device=device).to(dtype)
+    torch.mm(a, b.T)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda": torch.cuda.synchronize()
+        t = time.perf_counter(); torch.mm(a, b.T)
+        if device.type == "cuda": torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * n * d / best / 1e9
+
+
+def machine(device) -> dict:
+    "Print and return what the timings depend on."
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = set((re.search(r"^flags\s*:(.*)$", info, re.M) or re.match("()", "")).group(1).split())
+    m = dict(cpu=model.group(1) if model else platform.processor(), flags=[f for f in FLAGS if f in flags],
+             cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads(),
+             faiss_threads=faiss.omp_get_max_threads(), torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+             cache_MiB=_cache_bytes() >> 20, bf16_candidates=lowp_supported(device),
+             versions=f"torch {torch.__version__}, faiss {faiss.__version__}")
+    if device.type == "cuda": m["gpu"] = torch.cuda.get_device_name(device)
+    m["fp32_GFLOPs"] = round(gemm_rate(torch.float32, device), 1)
+    m["bf16_GFLOPs"] = round(gemm_rate(torch.bfloat16, device), 1)
+    print("machine:", ", ".join(f"{k}={v}" for k, v in m.items()), flush=True)
+    return m
+
+
 def timed(fn, repeats: int = 1):
     "Result and the best wall time of `repeats` runs (the machine is shared: the minimum is the least disturbed)."
     best = float("inf")
@@ -51,42 +96,70 @@ def timed(fn, repeats: int = 1):
     return out, best
 
 
-def run_scale(name: str, pml: bool, repeats: int) -> list[tuple]:
+def run_scale(name: str, pml: bool, repeats: int, device, rate: float) -> list[tuple]:
     emb, labels = synthetic(**SCALES[name])
-    print(f"\n== {name}: {tuple(emb.shape)}, {len(labels.unique())} classes, "
-          f"class sizes {int(labels.bincount().min())}-{int(labels.bincount().max())}", flush=True)
+    emb, labels = emb.to(device), labels.to(device)
+    n, d, k = len(emb), emb.shape[1], len(labels.unique())
+    print(f"\n== {name}: {tuple(emb.shape)}, {k} classes, "
+          f"class sizes {int(labels.bincount().min())}-{int(labels.bincount().max())}; the symmetric distance matrix "
+          f"is n^2 d = {n * n * d / 1e12:.2f} TFLOP (multiply-add = 2), >= {n * n * d / rate / 1e9:.1f} s at "
+          f"{rate:.0f} GFLOP/s", flush=True)
+    l0 = load()
     ours_r, t_r = timed(lambda: evaluate(emb, labels, metrics=RETRIEVAL), repeats)
-    ours_n, t_n = timed(lambda: evaluate(emb, labels, metrics=("nmi",)), repeats)
-    print(f"ours: retrieval {t_r:.1f} s {ours_r}\nours: nmi {t_n:.1f} s {ours_n}", flush=True)
-    rows = [(name, "R@1,2,4,8 + MAP@R + R-prec.", t_r), (name, "NMI", t_n), (name, "total", t_r + t_n)]
-    if not pml: return [r + (float("nan"),) for r in rows]
+    def ours_nmi():                                  # what `nmi` runs, keeping the objective
+        clusters, _, obj = kmeans(emb, k)
+        return normalized_mutual_info_score(labels.cpu().numpy(), clusters.cpu().numpy()), obj
+    (ours_n, ours_obj), t_n = timed(ours_nmi, repeats)
+    if _auto_nredo(n, k) == 1: one, t_1 = (None, None, ours_obj), t_n   # the default already is one run
+    else: one, t_1 = timed(lambda: kmeans(emb, k, nredo=1), repeats)    # one Lloyd run, as PML's single faiss run
+    l1 = load()
+    print(f"ours: retrieval {t_r:.2f} s {ours_r}\nours: nmi {t_n:.2f} s nmi={ours_n:.4f} objective={ours_obj:.1f}"
+          f" (load {l0:.2f} -> {l1:.2f})", flush=True)
+    print(f"ours: k-means, one run {t_1:.2f} s objective={one[2]:.1f}", flush=True)
+    rows = [[name, "R@1,2,4,8 + MAP@R + R-prec.", t_r], [name, f"NMI (k-means: default nredo)", t_n],
+            [name, "total", t_r + t_n], [name, "k-means, one run (as PML)", t_1]]
+    objective = [None, f"{ours_obj:.1f}", None, f"{one[2]:.1f}"]
+    if not pml: return [r + [float("nan"), o, f"{l0:.1f}-{l1:.1f}"] for r, o in zip(rows, objective)]
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
     logging.getLogger("PML").setLevel(logging.ERROR)
-    cpu = torch.device("cpu")
     calc = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r", "r_precision"),
-                              k="max_bin_count", device=cpu)
+                              k="max_bin_count", device=device)
     pml_r, p_r = timed(lambda: calc.get_accuracy(emb, labels), repeats)
-    calc = AccuracyCalculator(include=("NMI",), device=cpu)
+    calc = AccuracyCalculator(include=("NMI",), device=device)
     pml_n, p_n = timed(lambda: calc.get_accuracy(emb, labels), repeats)
-    print(f"PML:  retrieval {p_r:.1f} s {pml_r}\nPML:  nmi {p_n:.1f} s {pml_n}", flush=True)
-    return [rows[0] + (p_r,), rows[1] + (p_n,), rows[2] + (p_r + p_n,)]
+    l2 = load()
+    km = faiss.Kmeans(d, k, niter=20, gpu=device.type == "cuda")    # PML's call, untimed, for its objective
+    x = emb.cpu().numpy()
+    km.train(x)
+    pml_obj = float(km.index.search(x, 1)[0].astype(np.float64).sum())
+    print(f"PML:  retrieval {p_r:.2f} s {pml_r}\nPML:  nmi {p_n:.2f} s {pml_n} objective={pml_obj:.1f}"
+          f" (load {l1:.2f} -> {l2:.2f})", flush=True)
+    objective[1] += f" / {pml_obj:.1f}"
+    objective[3] += f" / {pml_obj:.1f}"
+    return [r + [p, o, f"{l0:.1f}-{l2:.1f}"] for r, p, o in zip(rows, (p_r, p_n, p_r + p_n, p_n), objective)]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", choices=("cub", "sop", "all"), default="cub")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch and faiss threads (set together)")
     ap.add_argument("--repeats", type=int, default=None, help="best of this many runs (default: 3 at CUB scale, 1 at SOP)")
     ap.add_argument("--no-pml", action="store_true", help="time only dml_nb.metrics")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (embeddings, our torch back end and PML there)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    faiss.omp_set_num_threads(args.threads)
+    set_num_threads(args.threads)
+    device = torch.device(args.device)
+    m = machine(device)
     rows = []
     for name in (("cub", "sop") if args.scale == "all" else (args.scale,)):
-        rows += run_scale(name, not args.no_pml, args.repeats or (3 if name == "cub" else 1))
-    print(f"\n{'scale':<6} {'metrics':<28} {'ours s':>8} {'PML s':>8} {'ours/PML':>9}")
-    for name, what, ours, theirs in rows:
-        print(f"{name:<6} {what:<28} {ours:8.1f} {theirs:8.1f} {ours / theirs:9.2f}")
+        rows += run_scale(name, not args.no_pml, args.repeats or (3 if name == "cub" else 1), device, m["fp32_GFLOPs"])
+    print(f"\nmachine: {m['cpu']}, flags {' '.join(m['flags'])}, {m['usable_cores']} cores, torch/faiss threads "
+          f"{m['torch_threads']}/{m['faiss_threads']}, fp32 {m['fp32_GFLOPs']} / bf16 {m['bf16_GFLOPs']} GFLOP/s, "
+          f"bf16 candidates {'used' if m['bf16_candidates'] else 'not used'}{', ' + m['gpu'] if 'gpu' in m else ''}")
+    print(f"| scale | metrics | ours s | PML s | ours/PML | k-means objective ours / PML | load |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for name, what, ours, theirs, obj, ld in rows:
+        print(f"| {name} | {what} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | {obj or ''} | {ld} |")
 
 
 if __name__ == "__main__":

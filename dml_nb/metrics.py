@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_metrics.ipynb #7ed29a60
 from __future__ import annotations
-import re, warnings
+import contextlib, glob, math, re, warnings
 from typing import Callable
 
 import numpy as np
@@ -14,8 +14,8 @@ from sklearn.metrics import normalized_mutual_info_score
 from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'faiss_gpus', 'knn', 'recall_at_k', 'map_at_r', 'kmeans', 'nmi',
-           'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'lowp_supported', 'faiss_gpus', 'set_num_threads', 'knn', 'recall_at_k', 'map_at_r',
+           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -55,6 +55,182 @@ def _query_reference(emb, labels, gallery_emb=None, gallery_labels=None):
     if r.shape[1] != q.shape[1]:
         raise ValueError(f"emb has dimension {q.shape[1]} but gallery_emb has dimension {r.shape[1]}; they must match")
     return q, ql, r, _as_labels(gallery_labels, len(r), "gallery_labels", q.device), False
+
+# %% ../nbs/05_metrics.ipynb #f434c56d
+def _cache_bytes() -> int:
+    "The largest CPU cache (usually L3) in bytes, from Linux's sysfs; 32 MiB where it cannot be read."
+    best = 0
+    for p in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            s = open(p).read().strip()
+            best = max(best, int(s.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1))
+        except (OSError, ValueError): pass
+    return best or 32 << 20
+
+def _block_rows(n: int, device: torch.device) -> int:
+    """Rows per distance block: on the CPU a B x B float32 block takes an eighth of the largest cache (B = 2048 for
+    32 MiB: the block, its two operands and the screening passes stay in cache); on a GPU 8192 (256 MiB blocks)."""
+    if device.type != "cpu": return min(n, 8192)
+    return max(256, min(n, math.isqrt(_cache_bytes() // 8) // 256 * 256))
+
+class _single_thread:
+    """Run the small bookkeeping ops of a block on one thread: on a shared machine a 2-thread OpenMP region waits
+    for a descheduled thread at every op (measured: 3x slower whole search at load 3-4 on 2 cores)."""
+    def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
+    def __exit__(self, *a): torch.set_num_threads(self.n)
+
+_G = 16   # entries screened together by their minimum
+
+def _slack(t: torch.Tensor) -> torch.Tensor:
+    "A few float32 ulps of `t`: screening with thresholds loosened by this never drops an entry the exact test keeps."
+    return t.abs() * 2.0**-20 + 2.0**-60
+
+def _row_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
+    """(rows, cols, distances) of the block's entries below their row's threshold `tau`, where the block is
+    P = |x_j|^2 - 2 x_i.x_j (distance = P + |x_i|^2 = P + `sq_r`) and `gmin` its minima over `_G` columns
+    g, g + C/_G, g + 2C/_G, ... (strided groups: a reduction over the middle axis of a (B, _G, C/_G) view, 4x
+    faster than over contiguous groups): only groups whose minimum passes are read entry by entry."""
+    B, C = P.shape
+    C0 = C // _G * _G
+    lim = tau - sq_r
+    r, c = (gmin < (lim + _slack(lim) + _slack(sq_r))[:, None]).nonzero(as_tuple=True)
+    c = c[:, None] + torch.arange(_G, device=P.device) * (C0 // _G)
+    r = r[:, None].expand_as(c)
+    if C0 < C:                                       # the last columns, fewer than _G: read them all
+        rt = torch.arange(B, device=P.device)[:, None].expand(B, C - C0)
+        r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), torch.arange(C0, C, device=P.device).expand(B, C - C0).reshape(-1)])
+    v = P[r, c] + sq_r[r]
+    keep = v < tau[r]
+    return r[keep], c[keep], v[keep]
+
+def _col_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
+    """`_row_candidates` for the columns (thresholds `tau` per column), `gmin` the minima of P over row groups of
+    `_G`; min over a group of (P + |x_i|^2) >= min P + min |x_i|^2 screens without adding the norms to the block."""
+    B, C = P.shape
+    B0 = B // _G * _G
+    lo = sq_r[:B0].view(-1, _G).amin(1)
+    lim = tau[None, :] - lo[:, None]
+    gr, c = (gmin < lim + _slack(lim) + _slack(lo)[:, None]).nonzero(as_tuple=True)
+    r = (gr * _G)[:, None] + torch.arange(_G, device=P.device)
+    c = c[:, None].expand_as(r)
+    if B0 < B:                                       # the last rows, fewer than _G: read them all
+        rt = torch.arange(B0, B, device=P.device)[:, None].expand(B - B0, C)
+        ct = torch.arange(C, device=P.device).expand(B - B0, C)
+        r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), ct.reshape(-1)])
+    v = P[r, c] + sq_r[r]
+    keep = v < tau[c]
+    return r[keep], c[keep], v[keep]
+
+def _merge_top(vals: torch.Tensor, idx: torch.Tensor, owner, other, v):
+    "Merge (row `owner`, neighbour `other`, distance `v`) triples into each row's running k smallest (vals, idx)."
+    if len(owner) == 0: return
+    k = vals.shape[1]
+    o = torch.argsort(owner)
+    owner, other, v = owner[o], other[o], v[o]
+    rows, cnt = torch.unique_consecutive(owner, return_counts=True)
+    slot = torch.repeat_interleave(torch.arange(len(rows), device=v.device), cnt)
+    pos = torch.arange(len(owner), device=v.device) - (cnt.cumsum(0) - cnt)[slot]
+    w = int(cnt.max())
+    dv = torch.full((len(rows), w), float("inf"), device=v.device)
+    di = torch.full((len(rows), w), -1, dtype=torch.long, device=v.device)
+    dv[slot, pos], di[slot, pos] = v, other
+    dv, di = torch.cat([vals[rows], dv], 1), torch.cat([idx[rows], di], 1)
+    dv, o = dv.topk(k, dim=1, largest=False)
+    vals[rows], idx[rows] = dv, di.gather(1, o)
+
+def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = None):
+    """The `k` smallest squared distances from each row of `x` to all rows of `x` (itself included) and their
+    indices, ascending; each distance block (i, j), j >= i, is computed once and serves rows i and columns j.
+    `lowp=True`: blocks from a bfloat16 product (approximate; see `_knn_self_lowp`)."""
+    n, dev = len(x), x.device
+    B = block or _block_rows(n, dev)
+    sq = x.pow(2).sum(1)
+    xm = x.to(torch.bfloat16) if lowp else x
+    vals = torch.full((n, k), float("inf"), device=dev)
+    idx = torch.full((n, k), -1, dtype=torch.long, device=dev)
+    starts = range(0, n, B)
+    def part(s, e, t, f):                            # |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
+        if lowp: return torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
+        return torch.addmm(sq[t:f], x[s:e], x[t:f].T, alpha=-2)
+    for s in starts:                                 # diagonal blocks: top-k per row
+        e = min(n, s + B)
+        kk = min(k, e - s)
+        vals[s:e, :kk], i = part(s, e, s, e).add_(sq[s:e, None]).topk(kk, dim=1, largest=False)
+        idx[s:e, :kk] = i + s
+    for s in starts:                                 # off-diagonal blocks: entries below a row's or a column's k-th
+        e = min(n, s + B)
+        for t in starts:
+            if t <= s: continue
+            f = min(n, t + B)
+            P = part(s, e, t, f)
+            C0, B0 = (f - t) // _G * _G, (e - s) // _G * _G
+            with _single_thread():
+                rmin = P[:, :C0].reshape(e - s, _G, -1).amin(1)
+                cmin = P[:B0].view(-1, _G, f - t).amin(1)
+                r1, c1, v1 = _row_candidates(P, sq[s:e], vals[s:e, -1], rmin)
+                r2, c2, v2 = _col_candidates(P, sq[s:e], vals[t:f, -1], cmin)
+                _merge_top(vals, idx, torch.cat([r1 + s, c2 + t]), torch.cat([c1 + t, r2 + s]), torch.cat([v1, v2]))
+    vals, o = vals.sort(1)
+    return vals.clamp_min_(0), idx.gather(1, o)
+
+
+# %% ../nbs/05_metrics.ipynb #7cf98ea3
+def lowp_supported(device) -> bool:
+    """Whether a bfloat16 matrix product is fast on `device`: a CUDA GPU with bf16 tensor cores (compute capability
+    >= 8.0), or a CPU whose torch build dispatches AVX-512 and that has AMX-BF16 or AVX512-BF16 units."""
+    device = torch.device(device)
+    if device.type == "cuda": return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cpu" or "AVX512" not in torch.backends.cpu.get_cpu_capability(): return False
+    try: flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
+    except (OSError, AttributeError): return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+def _lowp_margin(x: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """Per row, a bound on |approximate - exact| squared distance to any row: bfloat16 inputs (relative error
+    u = 2^-8 each), a bfloat16 output (u) and float32 accumulation over d terms bound the dot product's error by
+    (3u + u^2 + 2 d 2^-24) |x_i| |x_j|; distances carry it twice, plus float32 rounding of the sums."""
+    c = 3 * 2.0**-8 + 2.0**-16 + 2 * (x.shape[1] + 2) * 2.0**-24
+    top = sq.max()
+    return 2 * c * (sq * top).sqrt() + 2.0**-20 * (sq + top)
+
+def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None):
+    """`_knn_self(x, k)` with the candidate search in bfloat16 and exact float32 re-ranking. The bf16 search keeps
+    k2 = 2k + 8 candidates and the (k2+1)-th; a row is certified when its (k2+1)-th approximate distance minus the
+    margin exceeds its k-th plus the margin (then every row within the exact k-th distance is a candidate, ties
+    included); certified rows are re-ranked in float32, the others searched again in float32."""
+    n = len(x)
+    k2 = 2 * k + 8 if extra is None else k + extra
+    if k2 + 1 > n: return _knn_self(x, k)
+    ctx = contextlib.nullcontext()
+    if x.device.type == "cuda":                      # full-precision accumulation for the bound above
+        ctx = _cuda_bf16_full_reduction()
+    with ctx: dv, di = _knn_self(x, k2 + 1, lowp=True)
+    sq = x.pow(2).sum(1)
+    m = _lowp_margin(x, sq)
+    ok = dv[:, k2] - m > dv[:, k - 1] + m
+    cand = di[:, :k2]
+    vals = torch.empty(n, k, device=x.device)
+    idx = torch.empty(n, k, dtype=torch.long, device=x.device)
+    step = max(1, 2**22 // (k2 * x.shape[1]))
+    for s in range(0, n, step):                      # exact float32 distances of the candidates
+        c = cand[s:s + step]
+        d = (sq[s:s + step, None] + sq[c] - 2 * torch.bmm(x[c], x[s:s + step, :, None])[..., 0]).clamp_min_(0)
+        v, o = d.topk(k, dim=1, largest=False)
+        vals[s:s + step], idx[s:s + step] = v, c.gather(1, o)
+    bad = (~ok).nonzero().flatten()
+    if len(bad):
+        v, i = _knn_torch(x[bad], x, k, False)
+        vals[bad], idx[bad] = v, i
+    return vals, idx
+
+class _cuda_bf16_full_reduction:
+    "Turn off cuBLAS's reduced-precision reductions for bf16 products for the duration (the margin assumes fp32 sums)."
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.old = m.allow_bf16_reduced_precision_reduction
+        m.allow_bf16_reduced_precision_reduction = False
+    def __exit__(self, *a): torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.old
+
 
 # %% ../nbs/05_metrics.ipynb #506c12f1
 def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, max_chunk: int = 2**25):
@@ -96,6 +272,7 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
     """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
     (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
     import faiss
+    faiss.omp_set_num_threads(torch.get_num_threads())   # faiss's OpenMP pool follows torch's thread setting
     q, r = query.cpu().numpy(), reference.cpu().numpy()
     index = faiss.IndexFlatL2(r.shape[1])
     dev = None if gpu is False else _faiss_gpu_device(query, required=bool(gpu))
@@ -116,9 +293,21 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
 
 KNN_BACKENDS: dict[str, Callable] = {
     "torch": _knn_torch,                                                           # on the embeddings' device
+    "torch_fp32": _knn_torch,                   # self-retrieval: float32 blocks only (`torch`: bf16 where fast)
+    "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking everywhere
     "faiss": _knn_faiss,                                                           # faiss-gpu if present, else CPU
     "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
     "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
+
+_SELF_LOWP = {"torch": None, "torch_fp32": False, "torch_bf16": True}   # None: `lowp_supported(device)`
+
+def set_num_threads(n: int):
+    "Set torch's and faiss's (its own OpenMP runtime) thread counts together; the faiss back ends also follow torch's."
+    torch.set_num_threads(n)
+    try:
+        import faiss
+        faiss.omp_set_num_threads(n)
+    except ImportError: pass
 
 def _distinct_rows(r: torch.Tensor):
     """The distinct rows of `r` in order of first occurrence, and for each distinct row its rows of `r`:
@@ -170,8 +359,16 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
     if backend == "faiss_gpu" and K > FAISS_GPU_MAX_K:
         raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
                          f"itself, +1 to see ties at the cut): use backend='torch'")
-    du, iu = KNN_BACKENDS[backend](q, u, K, False)
-    du, iu = du.to(q.device), iu.to(q.device)
+    if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
+        # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
+        if backend in _SELF_LOWP:
+            lowp = lowp_supported(q.device) if _SELF_LOWP[backend] is None else _SELF_LOWP[backend]
+            du, iu = (_knn_self_lowp if lowp else _knn_self)(u, K)
+        else: du, iu = KNN_BACKENDS[backend](u, u, K, False)
+        du, iu = du.to(q.device)[inv], iu.to(q.device)[inv]
+    else:
+        du, iu = KNN_BACKENDS[backend](q, u, K, False)
+        du, iu = du.to(q.device), iu.to(q.device)
     if len(u) == len(r):                             # no duplicates: the distinct rows are the rows
         dist, idx, last = du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=q.device)
     else:                                            # expand each distinct row into its rows, ascending index; keep L
@@ -262,7 +459,7 @@ def map_at_r(emb, labels, gallery_emb=None, gallery_labels=None, max_r: int | No
 def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs: int = 1, max_chunk: int = 2**25):
     """Nearest centroid of every row of `x` (squared norms `x_sq`) within each of `n_runs` stacked centroid sets,
     and the squared distance to it: two (n, n_runs) tensors. Chunked like `knn` (k = 1)."""
-    c_sq = centroids.pow(2).sum(1)
+    with _single_thread(): c_sq = centroids.pow(2).sum(1)
     rows = max(1, max_chunk // len(centroids))
     labels = torch.empty(len(x), n_runs, dtype=torch.long, device=x.device)
     dist = torch.empty(len(x), n_runs, dtype=x.dtype, device=x.device)
@@ -270,7 +467,7 @@ def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs
         xc = x[s:s + rows]
         score = torch.addmm(c_sq, xc, centroids.T, beta=-1, alpha=2).view(len(xc), n_runs, -1)
         best, labels[s:s + rows] = score.max(2)
-        dist[s:s + rows] = (x_sq[s:s + rows, None] - best).clamp_min_(0)
+        with _single_thread(): dist[s:s + rows] = (x_sq[s:s + rows, None] - best).clamp_min_(0)
     return labels, dist
 
 def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,22 +491,53 @@ def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.
                                          size=(n_runs * k, n))
     return onehot @ x, counts
 
-def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Generator):
+def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
+    """The next `_assign` after the centroids moved from `old`, computing only what can have changed: a point whose
+    own centroid did not move is compared with the moved centroids only (the others are where they were when it
+    chose its own), a point whose own centroid moved with all of its run's centroids. Where that would cost more
+    than half of a full pass (early rounds: most centroids move) the plain stacked `_assign` runs. Equal
+    distances go to the smaller index, as in `_assign`."""
+    n, n_runs = labels.shape
+    with _single_thread():                           # small bookkeeping on one thread (see `_single_thread`)
+        moved = (centroids != old).any(1).view(n_runs, k)
+        own = moved.gather(1, labels.T).T            # (n, n_runs): the point's own centroid moved
+        work = int((own.sum(0) * k + (~own).sum(0) * moved.sum(1)).sum())
+    if 2 * work > n * k * n_runs: return _assign(x, x_sq, centroids, n_runs)
+    labels, dist = labels.clone(), dist.clone()
+    for r in range(n_runs):
+        cr, m = centroids[r * k:(r + 1) * k], moved[r].nonzero().flatten()
+        if len(m) == 0: continue
+        rows = own[:, r].nonzero().flatten()
+        if len(rows):
+            labels[rows, r:r + 1], dist[rows, r:r + 1] = _assign(x[rows], x_sq[rows], cr)
+        rows = (~own[:, r]).nonzero().flatten()
+        if len(rows):
+            lab, d = _assign(x[rows], x_sq[rows], cr[m])
+            lab, d = m[lab[:, 0]], d[:, 0]
+            cur, dcur = labels[rows, r], dist[rows, r]
+            switch = (d < dcur) | ((d == dcur) & (lab < cur))
+            labels[rows[switch], r], dist[rows[switch], r] = lab[switch], d[switch]
+    return labels, dist
+
+def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Generator, reassign: bool = True):
     """`n_runs` independent Lloyd runs advanced together (one matrix product per round for all of them); the run
-    with the lowest objective is returned as (labels, centroids, objective)."""
+    with the lowest objective is returned as (labels, centroids, objective). `reassign`: rounds after the first
+    recompute only what moved centroids can change (`_reassign`; the same assignments)."""
     n, d = x.shape
     init = torch.cat([torch.randperm(n, generator=generator)[:k] for _ in range(n_runs)]).to(x.device)
     centroids = x[init].clone()  # run r owns rows r*k .. (r+1)*k - 1
     x_sq = x.pow(2).sum(1)
     labels, dist = _assign(x, x_sq, centroids, n_runs)
     for _ in range(niter):
-        sums, counts = _cluster_sums(x, labels, k)
-        centroids = sums / counts.clamp_min(1)[:, None].to(x.dtype)
-        if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
-            for r in range(n_runs):
-                empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
-                if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
-        new_labels, dist = _assign(x, x_sq, centroids, n_runs)
+        with _single_thread():                       # the sums and re-seeding are small: one thread (`_single_thread`)
+            sums, counts = _cluster_sums(x, labels, k)
+            old, centroids = centroids, sums / counts.clamp_min(1)[:, None].to(x.dtype)
+            if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
+                for r in range(n_runs):
+                    empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
+                    if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
+        if reassign: new_labels, dist = _reassign(x, x_sq, centroids, old, labels, dist, k)
+        else: new_labels, dist = _assign(x, x_sq, centroids, n_runs)
         converged = torch.equal(new_labels, labels)  # every run repeats its assignment: nothing would change
         labels = new_labels
         if converged: break
@@ -320,6 +548,7 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
 def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gpu: bool | None = None):
     "faiss k-means: on a GPU when faiss has GPU support (`gpu=None`), always (`gpu=True`) or never (`gpu=False`)."
     import faiss
+    faiss.omp_set_num_threads(torch.get_num_threads())
     xn = x.cpu().numpy()
     dev = None if gpu is False else _faiss_gpu_device(x, required=bool(gpu))
     km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=seed, verbose=False,
