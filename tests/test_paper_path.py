@@ -1,8 +1,9 @@
-"""The paper-scale path, proven on CPU (slow: `pytest -m slow tests/test_paper_path.py`, about an hour on 2 cores).
+"""The paper-scale path, proven on CPU (slow: `pytest -m slow tests/test_paper_path.py`, about 2.5 h on 2 cores).
 
 Every parameter file under params/train/ and every params/repro_*/*.yaml runs through the entry point a user calls
 (`dml-train`, papermill) on a tiny dataset in that dataset's real on-disk format written here, with only size keys
-shrunk (epochs, batches, batch shape, image size, workers, `pretrained: false`); metrics are written and every task
+shrunk (epochs, batches, batch shape, image size, workers, `pretrained: false`, R@k beyond the written split,
+D&C's K; see MAX_LEARNERS); metrics are written and every task
 gets tuples (a task without tuples stops the run). Without the data, every reproduction notebook lists each row
 as not run with the reason and still writes its table and claims, never crashing."""
 from __future__ import annotations
