@@ -62,7 +62,7 @@ def _cache_bytes() -> int:
     best = 0
     for p in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            s = open(p).read().strip()
+            with open(p) as f: s = f.read().strip()
             best = max(best, int(s.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1))
         except (OSError, ValueError): pass
     return best or 32 << 20
@@ -181,7 +181,8 @@ def lowp_supported(device) -> bool:
     device = torch.device(device)
     if device.type == "cuda": return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu" or "AVX512" not in torch.backends.cpu.get_cpu_capability(): return False
-    try: flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
+    try:
+        with open("/proc/cpuinfo") as f: flags = set(re.search(r"^flags\s*:(.*)$", f.read(), re.M).group(1).split())
     except (OSError, AttributeError): return False
     return bool(flags & {"amx_bf16", "avx512_bf16"})
 
