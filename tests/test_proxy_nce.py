@@ -405,3 +405,10 @@ def test_golden_decorrelation_mic():
     _check_decorrelation(decor, inp["aux_features"], inp["class_features"], out, "aux_gradient", "class_gradient")
     with pytest.raises(ValueError, match="needs source"):
         decor(torch.tensor(inp["class_features"]), torch.tensor(inp["aux_features"]))
+
+
+def test_has_proxies_reads_the_loss_itself():
+    from dml_nb.sharing import has_proxies
+    assert has_proxies("proxy_nca") and has_proxies("proxy_anchor") and has_proxies(ProxyAnchorLoss(3, 4))
+    assert has_proxies(ProxyNCALoss) and not has_proxies("margin") and not has_proxies("triplet")   # margin: num_classes, no proxies
+    assert not has_proxies(InfoNCELoss())
