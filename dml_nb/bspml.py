@@ -47,13 +47,17 @@ def _check_terms(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels) -> None:
     for name, t in (("w", w), ("xi_pos", xi_pos), ("xi_neg", xi_neg)):
         if t.shape != (n,): raise ValueError(f"{name} must hold one value per sample, shape ({n},); got {tuple(t.shape)}")
 
-def spl_objective(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float, mu: float = 0.0) -> Tensor:
-    "BSPML's weight objective (eq. 6, negative term with class *mean* weights as eq. 8 implies); differentiable in `w`."
+def _class_weights(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels) -> tuple:
+    "Checked terms -> (class of each sample, number of classes C, class sizes, weight sums zeta, mean weights m)."
     _check_terms(w, xi_pos, xi_neg, labels)
     inv, n = _classes(labels, w.device)
     C, n = len(n), n.to(w.dtype)
     zeta = w.new_zeros(C).index_add(0, inv, w)
-    m = zeta / n
+    return inv, C, n, zeta, zeta / n
+
+def spl_objective(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float, mu: float = 0.0) -> Tensor:
+    "BSPML's weight objective (eq. 6, negative term with class *mean* weights as eq. 8 implies); differentiable in `w`."
+    inv, C, n, zeta, m = _class_weights(w, xi_pos, xi_neg, labels)
     pos = (w * (_at(zeta, inv) - w) * xi_pos / _at(n * (n - 1).clamp_min(1), inv)).sum()
     neg = (w * xi_neg / _at(n, inv) * (m.sum() - _at(m, inv))).sum() / (C - 1)
     balance = mu / (C - 1) * (C * m.pow(2).sum() - m.sum().pow(2))
@@ -62,11 +66,7 @@ def spl_objective(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam
 # %% ../nbs/07d_bspml.ipynb #2c18f3f6
 def spl_gradient(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float, mu: float = 0.0) -> Tensor:
     "Exact gradient of `spl_objective` with respect to every weight (eq. 8 with full sums)."
-    _check_terms(w, xi_pos, xi_neg, labels)
-    inv, n = _classes(labels, w.device)
-    C, n = len(n), n.to(w.dtype)
-    zeta = w.new_zeros(C).index_add(0, inv, w)
-    m = zeta / n
+    inv, C, n, zeta, m = _class_weights(w, xi_pos, xi_neg, labels)
     s_pos = w.new_zeros(C).index_add(0, inv, w * xi_pos)
     t_neg = w.new_zeros(C).index_add(0, inv, w * xi_neg) / n
     m_c, n_c = _at(m, inv), _at(n, inv)

@@ -13,8 +13,8 @@ import numpy as np
 # %% auto #0
 __all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device',
            'DiskWriteError', 'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json',
-           'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric', 'Registry', 'data_root',
-           'RunLockedError', 'describe_holder', 'lock_dir']
+           'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric', 'registering_modules', 'Registry',
+           'data_root', 'RunLockedError', 'describe_holder', 'lock_dir']
 
 # %% ../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -282,13 +282,26 @@ def _static_registrations(modules, symbol: str) -> dict | None:
                 return None
     return out
 
+def registering_modules(symbol: str, package: str = "dml_nb") -> tuple[str, ...]:
+    "The modules of `package` with a decorator line `@<symbol>.register`, found by reading their source (no import)."
+    spec = importlib.util.find_spec(package)
+    pattern = re.compile(rf"^@{re.escape(symbol)}\.register\b", re.M)
+    files = sorted(p for d in spec.submodule_search_locations for p in Path(d).glob("*.py"))
+    return tuple(f"{package}.{p.stem}" for p in files if pattern.search(p.read_text()))
+
 class Registry:
     "Maps names to classes or factories; `build(name, **kwargs)` validates both."
-    def __init__(self, kind: str, modules: tuple[str, ...] = (), symbol: str | None = None):
+    def __init__(self, kind: str, modules: tuple[str, ...] | None = None, symbol: str | None = None):
         """`modules` are imported on first lookup, so that everything registered there is known. `symbol`, the name
-        they decorate with (`@LOSSES.register`), lets names and options be read from their source before that."""
-        self.kind, self._items, self._modules, self._loaded = kind, {}, modules, not modules
+        they decorate with (`@LOSSES.register`), lets names and options be read from their source before that;
+        with no `modules`, the package's modules that decorate with it are the ones (`registering_modules`)."""
+        if modules is None: modules = None if symbol else ()
+        self.kind, self._items, self._module_names, self._loaded = kind, {}, modules, modules == ()
         self.symbol, self._static = symbol, None
+    @property
+    def _modules(self) -> tuple[str, ...]:
+        if self._module_names is None: self._module_names = registering_modules(self.symbol)
+        return self._module_names
     def _load(self):
         if not self._loaded:
             self._loaded = True
@@ -377,11 +390,10 @@ class Registry:
         return obj(**kwargs)
 
 # %% ../nbs/00_core.ipynb #b354fcea
-MINERS = Registry("miner", ("dml_nb.miners",), symbol="MINERS")
-LOSSES = Registry("loss", ("dml_nb.losses", "dml_nb.proxy_nce"), symbol="LOSSES")
-BACKBONES = Registry("backbone", ("dml_nb.models",), symbol="BACKBONES")
-METHODS = Registry("method", ("dml_nb.methods", "dml_nb.diva", "dml_nb.sharing", "dml_nb.dnc", "dml_nb.bspml"),
-                   symbol="METHODS")
+MINERS = Registry("miner", symbol="MINERS")
+LOSSES = Registry("loss", symbol="LOSSES")
+BACKBONES = Registry("backbone", symbol="BACKBONES")
+METHODS = Registry("method", symbol="METHODS")
 
 # %% ../nbs/00_core.ipynb #a21bcd8b
 def data_root(name: str, root: str | Path | None = None) -> Path:

@@ -14,31 +14,18 @@ import torch.nn.functional as F
 
 from .core import METHODS, unknown_name_error
 from .learner import Callback, Method, NoTuplesError, derive_seed
+from .metrics import kmeans_assign
 from .methods import build_loss, build_miner
 from .models import EmbeddingModel, SlicedHead, slice_bounds
 from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 
 # %% auto #0
-__all__ = ['REMATCH_RULES', 'GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'kmeans_assign', 'match_clusters',
+__all__ = ['REMATCH_RULES', 'GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'match_clusters',
            'random_partition', 'label_grouping', 'cluster_statistics', 'ClusterError', 'cluster_batch_sampler',
            'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
 
 # %% ../nbs/07c_dnc.ipynb #a4a054c1
 REMATCH_RULES = ("hungarian", "official")
-
-def kmeans_assign(x: np.ndarray | torch.Tensor, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234,
-                  normalize: bool = True) -> np.ndarray:
-    "faiss k-means of the rows of `x` (L2-normalised first unless `normalize=False`) into `k` clusters; each row's id."
-    import faiss
-    x = torch.as_tensor(x).detach().float().cpu()
-    if x.dim() != 2: raise ValueError(f"expected a (points, dims) matrix, got shape {tuple(x.shape)}")
-    if not 1 <= k <= len(x): raise ValueError(f"cannot cluster {len(x)} points into k={k} clusters")
-    x = np.ascontiguousarray((F.normalize(x, dim=1) if normalize else x).numpy())
-    if k == 1: return np.zeros(len(x), dtype=np.int64)
-    km = faiss.Kmeans(x.shape[1], k, niter=niter, nredo=nredo, seed=int(seed) % 2**31, verbose=False,
-                      max_points_per_centroid=max(256, math.ceil(len(x) / k)))   # cluster every point, no subsampling
-    km.train(x)
-    return km.index.search(x, 1)[1][:, 0].astype(np.int64)
 
 def match_clusters(previous: np.ndarray, current: np.ndarray, k: int, rule: str = "hungarian") -> np.ndarray:
     "Rename the ids of `current` (0..k-1) to maximise the overlap with `previous`; `rule='official'`: the code's inverse."

@@ -11,18 +11,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import LOSSES
-from .miners import (MultiSimilarityMiner, check_batch, negative_mask, pairwise_distance,
-                           positive_mask)
+from .distances import Distance, EuclideanDistance, as_distance
+from .miners import MultiSimilarityMiner, check_batch, negative_mask, positive_mask
 
 # %% auto #0
 __all__ = ['zero_loss', 'all_triplets', 'as_triplets', 'as_pairs', 'pair_masks', 'reduce_losses', 'log1p_sum_exp', 'RankingLoss',
            'TripletLoss', 'SoftTripletLoss', 'MarginLoss', 'ContrastiveLoss', 'NPairLoss', 'MultiSimilarityLoss',
-           'WeightedMultiSimilarityLoss', 'FastAPLoss', 'snr_distance', 'SNRContrastiveLoss', 'RDMLLoss']
+           'WeightedMultiSimilarityLoss', 'FastAPLoss', 'snr_distance', 'SNRDistance', 'SNRContrastiveLoss', 'RDMLLoss']
 
 # %% ../nbs/03_losses.ipynb #e05cc622
-def zero_loss(embeddings: Tensor) -> Tensor:
-    "A zero loss that still has a gradient path to `embeddings`."
-    return embeddings.sum() * 0.0
+def zero_loss(*tensors: Tensor) -> Tensor:
+    "A zero loss that still has a gradient path to each of `tensors` (its gradients are exactly 0)."
+    total = tensors[0].sum()
+    for t in tensors[1:]: total = total + t.sum()
+    return total * 0.0
 
 def all_triplets(labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     "Every (anchor, positive, negative) of the batch."
@@ -43,7 +45,7 @@ def as_pairs(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Te
         a1, p = positive_mask(labels).nonzero(as_tuple=True)
         a2, n = negative_mask(labels).nonzero(as_tuple=True)
         return a1, p, a2, n
-    tuples = tuple(torch.as_tensor(t, device=labels.device).long() for t in tuples)
+    tuples = tuple(torch.as_tensor(t, device=None if labels is None else labels.device).long() for t in tuples)
     if len(tuples) == 3: return tuples[0], tuples[1], tuples[0], tuples[2]
     if len(tuples) == 4: return tuples
     raise ValueError(f"{who} needs pairs (a1, p, a2, n) or triplets (a, p, n); got {len(tuples)} index tensors")
@@ -73,44 +75,47 @@ def log1p_sum_exp(z: Tensor, mask: Tensor) -> Tensor:
 
 # %% ../nbs/03_losses.ipynb #ecfee8b7
 class RankingLoss(nn.Module):
-    "Base class: `loss(embeddings, labels, tuples=None) -> scalar`."
+    "Base class: `loss(embeddings, labels, tuples=None) -> scalar`, measuring with `distance`."
     default_miner: str | None = None
     param_lr: float | None = None
 
+    def __init__(self, distance: str | Distance = "euclidean"):
+        super().__init__(); self.distance = as_distance(distance)
+
     def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        "Check the batch; return the L2-normalised embeddings and the labels on their device."
+        "Check the batch; return the embeddings as the distance reads them and the labels on their device."
         labels = check_batch(embeddings, labels, type(self).__name__)
-        return F.normalize(embeddings, dim=1), labels
+        return self.distance.embed(embeddings), labels
 
 # %% ../nbs/03_losses.ipynb #61555ac5
 @LOSSES.register("triplet")
 class TripletLoss(RankingLoss):
-    "Triplet margin loss $[d_{ap} - d_{an} + m]_+$."
+    "Triplet margin loss $[d_{ap} - d_{an} + m]_+$ (with a similarity $[s_{an} - s_{ap} + m]_+$)."
     default_miner = "semihard"
-    def __init__(self, margin: float = 0.2, reduction: str = "nonzero"):
-        super().__init__(); reduce_losses(torch.zeros(1), reduction)
+    def __init__(self, margin: float = 0.2, reduction: str = "nonzero", distance: str | Distance = "euclidean"):
+        super().__init__(distance); reduce_losses(torch.zeros(1), reduction)
         self.margin, self.reduction = margin, reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p, n = as_triplets(tuples, labels, "TripletLoss")
         if len(a) == 0: return zero_loss(embeddings)
-        dist = pairwise_distance(x)
-        return reduce_losses(F.relu(dist[a, p] - dist[a, n] + self.margin), self.reduction)
+        dist = self.distance.matrix(x)
+        return reduce_losses(F.relu(self.distance.margin(dist[a, p], dist[a, n]) + self.margin), self.reduction)
 
 # %% ../nbs/03_losses.ipynb #8639e705
 @LOSSES.register("soft_triplet")
 class SoftTripletLoss(RankingLoss):
     "Soft-margin triplet loss $\\log(1 + e^{d_{ap} - d_{an}})$ (Hermans et al.)."
-    def __init__(self, reduction: str = "mean"):
-        super().__init__(); reduce_losses(torch.zeros(1), reduction); self.reduction = reduction
+    def __init__(self, reduction: str = "mean", distance: str | Distance = "euclidean"):
+        super().__init__(distance); reduce_losses(torch.zeros(1), reduction); self.reduction = reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p, n = as_triplets(tuples, labels, "SoftTripletLoss")
         if len(a) == 0: return zero_loss(embeddings)
-        dist = pairwise_distance(x)
-        return reduce_losses(F.softplus(dist[a, p] - dist[a, n]), self.reduction)
+        dist = self.distance.matrix(x)
+        return reduce_losses(F.softplus(self.distance.margin(dist[a, p], dist[a, n])), self.reduction)
 
 # %% ../nbs/03_losses.ipynb #f13174cd
 @LOSSES.register("margin")
@@ -119,8 +124,8 @@ class MarginLoss(RankingLoss):
     default_miner = "distance_weighted"
     def __init__(self, margin: float = 0.2, beta: float = 1.2, num_classes: int | None = None,
                  class_specific_beta: bool = True, learn_beta: bool = True, pair_count: str = "terms", nu: float = 0.0,
-                 param_lr: float = 5e-4):
-        super().__init__()
+                 param_lr: float = 5e-4, distance: str | Distance = "euclidean"):
+        super().__init__(distance)
         if num_classes is not None and num_classes < 1: raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         if pair_count not in ("terms", "triplets"):
             raise ValueError(f"pair_count must be 'terms' (non-zero terms, Wu et al. / D&C / MIC) or 'triplets' "
@@ -145,51 +150,49 @@ class MarginLoss(RankingLoss):
                                  f"labels in [{int(la.min())}, {int(la.max())}]; set num_classes to the number of "
                                  "training classes (or groups) and renumber labels 0..num_classes-1")
             beta = self.beta[la]
-        d_ap = ((x[a] - x[p]).pow(2).sum(1) + 1e-8).sqrt()
-        d_an = ((x[a] - x[n]).pow(2).sum(1) + 1e-8).sqrt()
-        pos = F.relu(d_ap - beta + self.margin)
-        neg = F.relu(beta - d_an + self.margin)
+        d_ap, d_an = self.distance.rowwise(x[a], x[p]), self.distance.rowwise(x[a], x[n])
+        pos = F.relu(self.distance.margin(d_ap, beta) + self.margin)
+        neg = F.relu(self.distance.margin(beta, d_an) + self.margin)
         count = (pos > 0).sum() + (neg > 0).sum() if self.pair_count == "terms" else ((pos > 0) | (neg > 0)).sum()
         return ((pos + neg).sum() + self.nu * beta.sum()) / count.clamp_min(1)
 
 # %% ../nbs/03_losses.ipynb #b3107450
 @LOSSES.register("contrastive")
 class ContrastiveLoss(RankingLoss):
-    "Contrastive loss: margins on Euclidean distances ($[d - m^+]_+$, $[m^- - d]_+$) or on cosine similarities."
+    "Contrastive loss: margins on distances ($[d - m^+]_+$, $[m^- - d]_+$) or on similarities ($[m^+ - s]_+$, $[s - m^-]_+$)."
     _default_margins = {"euclidean": (0.0, 0.5), "cosine": (1.0, 0.0)}
-    def __init__(self, pos_margin: float | None = None, neg_margin: float | None = None, metric: str = "euclidean"):
-        super().__init__()
+    def __init__(self, pos_margin: float | None = None, neg_margin: float | None = None, metric: str = "euclidean",
+                 distance: str | Distance | None = None):
+        "`metric` names the distance ('euclidean' or 'cosine'); `distance=` gives any other, and wins."
         if metric not in self._default_margins:
             raise ValueError(f"metric must be one of {sorted(self._default_margins)}, got {metric!r}")
-        pos_default, neg_default = self._default_margins[metric]
-        self.metric = metric
+        super().__init__(metric if distance is None else distance)
+        pos_default, neg_default = self._default_margins["cosine" if self.distance.is_inverted else "euclidean"]
         self.pos_margin = pos_default if pos_margin is None else float(pos_margin)
         self.neg_margin = neg_default if neg_margin is None else float(neg_margin)
-
-    def distances(self, x: Tensor) -> Tensor: return pairwise_distance(x)
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a1, p, a2, n = as_pairs(tuples, labels, type(self).__name__)
         if len(a1) + len(a2) == 0: return zero_loss(embeddings)
-        if self.metric == "cosine":
-            sim = x @ x.T
-            pos_terms, neg_terms = F.relu(self.pos_margin - sim[a1, p]), F.relu(sim[a2, n] - self.neg_margin)
-        else:
-            dist = self.distances(x)
-            pos_terms, neg_terms = F.relu(dist[a1, p] - self.pos_margin), F.relu(self.neg_margin - dist[a2, n])
+        m = self.distance.matrix(x)
+        if self.distance.is_inverted:
+            pos_terms, neg_terms = F.relu(self.pos_margin - m[a1, p]), F.relu(m[a2, n] - self.neg_margin)
+        else: pos_terms, neg_terms = F.relu(m[a1, p] - self.pos_margin), F.relu(self.neg_margin - m[a2, n])
         return reduce_losses(pos_terms, "nonzero") + reduce_losses(neg_terms, "nonzero")
 
 # %% ../nbs/03_losses.ipynb #ccb1dc05
 @LOSSES.register("npair")
 class NPairLoss(RankingLoss):
-    "Sohn's N-pair loss: softmax over one positive per class."
-    def __init__(self, normalize: bool = True, l2_reg: float = 0.0):
-        super().__init__(); self.normalize, self.l2_reg = normalize, l2_reg
+    "Sohn's N-pair loss: softmax over one positive per class; logits are cosine (`normalize=False`: dot) similarities."
+    def __init__(self, normalize: bool = True, l2_reg: float = 0.0, distance: str | Distance | None = None):
+        if distance is not None and not normalize:
+            raise ValueError("NPairLoss: give normalize=False (dot products) or distance=, not both")
+        super().__init__(("cosine" if normalize else "dot") if distance is None else distance)
+        self.normalize, self.l2_reg = self.distance.normalize, l2_reg
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
-        if not self.normalize: x = embeddings
         a, p = as_pairs(tuples, labels, "NPairLoss")[:2]
         if len(a) == 0: return zero_loss(embeddings)
         key = labels[a] * (len(labels) ** 2) + a * len(labels) + p   # order: class, anchor, positive
@@ -198,7 +201,8 @@ class NPairLoss(RankingLoss):
         first = torch.ones_like(la, dtype=torch.bool); first[1:] = la[1:] != la[:-1]
         a, p = a[order][first], p[order][first]
         fa, fp = x[a], x[p]
-        loss = F.cross_entropy(fa @ fp.T, torch.arange(len(a), device=x.device))
+        logits = self.distance.as_similarity(self.distance.matrix(fa, fp))
+        loss = F.cross_entropy(logits, torch.arange(len(a), device=x.device))
         if self.l2_reg: loss = loss + self.l2_reg * (fa.pow(2).sum(1) + fp.pow(2).sum(1)).mean()
         return loss
 
@@ -207,15 +211,24 @@ class NPairLoss(RankingLoss):
 class MultiSimilarityLoss(RankingLoss):
     "Multi-similarity loss; with `weights=` BSPML's weighted informative batch loss (eq. 7)."
     default_miner = "multi_similarity"
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1):
-        super().__init__(); self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1,
+                 distance: str | Distance = "cosine"):
+        super().__init__(distance); self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+        if not self.distance.is_inverted:
+            raise ValueError(f"{type(self).__name__}: base={base} is a similarity threshold, so the distance must be a "
+                             f"similarity ('cosine' or 'dot'), got {self.distance!r}")
+
+    def similarities(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        "Similarities of embedded rows `x` and `y` (default `x`)."
+        return self.distance.matrix(x, y)
 
     def terms(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         "Per-anchor $\\xi^+$, $\\xi^-$ for a (cosine) similarity matrix and boolean pair masks."
         z_pos, z_neg = -self.alpha * (sim - self.base), self.beta * (sim - self.base)
         # cosine similarities lie in [-1, 1], so the exponents are bounded; below ~80 exp cannot overflow and the
         # direct form (one exp, no max shift) is exact and about twice as fast as the shifted one
-        if self.alpha * (1 + self.base) < 80 and self.beta * (1 - self.base) < 80 and sim.dtype != torch.float16:
+        cosine = self.distance.normalize
+        if cosine and self.alpha * (1 + self.base) < 80 and self.beta * (1 - self.base) < 80 and sim.dtype != torch.float16:
             xi_pos = torch.log1p((z_pos.exp() * pos).sum(1))
             xi_neg = torch.log1p((z_neg.exp() * neg).sum(1))
         else:
@@ -226,7 +239,7 @@ class MultiSimilarityLoss(RankingLoss):
         x, labels = self.prepare(embeddings, labels)
         pos, neg = pair_masks(tuples, labels, type(self).__name__)
         if not (pos.any() or neg.any()): return zero_loss(embeddings)
-        xi_pos, xi_neg = self.terms(x @ x.T, pos, neg)
+        xi_pos, xi_neg = self.terms(self.similarities(x), pos, neg)
         if weights is None: return (xi_pos + xi_neg).mean()
         w = torch.as_tensor(weights, dtype=x.dtype, device=x.device)
         if w.shape != labels.shape:
@@ -244,7 +257,7 @@ class MultiSimilarityLoss(RankingLoss):
         out_pos, out_neg, cols = [], [], torch.arange(len(labels), device=x.device)
         for start in range(0, len(labels), chunk_size):
             rows = cols[start:start + chunk_size]
-            sim = x[rows] @ x.T
+            sim = self.similarities(x[rows], x)
             same = labels[rows][:, None] == labels[None, :]
             pos, neg = same & (rows[:, None] != cols[None, :]), ~same
             if mine: pos, neg = self._informative(sim, pos, neg)
@@ -260,15 +273,16 @@ class MultiSimilarityLoss(RankingLoss):
 @LOSSES.register("weighted_multi_similarity")
 class WeightedMultiSimilarityLoss(MultiSimilarityLoss):
     "BSPML's weighted multi-similarity loss (eq. 7): `loss(embeddings, labels, tuples, weights=w)`, $\\rho = 1$."
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 1.0, epsilon: float = 0.1):
-        super().__init__(alpha, beta, base, epsilon)
+    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 1.0, epsilon: float = 0.1,
+                 distance: str | Distance = "cosine"):
+        super().__init__(alpha, beta, base, epsilon, distance)
 
 # %% ../nbs/03_losses.ipynb #ae0f00d5
 @LOSSES.register("fastap")
 class FastAPLoss(RankingLoss):
-    "FastAP: 1 - histogram-approximated average precision per anchor."
+    "FastAP: 1 - histogram-approximated average precision per anchor, over squared distances of unit rows in [0, 4]."
     def __init__(self, num_bins: int = 10):
-        super().__init__()
+        super().__init__(EuclideanDistance(squared=True))      # the histogram's range [0, 4] is this distance's
         if num_bins < 1: raise ValueError(f"num_bins must be >= 1, got {num_bins}")
         self.num_bins = int(num_bins)
 
@@ -278,7 +292,7 @@ class FastAPLoss(RankingLoss):
         n_pos = pos.sum(1)
         has_pos = n_pos > 0
         if not has_pos.any(): return zero_loss(embeddings)
-        sq = (2 - 2 * x @ x.T).clamp_min(0)
+        sq = self.distance.matrix(x)
         delta = 4.0 / self.num_bins
         centres = torch.linspace(0, 4, self.num_bins + 1, device=x.device, dtype=x.dtype)
         pulse = F.relu(1 - (sq[None] - centres[:, None, None]).abs() / delta)   # (bins, N, N)
@@ -295,21 +309,25 @@ def snr_distance(x: Tensor) -> Tensor:
     sq = (c * c).sum(1, keepdim=True)
     return (sq + sq.T - 2 * c @ c.T).clamp_min(0) / sq.clamp_min(1e-12)
 
+class SNRDistance(Distance):
+    "`snr_distance` of the L2-normalised rows of one batch (not symmetric: row i is the anchor)."
+    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        if y is not None: raise ValueError("the SNR distance is defined within one batch: call it with x only")
+        return snr_distance(x)
+
 @LOSSES.register("snr")
 class SNRContrastiveLoss(ContrastiveLoss):
     "Contrastive loss on the signal-to-noise-ratio distance (Yuan et al. 2019)."
     def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0):
-        super().__init__(pos_margin, neg_margin)
-        self.metric = "snr"
-
-    def distances(self, x: Tensor) -> Tensor: return snr_distance(x)
+        super().__init__(pos_margin, neg_margin, distance=SNRDistance())
 
 # %% ../nbs/03_losses.ipynb #24fcca8d
 @LOSSES.register("rdml")
 class RDMLLoss(RankingLoss):
     "Rescaled hinge loss on pairs, $\\beta_\\eta(1 - e^{-\\eta [1 - y(b - d^2)]_+})$ (Al-Obaidi et al. 2020)."
-    def __init__(self, eta: float = 1.0, threshold: float = 1.0, balance: bool = True):
-        super().__init__()
+    def __init__(self, eta: float = 1.0, threshold: float = 1.0, balance: bool = True,
+                 distance: str | Distance = "squared_euclidean"):
+        super().__init__(distance)
         if eta <= 0: raise ValueError(f"eta must be > 0, got {eta}")
         self.eta, self.threshold, self.balance = eta, threshold, balance
 
@@ -320,7 +338,7 @@ class RDMLLoss(RankingLoss):
         x, labels = self.prepare(embeddings, labels)
         a1, p, a2, n = as_pairs(tuples, labels, "RDMLLoss")
         if len(a1) + len(a2) == 0: return zero_loss(embeddings)
-        sq = (2 - 2 * x @ x.T).clamp_min(0)
+        sq = self.distance.as_dissimilarity(self.distance.matrix(x))
         pos = self.rescaled_hinge(F.relu(1 - (self.threshold - sq[a1, p])))
         neg = self.rescaled_hinge(F.relu(1 + (self.threshold - sq[a2, n])))
         if not self.balance: return torch.cat([pos, neg]).mean()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .core import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, Method
 from .models import EmbeddingModel, MultiHead
-from .proxy_nce import Decorrelation
+from .decorrelation import Decorrelation
 
 # %% auto #0
 __all__ = ['build_loss', 'build_miner', 'Task', 'TaskBackbones', 'MultiTaskMethod', 'BaselineMethod']

@@ -15,7 +15,8 @@ from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
 __all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'lowp_supported', 'faiss_gpus', 'set_num_threads', 'knn', 'recall_at_k', 'map_at_r',
-           'kmeans', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+           'kmeans', 'kmeans_assign', 'nmi', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw',
+           'generalization_gap', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -552,8 +553,8 @@ def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gp
     faiss.omp_set_num_threads(torch.get_num_threads())
     xn = x.cpu().numpy()
     dev = None if gpu is False else _faiss_gpu_device(x, required=bool(gpu))
-    km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=seed, verbose=False,
-                      max_points_per_centroid=len(xn), min_points_per_centroid=1,
+    km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=int(seed) % 2**31, verbose=False,
+                      max_points_per_centroid=len(xn), min_points_per_centroid=1,   # every point, no subsampling
                       **({} if dev is None else {"gpu": 1}))
     km.train(xn)
     dist, labels = km.index.search(xn, 1)
@@ -562,11 +563,15 @@ def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gp
 
 def _auto_nredo(n: int, k: int) -> int: return 3 if n * k <= 10**8 else 1
 
-def kmeans(emb, n_clusters: int, niter: int = 20, nredo: int | None = None, seed: int = 0, backend: str = "torch"):
-    "Lloyd k-means: (cluster labels, centroids, objective) of the best of `nredo` restarts (None: 3 where cheap, else 1)."
+def kmeans(emb, n_clusters: int, niter: int = 20, nredo: int | None = None, seed: int = 0, backend: str = "torch",
+           normalize: bool = False):
+    """Lloyd k-means: (cluster labels, centroids, objective) of the best of `nredo` restarts (None: 3 where cheap,
+    else 1); `normalize`: of the L2-normalised rows."""
     x = _as_embeddings(emb, "emb")
+    if normalize: x = torch.nn.functional.normalize(x, dim=1)
     if not (isinstance(n_clusters, (int, np.integer)) and 1 <= n_clusters <= len(x)):
-        raise ValueError(f"n_clusters must be an integer in [1, {len(x)}] (the number of samples); got {n_clusters!r}")
+        raise ValueError(f"cannot cluster {len(x)} points into {n_clusters!r} clusters: n_clusters must be an integer "
+                         f"in [1, {len(x)}] (the number of samples)")
     if niter < 0: raise ValueError(f"niter must be >= 0; got {niter}")
     nredo = _auto_nredo(len(x), int(n_clusters)) if nredo is None else nredo
     if nredo < 1: raise ValueError(f"nredo must be >= 1; got {nredo}")
@@ -574,6 +579,10 @@ def kmeans(emb, n_clusters: int, niter: int = 20, nredo: int | None = None, seed
     if backend in gpu: return _kmeans_faiss(x, int(n_clusters), niter, nredo, seed, gpu[backend])
     if backend != "torch": raise unknown_name_error("k-means backend", backend, ("torch", *gpu))
     return _lloyd(x, int(n_clusters), niter, nredo, torch.Generator().manual_seed(seed))
+
+def kmeans_assign(x, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234, normalize: bool = True) -> np.ndarray:
+    "Each row's cluster id (NumPy) by faiss `kmeans` on the CPU of the L2-normalised rows: D&C's and Sharing's clustering."
+    return kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend="faiss_cpu", normalize=normalize)[0].cpu().numpy()
 
 def nmi(emb, labels, n_clusters: int | None = None, seed: int = 0, niter: int = 20, nredo: int | None = None,
         backend: str = "torch") -> float:

@@ -11,27 +11,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .core import MINERS
+from .distances import Distance, EuclideanDistance, as_distance, pairwise_distance
 
 # %% auto #0
-__all__ = ['POSITIVES', 'pairwise_distance', 'log_inverse_sphere_density', 'check_cutoffs', 'distance_weights', 'positive_mask',
-           'negative_mask', 'uniform_choice', 'weighted_choice', 'with_uniform_fallback', 'check_positives',
-           'anchor_positive_pairs', 'empty_tuples', 'check_batch', 'TupleMiner', 'check_triplets', 'RandomTripletMiner',
-           'SemiHardMiner', 'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner', 'SharedRandomMiner',
+__all__ = ['POSITIVES', 'log_inverse_sphere_density', 'check_cutoffs', 'distance_weights', 'positive_mask', 'negative_mask',
+           'uniform_choice', 'weighted_choice', 'with_uniform_fallback', 'check_positives', 'anchor_positive_pairs',
+           'empty_tuples', 'check_batch', 'TupleMiner', 'check_triplets', 'RandomTripletMiner', 'SemiHardMiner',
+           'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner', 'SharedRandomMiner',
            'UnconstrainedTripletMiner', 'IntraClassTripletMiner', 'DnCNearestMiner', 'GroupingMiner',
            'MultiSimilarityMiner']
-
-# %% ../nbs/02a_miners.ipynb #61f8f022
-def pairwise_distance(x: Tensor, y: Tensor | None = None, eps: float = 1e-8) -> Tensor:
-    "Euclidean distances between the rows of `x` and of `y` (default `x`); safe gradient at distance 0."
-    if x.dim() != 2 or (y is not None and (y.dim() != 2 or y.shape[1] != x.shape[1])):
-        raise ValueError(f"pairwise_distance expects 2-d inputs with the same number of columns, got "
-                         f"{tuple(x.shape)} and {None if y is None else tuple(y.shape)}")
-    same = y is None
-    y = x if same else y
-    sq = (x * x).sum(1, keepdim=True) + (y * y).sum(1)[None] - 2 * x @ y.T
-    keep = sq > eps
-    if same: keep = keep & ~torch.eye(len(x), dtype=torch.bool, device=x.device)
-    return torch.where(keep, sq, torch.ones_like(sq)).sqrt() * keep
 
 # %% ../nbs/02a_miners.ipynb #a76eeb12
 def log_inverse_sphere_density(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
@@ -103,25 +91,28 @@ def empty_tuples(k: int, device=None) -> tuple[Tensor, ...]:
     "`k` empty `LongTensor`s: the result of a miner that found nothing."
     return tuple(torch.empty(0, dtype=torch.long, device=device) for _ in range(k))
 
-def check_batch(embeddings: Tensor, labels: Tensor, who: str) -> Tensor:
-    "Validate a batch; return `labels` on the embeddings' device."
-    if embeddings.dim() != 2:
-        raise ValueError(f"{who}: embeddings must be 2-d (batch, dim), got shape {tuple(embeddings.shape)}")
+def check_batch(embeddings: Tensor, labels: Tensor | None, who: str, name: str = "embeddings") -> Tensor | None:
+    "Validate a batch (`labels=None`: the embeddings alone); return `labels` on the embeddings' device."
+    if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
+        got = f"shape {tuple(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
+        raise ValueError(f"{who}: {name} must be 2-d (batch, dim), got {got}")
+    if labels is None: return None
     if labels.dim() != 1 or len(labels) != len(embeddings):
-        raise ValueError(f"{who}: labels must be 1-d with one label per embedding row; got labels of shape "
-                         f"{tuple(labels.shape)} for {len(embeddings)} embeddings")
+        raise ValueError(f"{who}: labels must be 1-d with one label per {name.rstrip('s')} row; got labels of shape "
+                         f"{tuple(labels.shape)} for {len(embeddings)} {name}")
     return labels.to(embeddings.device)
 
 # %% ../nbs/02a_miners.ipynb #71146d05
 class TupleMiner:
     "Base class of the miners: `miner(embeddings, labels, generator=None) -> tuple of LongTensors`."
     kind = "triplet"
+    distance: Distance = EuclideanDistance()      # what `mine` measures with; `x` comes embedded by it
     def __init__(self, generator: torch.Generator | None = None): self.generator = generator
 
     def __call__(self, embeddings: Tensor, labels: Tensor, generator: torch.Generator | None = None, **kwargs):
         labels = check_batch(embeddings, labels, type(self).__name__)
         with torch.no_grad():
-            x = F.normalize(embeddings.detach(), dim=1)
+            x = self.distance.embed(embeddings.detach())
             return self.mine(x, labels, generator if generator is not None else self.generator, **kwargs)
 
     def mine(self, x: Tensor, labels: Tensor, generator) -> tuple[Tensor, ...]: raise NotImplementedError
@@ -166,18 +157,19 @@ class RandomTripletMiner(TupleMiner):
 class SemiHardMiner(TupleMiner):
     "FaceNet semi-hard triplets: $d_{ap} < d_{an} \\le d_{ap} + m$; `mode` 'sample' (one per pair) or 'all'."
     def __init__(self, margin: float = 0.2, mode: str = "sample", positives: str = "one", fallback: str = "random",
-                 generator: torch.Generator | None = None):
+                 distance: str | Distance = "euclidean", generator: torch.Generator | None = None):
         if mode not in ("sample", "all"): raise ValueError(f"mode must be 'sample' or 'all', got {mode!r}")
         if fallback not in ("random", "nearest"): raise ValueError(f"fallback must be 'random' or 'nearest', got {fallback!r}")
         check_positives(positives)
         super().__init__(generator)
         self.margin, self.mode, self.positives, self.fallback = margin, mode, positives, fallback
+        self.distance = as_distance(distance)
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
         a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
         if len(a) == 0: return empty_tuples(3, x.device)
-        dist = pairwise_distance(x)
+        dist = self.distance.as_dissimilarity(self.distance.matrix(x))
         d_ap, d_an, negs = dist[a, p][:, None], dist[a], neg[a]
         if self.mode == "all":
             t, n = (negs & (d_an > d_ap) & (d_an <= d_ap + self.margin)).nonzero(as_tuple=True)
@@ -210,7 +202,7 @@ class DistanceWeightedMiner(TupleMiner):
         pos, neg = positive_mask(labels), negative_mask(labels)
         a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
         if len(a) == 0: return empty_tuples(3, x.device)
-        w = distance_weights(pairwise_distance(x), x.shape[1], neg, self.cutoff, self.upper_cutoff)
+        w = distance_weights(self.distance.matrix(x), x.shape[1], neg, self.cutoff, self.upper_cutoff)
         w = with_uniform_fallback(w, neg)
         return a, p, weighted_choice(w[a], generator)
 
@@ -243,7 +235,7 @@ class SharedTripletMiner(TupleMiner):
 
     def mine(self, x, labels, generator):
         if len(labels.unique()) < 3: return empty_tuples(3, x.device)
-        dist, other = pairwise_distance(x), negative_mask(labels)
+        dist, other = self.distance.matrix(x), negative_mask(labels)
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
         a = torch.arange(len(labels), device=x.device)
         if self.first == "negative":
@@ -296,7 +288,7 @@ class IntraClassTripletMiner(TupleMiner):
         pos = positive_mask(labels)
         a = (pos.sum(1) >= 2).nonzero().squeeze(1)
         if len(a) == 0: return empty_tuples(3, x.device)
-        dist, pa = pairwise_distance(x)[a], pos[a]
+        dist, pa = self.distance.matrix(x)[a], pos[a]
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
         p = _draw(dist, pa, self.sampling, *args)
         cols = torch.arange(len(labels), device=x.device)
@@ -324,7 +316,7 @@ class DnCNearestMiner(TupleMiner):
         pos = positive_mask(labels)
         k = int(pos.sum()) // max(len(labels), 1)
         if k == 0: return empty_tuples(3, x.device)
-        dist = pairwise_distance(x)
+        dist = self.distance.matrix(x)
         neg = negative_mask(labels)
         valid = neg & (dist >= self.cutoff)
         score = dist.masked_fill(~valid, math.inf)             # valid negatives first, nearest first
@@ -360,9 +352,14 @@ class GroupingMiner:
 class MultiSimilarityMiner(TupleMiner):
     "Multi-similarity informative pair mining with margin `epsilon`; returns `(a1, p, a2, n)`."
     kind = "pair"
-    def __init__(self, epsilon: float = 0.1, generator: torch.Generator | None = None):
-        super().__init__(generator); self.epsilon = epsilon
+    def __init__(self, epsilon: float = 0.1, distance: str | Distance = "cosine",
+                 generator: torch.Generator | None = None):
+        super().__init__(generator); self.epsilon, self.distance = epsilon, as_distance(distance)
         self._stats = None
+
+    def similarities(self, x: Tensor) -> Tensor:
+        "The (N, N) similarities of embedded rows `x` (a distance is negated)."
+        return self.distance.as_similarity(self.distance.matrix(x))
 
     @staticmethod
     def informative_masks(sim: Tensor, labels: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -376,11 +373,10 @@ class MultiSimilarityMiner(TupleMiner):
     def masks(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         labels = check_batch(embeddings, labels, type(self).__name__)
         with torch.no_grad():
-            x = F.normalize(embeddings.detach(), dim=1)
-            return self.informative_masks(x @ x.T, labels, self.epsilon)
+            return self.informative_masks(self.similarities(self.distance.embed(embeddings.detach())), labels, self.epsilon)
 
     def mine(self, x, labels, generator):
-        pos_keep, neg_keep = self.informative_masks(x @ x.T, labels, self.epsilon)
+        pos_keep, neg_keep = self.informative_masks(self.similarities(x), labels, self.epsilon)
         self._stats = (pos_keep.any(1), neg_keep.any(1))
         a1, p = pos_keep.nonzero(as_tuple=True)
         a2, n = neg_keep.nonzero(as_tuple=True)

@@ -16,7 +16,8 @@ from .core import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, derive_seed
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
-from .dnc import cluster_statistics, kmeans_assign, match_clusters
+from .dnc import cluster_statistics, match_clusters
+from .metrics import kmeans_assign
 
 # %% auto #0
 __all__ = ['STANDARDIZE', 'DISCRIMINATIVE', 'SHARED', 'ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES',
@@ -208,9 +209,10 @@ SHARED_BATCHES = ("class_balanced", "groups")
 _COIN, _SHARED_STREAM, _REGROUP = 81, 82, 79           # derive_seed domains of the recipe's own randomness
 
 def has_proxies(loss) -> bool:
-    "True for losses with learned proxies (they take an `embedding_dim`), which cannot train on inter-class triplets."
-    if isinstance(loss, nn.Module): return hasattr(loss, "proxies")
-    return "embedding_dim" in LOSSES.options(loss)
+    "True for a proxy loss (a `ProxyLoss`: an instance, a class or a registered name), which cannot train on inter-class triplets."
+    from dml_nb.proxy_nce import ProxyLoss
+    cls = LOSSES.get(loss) if isinstance(loss, str) else loss if isinstance(loss, type) else type(loss)
+    return issubclass(cls, ProxyLoss)
 
 def shared_miner(sampling: str, sampler: str):
     "The miner of the shared task for a Table 8 setup (`sampling`) and sampler."
@@ -313,7 +315,7 @@ class SharingMatters(MultiTaskMethod):
                          decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr,   # None: set in param_groups
                          decorrelation_weight_decay=regressor_weight_decay)
         self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
-        self.gamma, self.updates, self.shared_probability = float(gamma), updates, float(shared_probability)
+        self.updates, self.shared_probability = updates, float(shared_probability)   # gamma: the weight of `pairs`
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
         self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo

@@ -11,7 +11,8 @@ from golden import load_golden, arr
 from dml_nb.core import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
-                        kmeans_assign, label_grouping, match_clusters, random_partition)
+                        label_grouping, match_clusters, random_partition)
+from dml_nb.metrics import kmeans_assign
 from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
 from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, usable_members

@@ -329,3 +329,27 @@ def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
     assert abs(learned[-1] - out["loss_per_step"][-1]) > 2e-5         # beyond the rtol 1e-5 above
     other, _, _ = run(class_specific_beta=False, learn_beta=False, pair_count={"terms": "triplets"}.get(pair_count, "terms"))
     assert abs(other[0] - out["loss_per_step"][0]) > 1e-2
+
+
+# ---------------------------------------------------------------- distance objects (issue 16)
+
+def test_losses_take_pml_distances():
+    "A loss given a distance matches PML's loss given PML's same distance; the default is the loss's own."
+    from pytorch_metric_learning import distances as pml_d
+    from dml_nb.distances import CosineSimilarity, DotProductSimilarity, EuclideanDistance
+    emb, labels = batch(seed=21, spread=0.5)
+    for ours_d, theirs_d in [(CosineSimilarity(), pml_d.CosineSimilarity()),
+                             (EuclideanDistance(squared=True), pml_d.LpDistance(power=2))]:
+        assert_same(TripletLoss(margin=0.1, distance=ours_d),
+                    pml_losses.TripletMarginLoss(margin=0.1, distance=theirs_d), emb, labels)
+    assert_same(ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=DotProductSimilarity(normalize=True)),
+                pml_losses.ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=pml_d.DotProductSimilarity()),
+                emb, labels)
+    assert_same(MultiSimilarityLoss(alpha=2, beta=5, distance=DotProductSimilarity()),
+                pml_losses.MultiSimilarityLoss(alpha=2, beta=5, base=0.5, distance=pml_d.DotProductSimilarity(
+                    normalize_embeddings=False)), emb / 4, labels)
+    with pytest.raises(ValueError, match="similarity threshold"): MultiSimilarityLoss(distance="euclidean")
+    e32, l32 = emb.float(), labels
+    assert torch.equal(TripletLoss()(e32, l32), TripletLoss(distance="euclidean")(e32, l32))
+    assert torch.equal(MultiSimilarityLoss()(e32, l32), MultiSimilarityLoss(distance="cosine")(e32, l32))
+    with pytest.raises(ValueError, match="Valid distances: cosine"): TripletLoss(distance="manhatan")

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from dml_nb.core import MINERS
+from dml_nb.distances import pairwise_distance
 from dml_nb.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
-                           distance_weights, pairwise_distance)
+                           distance_weights)
 
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from dml_nb.proxy_nce import (DaNCELoss, Decorrelation, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss,
-                              grad_reverse)
+from dml_nb.decorrelation import Decorrelation
+from dml_nb.models import grad_reverse
+from dml_nb.proxy_nce import DaNCELoss, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss
 
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 
@@ -404,3 +405,10 @@ def test_golden_decorrelation_mic():
     _check_decorrelation(decor, inp["aux_features"], inp["class_features"], out, "aux_gradient", "class_gradient")
     with pytest.raises(ValueError, match="needs source"):
         decor(torch.tensor(inp["class_features"]), torch.tensor(inp["aux_features"]))
+
+
+def test_has_proxies_reads_the_loss_itself():
+    from dml_nb.sharing import has_proxies
+    assert has_proxies("proxy_nca") and has_proxies("proxy_anchor") and has_proxies(ProxyAnchorLoss(3, 4))
+    assert has_proxies(ProxyNCALoss) and not has_proxies("margin") and not has_proxies("triplet")   # margin: num_classes, no proxies
+    assert not has_proxies(InfoNCELoss())
