@@ -425,3 +425,6 @@ class BSPML(Method):
         for k in ("spl_objective", "spl_pg", "spl_iters"):
             if k in self.last_update: out[k] = self.last_update[k]
         return out
+
+# %% ../nbs/07d_bspml.ipynb #4df6b5db
+BSPML.SMOKE = {"solver_iters": 30}   # smoke size (`repro.smoke`, nbdev_test): an iterative weight solve of 30 steps

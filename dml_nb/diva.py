@@ -313,6 +313,10 @@ class DiVA(MultiTaskMethod):
         combos = {("concat" if i == 0 else f"concat{i + 1}"): combine_heads(embs, w) for i, w in enumerate(self.embed_weights)}
         return {**combos, **embs}
 
+# %% ../nbs/07a_diva.ipynb #e5771d76
+# smoke size (`repro.smoke`, nbdev_test): a two-batch queue, or at most 120 keys where a config sizes it in keys
+DiVA.SMOKE, DiVA.SMOKE_IF_SET, DiVA.SMOKE_UNLESS = {"queue_batches": 2, "num_clusters": 8}, {"queue_size": 120}, {"queue_batches": "queue_size"}
+
 # %% ../nbs/07a_diva.ipynb #e1a0c0df
 def embed_weight_list(embed_weights, heads: Sequence[str]) -> list[dict[str, float]]:
     "`embed_weights` (None, one mapping head -> weight, or a list of them) as a list of full mappings, checked against `heads`."

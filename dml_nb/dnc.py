@@ -340,3 +340,8 @@ class DivideAndConquer(Method):
                 row[f"dnc/cluster{k}/batch"] = int(getattr(self, "_batch_sizes", {}).get(k, 0))
                 row[f"dnc/learner{k}/batches"] = int(batches.get(k, 0))
         return row
+
+# %% ../nbs/07c_dnc.ipynb #06536b86
+# smoke size (`repro.smoke`, nbdev_test): a short k-means; phase epochs that a config sets move to epoch 1
+DivideAndConquer.SMOKE = {"kmeans_iterations": 5}
+DivideAndConquer.SMOKE_IF_SET = {"finetune_epoch": 1, "full_embedding_epoch": 1, "recluster_every": 1}

@@ -16,16 +16,16 @@ import yaml
 from tqdm.auto import tqdm
 
 from .core import BACKBONES, METHODS, atomic_write, data_root, in_test
-from .experiment import (RECIPES_VERSION, ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
+from .experiment import (ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
                                run_dir_for)
 from .models import resolve_pretrained
-from .viz import markdown_table
+from .viz import markdown_table, save_figure, set_style
 
 # %% auto #0
-__all__ = ['SHAPES_BASE', 'SECTIONS', 'project_root', 'paper_variant', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from',
-           'availability', 'run_one', 'load_learner', 'portable', 'run_rows', 'reported_as', 'summarize',
-           'paper_numbers', 'compare', 'write_table', 'collect_runs', 'Claims', 'better', 'fmt', 'notebook_hash',
-           'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
+__all__ = ['SHAPES_BASE', 'SECTIONS', 'EMBEDDED', 'project_root', 'paper_variant', 'output_dirs', 'base_config', 'smoke', 'Row',
+           'rows_from', 'availability', 'run_one', 'load_learner', 'portable', 'job_config', 'run_rows', 'reported_as',
+           'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs', 'Claims', 'better', 'fmt',
+           'Reproduction', 'setup']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 def project_root(start: str | Path | None = None) -> Path:
@@ -85,7 +85,13 @@ def base_config(dataset: str = "shapes", data: Mapping | None = None, model: Map
     return raw
 
 # %% ../nbs/10_repro.ipynb #b0c6ae1d
-_SMOKE_OPTIONS = {"queue_batches": 2, "solver_iters": 30, "num_clusters": 8, "num_groups": 4, "kmeans_iterations": 5}
+def _shrink_options(cls, m: dict) -> None:
+    "Cut the method options `m` down in place to the smoke sizes its class declares (`SMOKE`, `SMOKE_IF_SET`, `SMOKE_UNLESS`)."
+    unless = getattr(cls, "SMOKE_UNLESS", {})
+    for k, cap in getattr(cls, "SMOKE", {}).items():      # capped, and set to the cap when not given
+        if unless.get(k) not in m: m[k] = min(m.get(k, cap), cap)
+    for k, cap in getattr(cls, "SMOKE_IF_SET", {}).items():   # capped only where the config sets them
+        if m.get(k): m[k] = min(m[k], cap)
 
 def smoke(raw: Mapping, force: bool = False) -> dict:
     "`raw` shrunk to a smoke size under `nbdev_test` (or with `force`); unchanged otherwise."
@@ -97,13 +103,7 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     t["epochs"] = min(int(t.get("epochs", 2)), 2); t["batches_per_epoch"] = 2
     raw.setdefault("eval", {})["every"] = t["epochs"]
     m = raw.get("method", {})
-    m = m.setdefault("options", {}) if "options" in m else m
-    valid = METHODS.options(raw.get("method", {}).get("name", "baseline"))
-    for k, v in _SMOKE_OPTIONS.items():
-        if k in valid and not (k == "queue_batches" and "queue_size" in m): m[k] = min(m.get(k, v), v)
-    if "queue_size" in m: m["queue_size"] = min(m["queue_size"], 120)   # an explicit queue size (keys) instead
-    for k in ("finetune_epoch", "full_embedding_epoch", "recluster_every"):
-        if m.get(k): m[k] = 1
+    _shrink_options(METHODS.get(m.get("name", "baseline")), m.setdefault("options", {}) if "options" in m else m)
     return raw
 
 # %% ../nbs/10_repro.ipynb #daca783a
@@ -176,31 +176,27 @@ def portable(message: str) -> str:
     for path, name in subs: message = message.replace(path, name)
     return message
 
+def job_config(row: Row, base: Mapping, seed: int) -> dict:
+    "The config that runs `row` with `seed` on `base` (smoke size under nbdev_test)."
+    return smoke({**row.config(base), "seed": int(seed)})
+
 def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), runs_dir: str | Path | None = None,
              progress: bool = True) -> tuple[pd.DataFrame, dict]:
-    """Run every row for every seed (smoke size under nbdev_test). Returns a per-seed DataFrame (row, seed, status,
-    test metrics, `train/` metrics, wall time, run folder) and {(row name, seed): RunResult} of the finished runs."""
+    """Run every row for every seed (smoke size under nbdev_test). Returns the per-seed frame that `collect_runs`
+    reads from the run folders, and {(row name, seed): RunResult} of the finished runs."""
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
-    records, results = [], {}
-    jobs = [(r, s) for r in rows for s in seeds]
-    bar = tqdm(jobs, desc="runs", disable=not progress, leave=False)
+    results, skipped = {}, {}
+    bar = tqdm([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
     for row, seed in bar:
-        raw = smoke({**row.config(base), "seed": int(seed)})
+        raw = job_config(row, base, seed)
         why = availability(raw)
-        rec = {"row": row.name, "group": row.group, "seed": int(seed)}
         if why:
-            records.append({**rec, "status": f"not run: {portable(why)}"}); continue
+            skipped[(row.name, seed)] = f"not run: {portable(why)}"; continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
-        try:
-            res = run_one(raw, runs_dir, progress=progress)
+        try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
-            records.append({**rec, "status": f"not run: {portable(str(e))}"}); continue
-        results[(row.name, int(seed))] = res
-        test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
-        records.append({**rec, "status": "ok", **test, **{f"train/{k}": v for k, v in train.items()},
-                        "wall_time_s": res.info.get("wall_time_s"), "reported": res.info.get("reported", "last epoch"),
-                        "run_dir": str(res.run_dir)})
-    return pd.DataFrame(records), results
+            skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
+    return collect_runs(runs_dir, rows, base, seeds, skipped), results
 
 def reported_as(per_seed: pd.DataFrame) -> str:
     "Which epoch the finished runs of a table report: 'last epoch', 'best epoch by test/recall@1', or a mix."
@@ -258,10 +254,29 @@ def write_table(table: pd.DataFrame, stem: str, figures_dir: str | Path | None =
     return [csv, md]
 
 # %% ../nbs/10_repro.ipynb #ff4fa13c
-def collect_runs(runs_dir: str | Path) -> pd.DataFrame:
-    "One line per finished run under `runs_dir`: run, method, dataset, seed, epochs, wall time and every stored metric."
+def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None) -> dict:
+    "The line of `row` and `seed`: its status and, for a finished run, its metrics (of the row's head) and folder."
+    rec = {"row": row.name, "group": row.group, "seed": seed}
+    if skipped or not (run_dir / "done").exists():
+        return {**rec, "status": skipped or f"not run: no finished run in {run_dir.name}"}
+    res = load_result(run_dir)
+    test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
+    return {**rec, "status": "ok", **test, **{f"train/{k}": v for k, v in train.items()},
+            "wall_time_s": res.info.get("wall_time_s"), "reported": res.info.get("reported", "last epoch"), "run": run_dir.name}
+
+def collect_runs(runs_dir: str | Path, rows: Sequence[Row] | None = None, base: Mapping | None = None,
+                 seeds: Sequence[int] = (0,), skipped: Mapping | None = None) -> pd.DataFrame:
+    """The collector: run folders under `runs_dir` into a frame.
+    Without `rows`: one line per finished run (run, method, dataset, seed, epochs, wall time, every stored metric).
+    With `rows` (layered on `base`, over `seeds`): one line per row and seed in that order, read from the folder of
+    its config: row, group, seed, status (`ok`, the reason `skipped[(row, seed)]` gives, or no finished run), the
+    test metrics of the row's head, its `train/` metrics, wall time, the epoch reported and the run folder."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir(): raise FileNotFoundError(f"{runs_dir} is not a folder of runs")
+    if rows is not None:
+        jobs = [(r, int(s)) for r in rows for s in seeds]
+        return pd.DataFrame([_row_record(r, s, run_dir_for(make_config(job_config(r, base, s)), runs_dir),
+                                         (skipped or {}).get((r.name, s))) for r, s in jobs])
     recs = []
     for d in sorted(p for p in runs_dir.iterdir() if (p / "done").exists()):
         r = load_result(d)
@@ -274,7 +289,9 @@ def collect_runs(runs_dir: str | Path) -> pd.DataFrame:
 # %% ../nbs/10_repro.ipynb #990462ac
 class Claims:
     "The paper's qualitative claims and whether they hold on our numbers."
-    def __init__(self, stem: str): self.stem, self.items = stem, []
+    def __init__(self, stem: str, figures_dir: str | Path | None = None):
+        "Claims of notebook `stem`, saved to `figures_dir` (default: `output_dirs`)."
+        self.stem, self.figures_dir, self.items = stem, figures_dir, []
 
     def check(self, claim: str, holds, detail: str = "") -> bool | None:
         "Record and print whether `claim` holds (`holds` is None when its rows did not run: not tested)."
@@ -287,7 +304,8 @@ class Claims:
     def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
     def save(self, figures_dir: str | Path | None = None) -> pd.DataFrame:
-        fdir = output_dirs(figures_dir=figures_dir)[0]
+        "Write the verdicts to `<figures>/<stem>_claims.md`; returns them as a frame."
+        fdir = output_dirs(figures_dir=figures_dir or self.figures_dir)[0]
         atomic_write(fdir / f"{self.stem}_claims.md", markdown_table(self.frame(), index=False))
         return self.frame()
 
@@ -306,90 +324,72 @@ def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
         out.append(f"{n} {metric} {'n/a' if pd.isna(v) else f'{v:.1f}'}" + ("" if pd.isna(s) else f" ± {s:.1f}"))
     return ", ".join(out)
 
-# %% ../nbs/10_repro.ipynb #60c58678
-def notebook_hash(nb: Path) -> str:
-    "Hash of a notebook's code cells and of the library source: a notebook re-runs when either changes."
-    import json as _json
-    cells = _json.loads(Path(nb).read_text())["cells"]
-    h = hashlib.sha1("".join("".join(c["source"]) for c in cells if c["cell_type"] == "code").encode())
-    h.update(_source_hash().encode())
-    return h.hexdigest()[:12]
+# %% ../nbs/10_repro.ipynb #3a902a03
+EMBEDDED = ("shapes", "digits")
 
-def _provenance(state: Mapping, stem: str) -> str:
-    "Which recipes (`RECIPES_VERSION`) and day a notebook's committed figures come from, as `dml-reproduce` recorded."
-    e = state.get(stem)
-    if not e or "recipes" not in e: return "1 (before the fidelity fixes)"
-    return f"{e['recipes']} ({e.get('date', '?')})"
+@dataclass
+class Reproduction:
+    "A reproduction notebook's setting after `setup`: base config, seeds, folders, and the steps every notebook takes."
+    stem: str
+    dataset: str
+    shown: str            # the dataset whose paper numbers are shown: the paper's own when `dataset` is embedded
+    base: dict
+    seeds: list
+    figures: Path
+    runs: Path
+    progress: bool = True
 
-def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
-    """A Markdown table (notebook, recipes the figures come from, hold, do not hold, not tested, the claims that hold)
-    of `figures/*_claims.md`, and the totals."""
-    import json as _json
-    sp = Path(figures_dir) / ".reproduced.json"
-    state = _json.loads(sp.read_text()) if sp.exists() else {}
-    rows, total = [], {"holds": 0, "does not hold": 0, "not tested": 0}
-    for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
-        lines = [l for l in f.read_text().splitlines()[2:] if l.startswith("|")]
-        cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
-        count = {k: sum(1 for c in cells if len(c) > 1 and c[1] == k) for k in total}
-        for k in total: total[k] += count[k]
-        held = "; ".join(c[0] for c in cells if len(c) > 1 and c[1] == "holds") or "-"
-        stem = f.name[:-len("_claims.md")]
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {count['holds']} | "
-                    f"{count['does not hold']} | {count['not tested']} | {held} |")
-    head = ("| notebook | recipes (run on) | hold | do not hold | not tested | claims that hold |\n"
-            "| --- | --- | --- | --- | --- | --- |\n")
-    return head + "\n".join(rows) + "\n", total
+    @property
+    def embedded(self) -> bool: return self.dataset in EMBEDDED
 
-def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
-    "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
-    readme = Path(readme)
-    text = readme.read_text()
-    start, end = "<!-- claims -->", "<!-- /claims -->"
-    if start not in text or end not in text:
-        raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
-    table, total = claims_summary(figures_dir)
-    lead = (f"Total: {total['holds']} hold, {total['does not hold']} do not hold, {total['not tested']} not tested. "
-            f"Recipes: `RECIPES_VERSION` of the code that produced a notebook's figures (now {RECIPES_VERSION}); "
-            "`dml-reproduce` re-runs those made with older recipes.\n\n")
-    atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
-    return total
+    def run(self, rows: Sequence[Row] | Mapping[str, Mapping], **kw) -> tuple[pd.DataFrame, dict]:
+        "`run_rows` on this notebook's base, seeds and runs folder; `rows` are `Row`s or {name: spec} (`kw` to `Row`)."
+        rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
+        return run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
 
-def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root: str | Path | None = None,
-              progress: bool = True) -> dict:
-    "Run the reproduction notebooks (default: all, the flagship first), skipping those already run on this source; returns the state."
-    import json as _json, time as _time
-    import papermill
-    root = Path(root) if root is not None else project_root()
-    nbs = sorted((root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
-    if notebooks: nbs = [p for p in nbs if p.stem in set(notebooks)] or [root / "nbs" / f"{n}.ipynb" for n in notebooks]
-    missing = [str(p) for p in nbs if not p.exists()]
-    if missing: raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
-    state_path = root / "figures" / ".reproduced.json"
-    state = _json.loads(state_path.read_text()) if state_path.exists() else {}
-    out_dir = Path(tempfile.gettempdir()) / "dml_nb_reproduce"; out_dir.mkdir(exist_ok=True)
-    bar = tqdm(nbs, desc="notebooks", disable=not progress)
-    for nb in bar:
-        h = notebook_hash(nb)
-        if not force and state.get(nb.stem, {}).get("hash") == h: continue
-        bar.set_postfix_str(nb.stem)
-        t0 = _time.time()
-        papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
-                                   parameters={"progress": False})
-        state[nb.stem] = {"hash": h, "seconds": round(_time.time() - t0, 1), "recipes": RECIPES_VERSION,
-                          "date": _time.strftime("%Y-%m-%d")}
-        atomic_write(state_path, _json.dumps(state, indent=1, sort_keys=True) + "\n")
-    if (root / "README.md").exists(): update_readme_claims(root / "README.md", root / "figures")
-    return state
+    def paper(self) -> pd.DataFrame: return paper_numbers(self.stem, self.shown)
 
-def reproduce_main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`."
-    import argparse
-    ap = argparse.ArgumentParser(prog="dml-reproduce", description="Re-run the reproduction notebooks (resumable) and "
-                                 "rewrite the README's claim table.")
-    ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
-    ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
-    args = ap.parse_args(argv)
-    state = reproduce(args.notebooks or None, force=args.force)
-    for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
-    return 0
+    def note(self, per_seed: pd.DataFrame | None = None, paper: str | None = None, compare: str | None = "the ordering") -> str:
+        """The note under a table: what ran (dataset, backbone, epochs, seeds, the epoch reported), the paper's
+        dataset (`paper`: another text), and on embedded data what to `compare` (None: no such sentence)."""
+        b = self.base
+        ours = f"Ours: {self.dataset}, {b['model']['backbone']}, {b['train']['epochs']} epochs, seeds {list(self.seeds)}"
+        if per_seed is not None: ours += f", {reported_as(per_seed)}"
+        hint = f" Embedded-data results: compare {compare}, not the values." if compare and self.embedded else ""
+        return f"{ours}; paper: {self.shown if paper is None else paper}.{hint}"
+
+    def write(self, table: pd.DataFrame, title: str, notes: str = "", suffix: str = "") -> pd.DataFrame:
+        "Write `table` to `figures/<stem><suffix>.csv` and `.md` with its title and notes, print the notes; returns `table`."
+        write_table(table, self.stem + suffix, self.figures, title=title, notes=notes)
+        if notes: print(notes)
+        return table
+
+    def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
+        "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
+        return save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
+
+    def claims(self) -> Claims: return Claims(self.stem, self.figures)
+
+def _small(value, n):
+    "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."
+    if callable(n): return n(value)
+    if isinstance(value, Mapping): return dict(list(value.items())[:n])
+    if isinstance(value, (list, tuple)): return value[:n]
+    return min(value, n)
+
+def setup(stem: str, params: dict, shrink: Mapping | None = None) -> Reproduction:
+    """Start reproduction notebook `stem` from `params`, its namespace after the parameters cell (`globals()`): reads
+    `dataset`, `data`, `model`, `train`, `eval`, `seeds` and, where the notebook has them, `paper_dataset`, `runs_dir`,
+    `figures_dir`, `progress`. Under nbdev_test it shrinks in place `seeds` to one seed and each parameter named in
+    `shrink` ({name: n or function}, see `_small`; `{"seeds": 2}` keeps two), so the notebook's variables are the
+    smoke-size ones; the configs themselves shrink in `run_rows`. Sets the figure style."""
+    if in_test():
+        for k, n in {"seeds": 1, **(shrink or {})}.items():
+            if k not in params: raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
+            params[k] = _small(params[k], n)
+    dataset = params.get("dataset", "shapes")
+    base = base_config(dataset, *(params.get(k) for k in ("data", "model", "train", "eval")))
+    figures, runs = output_dirs(params.get("figures_dir"), params.get("runs_dir"), paper_variant(base))
+    shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
+    set_style()
+    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, params.get("progress", True))

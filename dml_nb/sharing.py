@@ -450,6 +450,9 @@ class SharingMatters(MultiTaskMethod):
                 "sharing/max_classes_per_group": int(classes.max()), "sharing/groups": int((sizes > 0).sum()),
                 "sharing/regrouped": int(int(self.grouped_epoch) == epoch)}
 
+# %% ../nbs/07b_sharing.ipynb #4920a0f1
+SharingMatters.SMOKE = {"num_groups": 4, "kmeans_iterations": 5}   # smoke size (`repro.smoke`, nbdev_test); MIC inherits it
+
 # %% ../nbs/07b_sharing.ipynb #8d4f1c03
 # T^G as the text reads (features f, mean-std standardised before every grouping), with dml_nb's earlier choices where
 # the text is silent (regroup every epoch, class-balanced shared batches, 5 k-means restarts, re-matched group ids)
