@@ -31,7 +31,11 @@ def make_transform(preset: str = "resnet50", train: bool = False, size: int | No
     `PRESET_ALIASES`) at crop `size` (None: the backbone's default): `preprocessing_for(size).transform(train, flip)`."""
     name = PRESET_ALIASES.get(preset, preset)
     if name not in BACKBONES: raise unknown_name_error("transform preset", preset, [*BACKBONES, *PRESET_ALIASES])
-    return BACKBONES.get(name).preprocessing_for(size).transform(train, flip)
+    preprocessing_for = getattr(BACKBONES.get(name), "preprocessing_for", None)
+    if preprocessing_for is None:
+        raise TypeError(f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
+                        "a dml_nb.models.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
+    return preprocessing_for(size).transform(train, flip)
 
 # %% ../nbs/01_data.ipynb #ba5a10ab
 def _renumber(raw: Sequence) -> tuple[np.ndarray, np.ndarray]:

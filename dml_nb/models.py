@@ -132,8 +132,9 @@ class Backbone(nn.Module):
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
         "The `Preprocessing` of this backbone at crop `size` (None: its data pipeline's default crop)."
-        raise NotImplementedError(f"{cls.__name__} states no preprocessing: give it a classmethod "
-                                  "preprocessing_for(size) returning a dml_nb.models.Preprocessing")
+        raise NotImplementedError(f"{cls.__name__} states no preprocessing: give it a classmethod preprocessing_for(size) "
+                                  "returning a dml_nb.models.Preprocessing, or use another backbone's transforms "
+                                  "(make_transform(<backbone>); data.preset in a config)")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError
     def forward(self, x: torch.Tensor) -> torch.Tensor: return global_pool(self.forward_features(x), self.pooling)

@@ -399,3 +399,15 @@ def test_a_transform_without_the_backbone_record_is_not_guessed():
         BatchAugment.from_transform(hand).test_version()
     ds = ArrayDataset(np.zeros((1, 40, 40, 3), dtype=np.uint8), np.array([0]), transform=hand)
     with pytest.raises(ValueError, match=r"make_transform\(<backbone>, train=True\).*train_eval_ds"): eval_view(ds)
+
+
+def test_a_backbone_without_preprocessing_is_an_error_saying_what_to_add(monkeypatch):
+    from dml_nb.core import BACKBONES
+    from dml_nb.data import make_transform
+    BACKBONES.get("resnet50")
+    class Bare(Backbone): pass
+    monkeypatch.setitem(BACKBONES._items, "bare", Bare)
+    monkeypatch.setitem(BACKBONES._items, "plain_module", nn.Module)
+    for name in ("bare", "plain_module"):
+        with pytest.raises((NotImplementedError, TypeError), match=r"preprocessing_for\(size\).*data.preset"):
+            make_transform(name)
