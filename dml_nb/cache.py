@@ -109,9 +109,11 @@ class BatchAugment(torch.nn.Module):
     """A `make_transform` pipeline for uint8 image batches on their device: train = RandomResizedCrop(`size`,
     `scale`, `ratio`) + horizontal flip with probability `flip`; test = Resize(`resize`, shorter side) + CenterCrop
     (`size`); then (x / 255 - mean) / std and, with `bgr`, RGB -> BGR. Call it on a zero-padded batch (N, C, H, W)
-    with the true sizes (N, 2), or on one (C, H, W) image (the per-item path; random draws from torch's global RNG)."""
+    with the true sizes (N, 2), or on one (C, H, W) image (the per-item path; random draws from torch's global RNG).
+    `preprocessing`: the backbone's `dml_nb.models.Preprocessing` it runs, which gives its `test_version`."""
     def __init__(self, size: int, train: bool = True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-                 resize: int | None = None, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), bgr: bool = False):
+                 resize: int | None = None, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), bgr: bool = False,
+                 preprocessing=None):
         super().__init__()
         if not (isinstance(size, int) and size >= 1): raise ValueError(f"size must be a positive integer, got {size!r}")
         if not (0 < scale[0] <= scale[1] <= 1): raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {scale}")
@@ -119,7 +121,7 @@ class BatchAugment(torch.nn.Module):
         if not 0 <= flip <= 1: raise ValueError(f"flip is a probability in [0, 1], got {flip}")
         if len(mean) != len(std): raise ValueError(f"mean {mean} and std {std} need one value per channel")
         self.size, self.train_mode, self.scale, self.ratio, self.flip = size, bool(train), tuple(scale), tuple(ratio), float(flip)
-        self.resize, self.bgr = resize, bool(bgr)
+        self.resize, self.bgr, self.preprocessing = resize, bool(bgr), preprocessing
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
     def boxes(self, sizes: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -149,21 +151,21 @@ class BatchAugment(torch.nn.Module):
         return x[0] if single else x
 
     def test_version(self) -> "BatchAugment":
-        "The test pipeline `make_transform` pairs with this one (preset recognised by its mean), e.g. Resize(256) + CenterCrop(224)."
+        "The test pipeline of the backbone preprocessing this one runs, e.g. Resize(256) + CenterCrop(224)."
         if not self.train_mode: return self
-        from dml_nb.data import BNINCEPTION_MEAN, IMAGENET_MEAN, make_transform
-        presets = {tuple(IMAGENET_MEAN): "resnet50", tuple(BNINCEPTION_MEAN): "bninception", (0.5, 0.5, 0.5): "small"}
-        preset = presets.get(tuple(round(m, 4) for m in self.mean))
-        if preset is None:
-            raise ValueError(f"no make_transform preset has mean {self.mean}: build the test pipeline yourself, "
-                             "e.g. BatchAugment(size, train=False, resize=..., mean=..., std=...)")
-        return BatchAugment.from_transform(make_transform(preset, train=False, size=self.size))
+        if self.preprocessing is None:
+            raise ValueError("this BatchAugment carries no backbone preprocessing, so its test pipeline is unknown: build "
+                             "it with BatchAugment.from_transform(make_transform(<backbone>, train=True)) or pass "
+                             "preprocessing=<the backbone's Preprocessing>; or build the test pipeline yourself, e.g. "
+                             "BatchAugment(size, train=False, resize=..., mean=..., std=...)")
+        return BatchAugment.from_transform(self.preprocessing.transform(train=False))
 
     @classmethod
     def from_transform(cls, transform) -> "BatchAugment":
-        "The batched equivalent of a `dml_nb.data.make_transform` pipeline; other pipelines are an error naming the step."
+        """The batched equivalent of a `dml_nb.data.make_transform` pipeline (and of the backbone preprocessing it
+        carries as `.preprocessing`); other pipelines are an error naming the step."""
         from torchvision.transforms import v2
-        from dml_nb.data import ToBGR
+        from dml_nb.models import ToBGR
         ops = list(getattr(transform, "transforms", [transform]))
         kw, crop, resize = {"flip": 0.0}, None, None
         for op in ops:
@@ -187,7 +189,7 @@ class BatchAugment(torch.nn.Module):
             raise ValueError(f"the transform {transform!r} has no RandomResizedCrop or CenterCrop: the batched path "
                              "needs a fixed output size")
         if "mean" not in kw: raise ValueError(f"the transform {transform!r} has no Normalize step")
-        return cls(crop, resize=resize if not kw.get("train") else None, **kw)
+        return cls(crop, resize=resize if not kw.get("train") else None, preprocessing=getattr(transform, "preprocessing", None), **kw)
 
     def extra_repr(self) -> str:
         mode = (f"train, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, flip={self.flip}"

@@ -13,43 +13,29 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from .core import data_root, unknown_name_error
+from .core import BACKBONES, data_root, unknown_name_error
 from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
                             UnreadableImagesError, check_images, inshop_test_classes, read_cars196, read_cub200,
                             read_index, read_inshop, read_sop, read_vehicleid, write_fake_dataset)
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'BNINCEPTION_MEAN', 'BNINCEPTION_STD', 'PRESETS', 'SHAPES', 'TEXTURES',
-           'ON_UNREADABLE', 'ToBGR', 'make_transform', 'ImageListDataset', 'shapes_classes', 'render_shapes',
-           'ArrayDataset', 'make_shapes', 'make_digits', 'load_dataset', 'add_label_noise']
+__all__ = ['PRESET_ALIASES', 'SHAPES', 'TEXTURES', 'ON_UNREADABLE', 'make_transform', 'ImageListDataset', 'shapes_classes',
+           'render_shapes', 'ArrayDataset', 'make_shapes', 'make_digits', 'load_dataset', 'add_label_noise']
 
 # %% ../nbs/01_data.ipynb #63782dc6
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-BNINCEPTION_MEAN, BNINCEPTION_STD = (0.502, 0.4588, 0.4078), (1 / 255, 1 / 255, 1 / 255)
-PRESETS = ("resnet50", "googlenet", "bninception", "small")
-
-class ToBGR(torch.nn.Module):
-    "Reverse the channel order of a CHW tensor (RGB -> BGR), as BN-Inception's Caffe weights expect."
-    def forward(self, x): return x.flip(-3)
+PRESET_ALIASES = {"small": "small_cnn"}   # preset names that are not backbone names (configs keep working)
 
 def make_transform(preset: str = "resnet50", train: bool = False, size: int | None = None,
                    flip: bool = True) -> v2.Compose:
-    "The papers' train (`train=True`) or test transform for `preset` (one of `PRESETS`); `size` overrides the crop."
-    if preset not in PRESETS: raise unknown_name_error("transform preset", preset, PRESETS)
-    to_float = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
-    maybe_flip = [v2.RandomHorizontalFlip()] if flip else []
-    if preset == "small":
-        if size is None: raise ValueError("the 'small' preset needs size= (the embedded images' side, e.g. 32)")
-        geo = [v2.RandomResizedCrop(size, scale=(0.7, 1.0), ratio=(0.9, 1.1), antialias=True)] + maybe_flip if train \
-              else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-        return v2.Compose(to_float + geo + [v2.Normalize((0.5,) * 3, (0.5,) * 3)])
-    crop = size or (227 if preset == "bninception" else 224)
-    resize = int(round(crop * 256 / 224)) if preset != "bninception" else 256
-    geo = [v2.RandomResizedCrop(crop, antialias=True)] + maybe_flip if train \
-          else [v2.Resize(resize, antialias=True), v2.CenterCrop(crop)]
-    if preset == "bninception":
-        return v2.Compose(to_float + geo + [v2.Normalize(BNINCEPTION_MEAN, BNINCEPTION_STD), ToBGR()])
-    return v2.Compose(to_float + geo + [v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    """The train (`train=True`) or test transform of the backbone `preset` (a `BACKBONES` name, or an alias of
+    `PRESET_ALIASES`) at crop `size` (None: the backbone's default): `preprocessing_for(size).transform(train, flip)`."""
+    name = PRESET_ALIASES.get(preset, preset)
+    if name not in BACKBONES: raise unknown_name_error("transform preset", preset, [*BACKBONES, *PRESET_ALIASES])
+    preprocessing_for = getattr(BACKBONES.get(name), "preprocessing_for", None)
+    if preprocessing_for is None:
+        raise TypeError(f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
+                        "a dml_nb.models.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
+    return preprocessing_for(size).transform(train, flip)
 
 # %% ../nbs/01_data.ipynb #ba5a10ab
 def _renumber(raw: Sequence) -> tuple[np.ndarray, np.ndarray]:
@@ -258,7 +244,7 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
     train = (split == "train") if augment is None else augment
     if transform == "auto":
         preset = preset or ("small" if embedded else "resnet50")
-        tsize = (size or 32) if preset == "small" else size
+        tsize = (size or 32) if PRESET_ALIASES.get(preset, preset) == "small_cnn" else size
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
         ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"

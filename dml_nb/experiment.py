@@ -30,7 +30,7 @@ class DataConfig:
     name: str = "shapes"
     root: Optional[str] = None              # None: $DML_DATA/<name> (real data only)
     size: Optional[int] = None              # image side for embedded sets; crop size for the real-data presets
-    preset: Optional[str] = None            # transform preset; None: from the backbone
+    preset: Optional[str] = None            # the backbone whose transforms to use; None: model.backbone
     images_per_class: Optional[int] = None  # shapes only
     label_noise: float = 0.0                # BSPML protocol: fraction of each training class relabelled
     test_split: str = "test"                # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
@@ -350,8 +350,6 @@ def load_config(*files: str | Path, overrides: Sequence[str] = ()) -> Config:
     return make_config(raw)
 
 # %% ../nbs/09_experiment.ipynb #49a5662f
-_PRESET_OF = {"resnet50": "resnet50", "googlenet": "resnet50", "bninception": "bninception", "small_cnn": "small"}
-
 def _splits_read(cfg: Config) -> list[str]:
     d = cfg.data
     test = ["query", "gallery"] if d.name == "inshop" and d.test_split in ("query", "test") else [d.test_split]
@@ -394,8 +392,7 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     import numpy as np
     from dml_nb.data import add_label_noise, load_dataset
     d = cfg.data
-    preset = d.preset or _PRESET_OF.get(cfg.model.backbone, "resnet50")
-    opts = {"preset": preset, "size": d.size}
+    opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}   # the backbone's own preprocessing
     if d.name == "shapes" and d.images_per_class: opts["images_per_class"] = d.images_per_class
     if d.name == "shapes": opts["seed"] = 0   # the data set itself does not change with the run's seed
     kw = {"root": _data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress} if d.name in REAL_DATASETS else {}

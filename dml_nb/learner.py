@@ -342,23 +342,19 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, wor
 
 # %% ../nbs/06_learner.ipynb #b621f8e6
 def eval_view(ds):
-    "A shallow copy of `ds` whose `make_transform` train pipeline is replaced by the matching test pipeline."
+    "A shallow copy of `ds` whose train pipeline is replaced by the test pipeline of the preprocessing it carries."
     import copy
     if hasattr(ds, "eval_view"): return ds.eval_view()          # e.g. a dml_nb.cache.CachedImages
-    from torchvision.transforms import v2
-    from dml_nb.data import BNINCEPTION_MEAN, IMAGENET_MEAN, make_transform
     t = getattr(ds, "transform", None)
     ops = list(getattr(t, "transforms", [t])) if t is not None else []
     if not any(type(o).__name__.startswith("Random") for o in ops): return ds      # already deterministic
-    crops = [o for o in ops if isinstance(o, v2.RandomResizedCrop)]
-    norms = [o for o in ops if isinstance(o, v2.Normalize)]
-    presets = {tuple(IMAGENET_MEAN): "resnet50", tuple(BNINCEPTION_MEAN): "bninception", (0.5, 0.5, 0.5): "small"}
-    preset = presets.get(tuple(round(float(v), 4) for v in norms[0].mean)) if len(norms) == 1 else None
-    if len(crops) != 1 or preset is None:
-        raise ValueError(f"cannot derive test transforms from the training set's transform {t!r}: pass "
-                         "Learner(train_eval_ds=<the training set with test transforms, same order>)")
+    preprocessing = getattr(t, "preprocessing", None)                # set by make_transform / Preprocessing.transform
+    if preprocessing is None:
+        raise ValueError(f"cannot derive test transforms from the training set's transform {t!r}: it carries no backbone "
+                         "preprocessing (.preprocessing); build it with dml_nb.data.make_transform(<backbone>, train=True), "
+                         "or pass Learner(train_eval_ds=<the training set with test transforms, same order>)")
     view = copy.copy(ds)
-    view.transform = make_transform(preset, train=False, size=crops[0].size[0])
+    view.transform = preprocessing.transform(train=False)
     return view
 
 # %% ../nbs/06_learner.ipynb #658b8308

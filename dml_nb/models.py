@@ -5,7 +5,7 @@
 # %% ../nbs/04_models.ipynb #09aecc9a
 from __future__ import annotations
 import copy, os
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -18,10 +18,10 @@ from .core import BACKBONES, unknown_name_error
 
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'CAFFE_BGR_MEAN', 'CAFFE_BGR_STD', 'SLICED_INITS', 'FULL_EMBEDDINGS', 'TRAIN_SPLITS',
-           'Preprocessing', 'global_pool', 'batchnorm_modules', 'Backbone', 'torch_cache_dir', 'resolve_pretrained',
-           'load_weights', 'ResNet50', 'BNInception', 'GoogLeNet', 'SmallCNN', 'build_backbone', 'EmbeddingHead',
-           'MultiHead', 'slice_bounds', 'SlicedHead', 'EmbeddingModel', 'GradientReversal', 'grad_reverse',
-           'MomentumEncoder', 'all_gather_keys', 'MemoryQueue']
+           'ToBGR', 'Preprocessing', 'imagenet_preprocessing', 'global_pool', 'batchnorm_modules', 'Backbone',
+           'torch_cache_dir', 'resolve_pretrained', 'load_weights', 'ResNet50', 'BNInception', 'GoogLeNet', 'SmallCNN',
+           'build_backbone', 'EmbeddingHead', 'MultiHead', 'slice_bounds', 'SlicedHead', 'EmbeddingModel',
+           'GradientReversal', 'grad_reverse', 'MomentumEncoder', 'all_gather_keys', 'MemoryQueue']
 
 # %% ../nbs/04_models.ipynb #872f1981
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -29,20 +29,30 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CAFFE_BGR_MEAN = (0.502, 0.4588, 0.4078)  # RGB order; applied before the flip to BGR
 CAFFE_BGR_STD = (1 / 255, 1 / 255, 1 / 255)
 
+class ToBGR(nn.Module):
+    "Reverse the channel order of a CHW tensor (RGB -> BGR), as BN-Inception's Caffe weights expect."
+    def forward(self, x): return x.flip(-3)
+
 @dataclass(frozen=True)
 class Preprocessing:
-    "What a backbone expects: crop size, test resize size, per-channel mean/std (RGB order) and channel order."
+    """What a backbone expects: crop size, test resize size, per-channel mean/std (RGB order), channel order, and
+    the training crop's scale and aspect-ratio ranges."""
     input_size: int
     resize_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
     channel_order: str = "RGB"
+    train_scale: tuple[float, float] = (0.08, 1.0)      # torchvision's RandomResizedCrop defaults
+    train_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
     def __post_init__(self):
         if self.channel_order not in ("RGB", "BGR"):
             raise ValueError(f"channel_order must be 'RGB' or 'BGR', got {self.channel_order!r}")
         if len(self.mean) != len(self.std):
             raise ValueError(f"mean {self.mean} and std {self.std} must have one value per channel")
+        if not (0 < self.train_scale[0] <= self.train_scale[1] <= 1) or not (0 < self.train_ratio[0] <= self.train_ratio[1]):
+            raise ValueError(f"train_scale must be (lo, hi) with 0 < lo <= hi <= 1 and train_ratio (lo, hi) with "
+                             f"0 < lo <= hi; got {self.train_scale}, {self.train_ratio}")
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         "Map RGB floats in [0, 1], shape (C, H, W) or (B, C, H, W), to what the backbone expects."
@@ -54,7 +64,23 @@ class Preprocessing:
         return x.flip(-3) if self.channel_order == "BGR" else x
     __call__ = normalize
 
+    def transform(self, train: bool = False, flip: bool = True):
+        """The torchvision pipeline for PIL images or uint8 tensors: train = `RandomResizedCrop` (+ a horizontal flip
+        with `flip`), test = `Resize` + `CenterCrop`; then `normalize`'s mapping. It carries this record as `.preprocessing`."""
+        from torchvision.transforms import v2
+        geo = ([v2.RandomResizedCrop(self.input_size, scale=self.train_scale, ratio=self.train_ratio, antialias=True)]
+               + ([v2.RandomHorizontalFlip()] if flip else []) if train
+               else [v2.Resize(self.resize_size, antialias=True), v2.CenterCrop(self.input_size)])
+        t = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), *geo, v2.Normalize(self.mean, self.std)]
+                       + ([ToBGR()] if self.channel_order == "BGR" else []))
+        t.preprocessing = self
+        return t
+
     def as_dict(self) -> dict: return asdict(self)
+
+def imagenet_preprocessing(size: int = 224) -> Preprocessing:
+    "ImageNet mean/std, crop `size`, test resize `size` * 256 / 224 (rounded): 256 for the usual 224."
+    return Preprocessing(size, int(round(size * 256 / 224)), IMAGENET_MEAN, IMAGENET_STD)
 
 # %% ../nbs/04_models.ipynb #782e0ca7
 _POOLINGS = ("avg", "max", "avg+max")
@@ -72,7 +98,8 @@ def batchnorm_modules(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm
 
 class Backbone(nn.Module):
     """Base class: `forward(x) -> (B, feature_dim)` pooled features; `feature_dim` and `preprocessing`
-    attributes; optional frozen BatchNorm that survives `.train()`."""
+    attributes (`preprocessing_for(size)` states the latter for the class); optional frozen BatchNorm that
+    survives `.train()`."""
     feature_dim: int
     preprocessing: Preprocessing
     weight_files: tuple[str, ...] = ()      # file names torchvision / pretrainedmodels would cache
@@ -101,6 +128,13 @@ class Backbone(nn.Module):
         if self.frozen_bn:
             for bn in batchnorm_modules(self): bn.eval()
         return self
+
+    @classmethod
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
+        "The `Preprocessing` of this backbone at crop `size` (None: its data pipeline's default crop)."
+        raise NotImplementedError(f"{cls.__name__} states no preprocessing: give it a classmethod preprocessing_for(size) "
+                                  "returning a dml_nb.models.Preprocessing, or use another backbone's transforms "
+                                  "(make_transform(<backbone>); data.preset in a config)")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError
     def forward(self, x: torch.Tensor) -> torch.Tensor: return global_pool(self.forward_features(x), self.pooling)
@@ -198,8 +232,11 @@ class ResNet50(Backbone):
         for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"):
             setattr(self, n, getattr(net, n))
         self.feature_dim = 2048
-        self.preprocessing = Preprocessing(input_size, 256 * input_size // 224, IMAGENET_MEAN, IMAGENET_STD)
+        self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "resnet50")
+
+    @classmethod
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing: return imagenet_preprocessing(size or 224)
 
     def forward_features(self, x):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -245,8 +282,13 @@ class BNInception(Backbone):
             if cp: self._conv_bn(p + "pool_proj", cin, cp, 1)
         del self._bn_momentum
         self.feature_dim = 1024
-        self.preprocessing = Preprocessing(input_size, 256, CAFFE_BGR_MEAN, CAFFE_BGR_STD, "BGR")
+        self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "bninception")
+
+    @classmethod
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
+        "Caffe convention (0-255 scale minus the Caffe mean, BGR), test resize 256; crop 227 by default (the DiVA code's)."
+        return Preprocessing(size or 227, 256, CAFFE_BGR_MEAN, CAFFE_BGR_STD, "BGR")
 
     def _conv_bn(self, name, cin, cout, k, stride=1, padding=0):
         setattr(self, name, nn.Conv2d(cin, cout, k, stride=stride, padding=padding))  # Caffe convs have a bias
@@ -295,8 +337,13 @@ class GoogLeNet(Backbone):
         self.register_buffer("_in_scale", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) / 0.5, persistent=False)
         self.register_buffer("_in_shift", (torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) - 0.5) / 0.5, persistent=False)
         self.feature_dim = 1024
-        self.preprocessing = Preprocessing(input_size, 256, IMAGENET_MEAN, IMAGENET_STD)
+        self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "googlenet")
+
+    @classmethod
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
+        "ResNet50's: ImageNet mean/std; crop 224 by default (the crop the data pipeline has always used for GoogLeNet)."
+        return imagenet_preprocessing(size or 224)
 
     def forward_features(self, x):
         x = x * self._in_scale + self._in_shift  # ImageNet-normalised -> the [-1, 1] scale of the weights
@@ -322,8 +369,14 @@ class SmallCNN(Backbone):
             cin = cout
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
-        self.preprocessing = Preprocessing(input_size, input_size, tuple(mean), tuple(std))
+        self.preprocessing = replace(self.preprocessing_for(input_size), mean=tuple(mean), std=tuple(std))
         self._finish(pretrained, "small_cnn")
+
+    @classmethod
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
+        "Pixels to [-1, 1]; a mild random-resized crop (scale 0.7-1, ratio 0.9-1.1); test: resize to `size`, the images' side."
+        if size is None: raise ValueError("small_cnn's preprocessing needs size= (the images' side, e.g. 32; data.size in a config)")
+        return Preprocessing(size, size, (0.5,) * 3, (0.5,) * 3, train_scale=(0.7, 1.0), train_ratio=(0.9, 1.1))
 
     def forward_features(self, x): return self.body(x)
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from dml_nb.core import seed_everything
-from dml_nb.models import (BNInception, EmbeddingModel, GoogLeNet, MemoryQueue, MomentumEncoder, MultiHead,
-                           ResNet50, SmallCNN, batchnorm_modules, build_backbone, global_pool)
+from dml_nb.models import (Backbone, BNInception, EmbeddingModel, GoogLeNet, MemoryQueue, MomentumEncoder, MultiHead,
+                           Preprocessing, ResNet50, SmallCNN, batchnorm_modules, build_backbone, global_pool)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -323,3 +323,91 @@ def test_sliced_head_xavier_init_statistics(K):
     torch.manual_seed(0)
     default = SlicedHead(2048, 128, K, init="default").linear.weight.detach()
     assert abs(float(default.std()) - official.mean()) / official.mean() > 0.5       # torch's init: 0.013, not 0.031
+
+
+# preprocessing is the backbone's: a new backbone needs no edit elsewhere ------------------------------------------
+
+@pytest.mark.parametrize("name,size", [("resnet50", 250), ("googlenet", 227), ("bninception", 224), ("small_cnn", 48)])
+def test_an_instance_states_the_preprocessing_its_data_pipeline_uses(name, size):
+    from dml_nb.data import make_transform
+    assert build_backbone(name, input_size=size).preprocessing == make_transform(name, size=size).preprocessing
+
+
+class _ToyBGR(Backbone):
+    "A toy backbone with preprocessing of its own: crop 24, test resize 28, its own mean/std, BGR and crop ranges."
+    def __init__(self, pretrained=None):
+        super().__init__()
+        self.conv, self.feature_dim, self.preprocessing = nn.Conv2d(3, 8, 3), 8, self.preprocessing_for(24)
+        self._finish(pretrained, "toy_bgr")
+    @classmethod
+    def preprocessing_for(cls, size=None):
+        return Preprocessing(size or 24, 28, (0.3, 0.4, 0.5), (0.2, 0.25, 0.3), "BGR", train_scale=(0.5, 1.0), train_ratio=(0.8, 1.25))
+    def forward_features(self, x): return self.conv(x)
+
+
+@pytest.fixture
+def toy_backbone(monkeypatch):
+    "`toy_bgr` registered as a backbone for the test only."
+    from dml_nb.core import BACKBONES
+    BACKBONES.get("resnet50")                               # the package's backbones are registered first
+    monkeypatch.setitem(BACKBONES._items, "toy_bgr", _ToyBGR)
+    return _ToyBGR
+
+
+def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
+    from torchvision.transforms.v2 import functional as TF
+    from dml_nb.cache import BatchAugment
+    from dml_nb.data import ArrayDataset, make_transform
+    from dml_nb.experiment import build_datasets, make_config
+    from dml_nb.learner import eval_view
+    pp = toy_backbone.preprocessing_for()
+    train, test = make_transform("toy_bgr", train=True), make_transform("toy_bgr")
+    assert train.preprocessing == test.preprocessing == build_backbone("toy_bgr").preprocessing == pp
+    assert (tuple(train.transforms[2].size), train.transforms[2].scale, train.transforms[2].ratio) == ((24, 24), (0.5, 1.0), (0.8, 1.25))
+    img = (torch.rand(3, 40, 36, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    x = TF.center_crop(TF.resize(img.float() / 255, [28], antialias=True), [24])
+    want = ((x - torch.tensor(pp.mean)[:, None, None]) / torch.tensor(pp.std)[:, None, None]).flip(0)
+    torch.testing.assert_close(test(img), want)
+    # the image cache: the batched augmentation runs the toy's numbers, and its test version comes from the record
+    aug = BatchAugment.from_transform(train)
+    assert (aug.size, aug.scale, aug.ratio, aug.flip, aug.mean, aug.bgr, aug.preprocessing) == (24, (0.5, 1.0), (0.8, 1.25), 0.5, pp.mean, True, pp)
+    te = aug.test_version()
+    assert (te.train_mode, te.size, te.resize) == (False, 24, 28)
+    torch.testing.assert_close(te(img), want, atol=1e-4, rtol=1e-4)
+    # the test view of a training set
+    ds = ArrayDataset(np.random.default_rng(0).integers(0, 255, (2, 40, 36, 3), dtype=np.uint8), np.array([0, 1]), transform=train)
+    assert torch.equal(eval_view(ds)[1][0], test(ds.load(1)))
+    # a config naming the backbone gets its transforms, on the PIL path and cached
+    raw = {"data": {"name": "shapes", "images_per_class": 2, "eval_train": False}, "model": {"backbone": "toy_bgr"},
+           "method": {"name": "baseline", "embedding_dim": 4, "loss": "triplet", "miner": "semihard"},
+           "train": {"epochs": 1, "batch_size": 8, "samples_per_class": 2}}
+    tr, evals = build_datasets(make_config(raw), progress=False)
+    assert tr.transform.preprocessing == evals["test"].transform.preprocessing == pp and tr[0][0].shape == (3, 24, 24)
+    cached, _ = build_datasets(make_config({**raw, "data": {**raw["data"], "cache": True}}), progress=False)
+    assert cached.batch_transform.preprocessing == pp and cached.eval_view().batch_transform.resize == 28
+
+
+def test_a_transform_without_the_backbone_record_is_not_guessed():
+    "Hand-built pipelines with ImageNet's mean were once matched to `resnet50` by that mean; now the error says what to pass."
+    from torchvision.transforms import v2
+    from dml_nb.cache import BatchAugment
+    from dml_nb.data import ArrayDataset
+    from dml_nb.learner import eval_view
+    hand = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.RandomResizedCrop(32, antialias=True),
+                       v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    with pytest.raises(ValueError, match=r"make_transform\(<backbone>, train=True\).*preprocessing="):
+        BatchAugment.from_transform(hand).test_version()
+    ds = ArrayDataset(np.zeros((1, 40, 40, 3), dtype=np.uint8), np.array([0]), transform=hand)
+    with pytest.raises(ValueError, match=r"make_transform\(<backbone>, train=True\).*train_eval_ds"): eval_view(ds)
+
+
+def test_a_backbone_without_preprocessing_is_an_error_saying_what_to_add(monkeypatch):
+    from dml_nb.core import BACKBONES
+    from dml_nb.data import make_transform
+    BACKBONES.get("resnet50")
+    class Bare(Backbone): pass
+    monkeypatch.setitem(BACKBONES._items, "bare", Bare)
+    monkeypatch.setitem(BACKBONES._items, "plain_module", nn.Module)
+    for name in ("bare", "plain_module"):
+        with pytest.raises((NotImplementedError, TypeError), match=r"preprocessing_for\(size\).*data.preset"):
+            make_transform(name)
