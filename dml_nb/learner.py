@@ -13,30 +13,18 @@ import torch
 import torch.nn as nn
 
 from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
-                         unknown_name_error)
+                         seed_everything, stream_seed, unknown_name_error)
+from .context import MethodContext
 from .metrics import evaluate
 from .cache import RawItems, pad_collate
 
 # %% auto #0
-__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'MAX_WEIGHT', 'MAX_LOSS', 'REPORTS', 'CHECKPOINT_FORMAT',
-           'OPTIMIZERS', 'derive_seed', 'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback',
-           'Method', 'Baseline', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback',
-           'NonFiniteLossError', 'NoTuplesError', 'DivergedError', 'load_checkpoint', 'broadcast_state',
-           'all_reduce_gradients', 'eval_view', 'Learner']
+__all__ = ['SCHEDULES', 'MAX_WEIGHT', 'MAX_LOSS', 'REPORTS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'rng_state', 'set_rng_state',
+           'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline', 'EvalCallback', 'CSVLogger', 'history_csv',
+           'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError', 'NoTuplesError', 'DivergedError',
+           'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #fa64c9ac
-STEP, SAMPLE, EPOCH, EVAL, AUGMENT = 1, 2, 3, 4, 5   # domains of derive_seed, so that their seeds never coincide
-
-def derive_seed(*keys: int) -> int:
-    "A 63-bit seed that depends on every (non-negative integer) key."
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-def seed_all(seed: int, cuda: bool = False) -> None:
-    "Seed torch's CPU RNG (and the CUDA ones with `cuda=True`), NumPy's and Python's global RNGs."
-    torch.default_generator.manual_seed(seed)   # torch.manual_seed also queues a lazy CUDA seeding: ~3 ms a call
-    if cuda and torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
-    np.random.seed(seed % 2**32); random.seed(seed)
-
 def rng_state() -> dict:
     "The global RNG states (torch CPU and CUDA, NumPy, Python), in a form `torch.load(weights_only=True)` reads."
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -64,7 +52,7 @@ class SeededViews(torch.utils.data.Dataset):
     def __len__(self): return len(self.dataset)
     def __getitem__(self, key):
         index, seed = key
-        seed_all(seed)
+        seed_everything(seed, cuda=False)
         x, y = self.dataset[index]
         item = {"x": x, "y": int(y), "index": int(index)}
         if self.views > 1: item["extra_views"] = [self.dataset[index][0] for _ in range(self.views - 1)]
@@ -166,13 +154,13 @@ class Method(nn.Module):
     def callbacks(self) -> list[Callback]:
         "Callbacks this recipe needs (re-clustering, SPL weights, ...); the learner adds them."
         return []
-    def on_fit_start(self, learner) -> None:
-        "Called at every `fit`, after a checkpoint is restored (`learner.resumed`): rebuild what is derived from state."
-    def on_epoch_start(self, learner) -> None:
+    def on_fit_start(self, ctx: MethodContext) -> None:
+        "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
+    def on_epoch_start(self, ctx: MethodContext) -> None:
         "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
-    def after_optimizer_step(self, learner) -> None:
+    def after_optimizer_step(self, ctx: MethodContext) -> None:
         "Called after every optimiser step (momentum-encoder update, queue)."
-    def on_epoch_end(self, learner) -> None:
+    def on_epoch_end(self, ctx: MethodContext) -> None:
         "Called once per epoch after its last step, before evaluation and the checkpoint."
 
 # %% ../nbs/06_learner.ipynb #b238dc29
@@ -424,6 +412,7 @@ class Learner:
         self.row: dict = {}
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._interrupted = False
+        self.context = MethodContext(self)   # all that the method's hooks see of the run
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}   # per key: a recipe may log a key on some steps only
 
@@ -531,7 +520,7 @@ class Learner:
             self._interrupted, self.resumed = False, True
         if self.epoch >= self.epochs: return self.history                       # a finished run is not trained again
         self.method.train()
-        self.method.on_fit_start(self)
+        self.method.on_fit_start(self.context)
         if self._sampler_state is not None and hasattr(self.sampler, "load_state_dict"):
             try: self.sampler.load_state_dict(self._sampler_state)
             except (KeyError, TypeError, ValueError) as e:
@@ -570,14 +559,14 @@ class Learner:
         e = self.epoch
         self.set_lr(e)
         if self.step == 0:
-            seed_all(derive_seed(self.seed, EPOCH, e, self.rank), cuda=self.device.type == "cuda")
+            seed_everything(stream_seed(self.seed, "epoch", e, self.rank), cuda=self.device.type == "cuda")
             self._sums, self._counts = {}, {}
-            self.method.on_epoch_start(self)
+            self.method.on_epoch_start(self.context)
             for cb in self.callbacks: cb.before_epoch(self)
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
         start = self.step
-        self._batches.batches = [[(i, derive_seed(self.seed, SAMPLE, e, s, j, self.rank)) for j, i in enumerate(b)]
+        self._batches.batches = [[(i, stream_seed(self.seed, "sample", e, s, j, self.rank)) for j, i in enumerate(b)]
                                  for s, b in enumerate(batches[start:], start)]
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
@@ -590,7 +579,7 @@ class Learner:
         self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()},
                     **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
         self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)
-        self.method.on_epoch_end(self)
+        self.method.on_epoch_end(self.context)
         for cb in self.callbacks:
             if not isinstance(cb, CheckpointCallback): cb.after_epoch(self)
         if self.stop_on_empty_tuples: self._check_tuples(e)   # history.csv shows the epoch; the checkpoint does not
@@ -622,10 +611,10 @@ class Learner:
 
     def _train_step(self, batch: dict) -> dict:
         e, s = self.epoch, batch["step"]
-        seed_all(derive_seed(self.seed, STEP, e, s, self.rank), cuda=self.device.type == "cuda")
+        seed_everything(stream_seed(self.seed, "step", e, s, self.rank), cuda=self.device.type == "cuda")
         gen = None
         if self.batch_transform is not None:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, AUGMENT, e, s, self.rank))
+            gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
         batch = self._to_device(batch, self.batch_transform, self.method.views, gen)
         with self.autocast(): out = self.method.training_step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
@@ -645,7 +634,7 @@ class Learner:
         loss_v, gnorm_v = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)]).tolist()
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)): self._stop_nonfinite(loss_v, gnorm_v, s)
         self.optimizer.step()
-        self.method.after_optimizer_step(self)
+        self.method.after_optimizer_step(self.context)
         if self.world_size > 1: broadcast_state(self.method, buffers_only=True)   # BatchNorm statistics of rank 0
         logs = {"loss": loss_v, "grad_norm": gnorm_v}
         for k, v in out.items():   # tensors stay on the device (no sync); summed in float64
@@ -716,35 +705,39 @@ class Learner:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def embed(self, dataset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        "Embed every item of `dataset` in order with `method.embed`: ({name: (N, D) float32}, labels)."
+    def embed(self, dataset, fn: Callable | None = None, indices: Sequence[int] | None = None,
+              seeds: Sequence[int] | None = None, batch_size: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Embed items `indices` of `dataset` (default all, in order) with `fn` (default `method.embed`), the method in
+        eval mode: ({name: (N, D) float32}, labels). Item `indices[j]` loads with seed `seeds[j]` (default: stream 'eval')."""
         self._setup()
-        n = len(dataset)
+        keys = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
+        seeds = [stream_seed(self.seed, "eval", i) for i in keys] if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != len(keys): raise ValueError(f"embed got {len(seeds)} seeds for {len(keys)} items: give one per item")
+        items, n = list(zip(keys, seeds)), len(keys)
         per = -(-n // self.world_size)
         if self.world_size > 1 and (self.world_size - 1) * per < n:
             # data-parallel: each process embeds one contiguous block, then all processes gather every block
-            lo, hi = self.rank * per, min(n, (self.rank + 1) * per)
-            emb, y = self._embed_range(dataset, lo, hi)
+            emb, y = self._embed_items(dataset, items[self.rank * per:(self.rank + 1) * per], fn, batch_size)
             return {k: _gather_rows(v, per, n) for k, v in emb.items()}, _gather_rows(y, per, n)
-        return self._embed_range(dataset, 0, n)
+        return self._embed_items(dataset, items, fn, batch_size)
 
-    def _embed_range(self, dataset, lo: int, hi: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _embed_items(self, dataset, items: list, fn=None, batch_size=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
+        bs, fn = batch_size or self.eval_batch_size, fn or self.method.embed
+        batches = [items[a:a + bs] for a in range(0, len(items), bs)]
         loader = torch.utils.data.DataLoader(
             SeededViews(dataset) if transform is None else RawItems(dataset), collate_fn=None if transform is None else pad_collate,
-            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-            batch_sampler=[[(i, derive_seed(self.seed, EVAL, i)) for i in range(a, min(a + self.eval_batch_size, hi))]
-                           for a in range(lo, hi, self.eval_batch_size)])
+            num_workers=self.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
         was_training = self.method.training
         self.method.eval()
         outs, labels = {}, []
         try:
-            for batch in loader:
-                gen = None if transform is None else torch.Generator().manual_seed(derive_seed(self.seed, EVAL, int(batch["index"][0])))
+            for keys, batch in zip(batches, loader):
+                gen = None if transform is None else torch.Generator().manual_seed(keys[0][1])
                 batch = self._to_device(batch, transform, 1, gen)
-                with self.autocast(): emb = self.method.embed(batch["x"])
+                with self.autocast(): emb = fn(batch["x"])
                 if not isinstance(emb, Mapping) or not emb:
-                    raise TypeError(f"{type(self.method).__name__}.embed must return a non-empty dict name -> embedding")
+                    raise TypeError(f"{getattr(fn, '__qualname__', fn)} must return a non-empty dict name -> embedding")
                 for k, v in emb.items(): outs.setdefault(k, []).append(v.float())
                 labels.append(batch["y"])
         finally: self.method.train(was_training)

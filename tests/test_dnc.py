@@ -229,11 +229,11 @@ def test_other_groupings_train(shapes, grouping):
 
 def test_cluster_on_features(shapes):
     learn = run(shapes, epochs=1, cluster_on="features")
-    vec = learn.method.cluster_vectors(learn)
+    vec = learn.method.cluster_vectors(learn.context)
     assert vec.shape == (len(shapes[0]), learn.method.model.backbone.feature_dim)
     torch.testing.assert_close(vec.norm(dim=1), torch.ones(len(vec)))
     learn.method.cluster_on = "embedding"
-    assert learn.method.cluster_vectors(learn).shape == (len(shapes[0]), 8)
+    assert learn.method.cluster_vectors(learn.context).shape == (len(shapes[0]), 8)
 
 
 class KillAt(Callback):
@@ -371,16 +371,16 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     learn = run(shapes, epochs=1, num_learners=4, embedding_dim=8, cluster_batches="uniform", finetune_epochs=0)
     learn.sampler = PhaseSampler(learn.sampler)
     m = learn.method
-    m.on_fit_start(learn)
+    m.on_fit_start(learn.context)
     rr = m._sampler
     # find an epoch in which the uniform draws skip a learner (few steps per epoch make it likely) and check the stop
-    m.recluster(learn); m._use_clusters(learn)
+    m.recluster(learn.context); m._use_clusters()
     epochs = [e for e in range(400) if 0 in rr.clusters.counts(e)]
     if not epochs: pytest.skip("no epoch without a learner among the first 400")
     learn.epoch = epochs[0]
     m.clustered_epoch.fill_(epochs[0])
     with pytest.raises(ClusterError, match="get no batch in epoch"):
-        m.on_epoch_start(learn)
+        m.on_epoch_start(learn.context)
 
 
 def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes):

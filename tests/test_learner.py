@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 
 from dml_nb.data import load_dataset
-from dml_nb.learner import (Baseline, Callback, Learner, Method, NonFiniteLossError, Schedule, derive_seed,
-                            load_checkpoint, ProgressCallback, history_csv, SAMPLE)
+from dml_nb.core import stream_seed
+from dml_nb.learner import (Baseline, Callback, Learner, Method, NonFiniteLossError, Schedule,
+                            load_checkpoint, ProgressCallback, history_csv)
 from dml_nb.models import EmbeddingHead, EmbeddingModel, MultiHead, build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
 
@@ -372,7 +373,7 @@ def test_views_groups_and_per_head_evaluation(sets):
 
 
 def test_seeds_are_positional():
-    assert derive_seed(0, SAMPLE, 1, 2, 3) == derive_seed(0, SAMPLE, 1, 2, 3) != derive_seed(0, SAMPLE, 1, 2, 4)
+    assert stream_seed(0, "sample", 1, 2, 3) == stream_seed(0, "sample", 1, 2, 3) != stream_seed(0, "sample", 1, 2, 4)
 
 
 # GPU options on the CPU, bad input ---------------------------------------------------------------------------------
@@ -477,11 +478,10 @@ def test_cached_training_set_is_augmented_on_the_device_in_batches(cached_sets):
     b = rec.seen[0]
     assert b["x"].shape == (16, 3, 32, 32) and b["x"].dtype == torch.float32 and "sizes" not in b
     assert len(b["extra_views"]) == 1 and not torch.equal(b["x"], b["extra_views"][0])
-    # the views are BatchAugment of the raw images with the generator of (seed, AUGMENT, epoch, step, rank)
+    # the views are BatchAugment of the raw images with the generator of stream 'augment' at (epoch, step, rank)
     from dml_nb.cache import RawItems, pad_collate
-    from dml_nb.learner import AUGMENT
     raw = pad_collate([RawItems(train)[int(i)] for i in b["index"]])
-    g = torch.Generator().manual_seed(derive_seed(3, AUGMENT, 0, 0, 0))
+    g = torch.Generator().manual_seed(stream_seed(3, "augment", 0, 0, 0))
     x = train.batch_transform(raw["x"], raw["sizes"], g)
     assert torch.equal(b["x"], x) and torch.equal(b["extra_views"][0], train.batch_transform(raw["x"], raw["sizes"], g))
 
