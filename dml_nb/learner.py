@@ -15,54 +15,16 @@ import torch.nn as nn
 from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
                          seed_everything, stream_seed, unknown_name_error)
 from .context import MethodContext
-from .metrics import evaluate
 from .cache import RawItems, pad_collate
+from .batches import BatchList, SeededViews, to_device
+from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights, load_checkpoint,
+                               rng_state, set_rng_state)
+from .distributed import all_reduce_gradients, broadcast_state, check_sampler_rank, dist_info
+from .evaluation import EvaluationMixin, check_metrics
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'MAX_WEIGHT', 'MAX_LOSS', 'REPORTS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'rng_state', 'set_rng_state',
-           'SeededViews', 'Schedule', 'Callback', 'Method', 'Baseline', 'EvalCallback', 'CSVLogger', 'history_csv',
-           'ProgressCallback', 'CheckpointCallback', 'NonFiniteLossError', 'NoTuplesError', 'DivergedError',
-           'load_checkpoint', 'broadcast_state', 'all_reduce_gradients', 'eval_view', 'Learner']
-
-# %% ../nbs/06_learner.ipynb #fa64c9ac
-def rng_state() -> dict:
-    "The global RNG states (torch CPU and CUDA, NumPy, Python), in a form `torch.load(weights_only=True)` reads."
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "python": random.getstate()}
-
-def set_rng_state(state: dict) -> None:
-    "Restore what `rng_state` returned."
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    v, internal, gauss_next = state["python"]
-    random.setstate((v, tuple(internal), gauss_next))
-
-# %% ../nbs/06_learner.ipynb #0b90460d
-class SeededViews(torch.utils.data.Dataset):
-    "`ds[(index, seed)]`: seed the RNGs with `seed`, then `{'x', 'y', 'index'}` (+ `'extra_views'` when `views > 1`)."
-    def __init__(self, dataset, views: int = 1):
-        if views < 1: raise ValueError(f"views must be >= 1, got {views}")
-        self.dataset, self.views = dataset, views
-    def __len__(self): return len(self.dataset)
-    def __getitem__(self, key):
-        index, seed = key
-        seed_everything(seed, cuda=False)
-        x, y = self.dataset[index]
-        item = {"x": x, "y": int(y), "index": int(index)}
-        if self.views > 1: item["extra_views"] = [self.dataset[index][0] for _ in range(self.views - 1)]
-        return item
-
-class _BatchList(torch.utils.data.Sampler):
-    "The batches the loader runs next; the learner replaces `batches` every epoch (works with persistent workers)."
-    def __init__(self): self.batches: list = []
-    def __iter__(self): return iter(list(self.batches))
-    def __len__(self): return len(self.batches)
+__all__ = ['SCHEDULES', 'REPORTS', 'OPTIMIZERS', 'Schedule', 'Callback', 'Method', 'Baseline', 'EvalCallback', 'CSVLogger',
+           'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NoTuplesError', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #2c1e4a85
 SCHEDULES = ("constant", "multistep", "cosine")
@@ -249,84 +211,11 @@ class CheckpointCallback(Callback):
     def after_epoch(self, learner): learner.save_checkpoint(epoch_done=True)
 
 # %% ../nbs/06_learner.ipynb #72f08d02
-class NonFiniteLossError(RuntimeError):
-    "Training stopped because the loss or the gradient norm became NaN or infinite."
-
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
-class DivergedError(NonFiniteLossError):
-    "Training stopped because the weights or the loss left the sane range (`MAX_WEIGHT`, `MAX_LOSS`): the run diverged."
-
-# a checkpoint is written only while the model is sane: every parameter finite with |value| <= MAX_WEIGHT and the
-# epoch's mean loss (so far) finite with |loss| <= MAX_LOSS; beyond that the run stops as diverged. Embeddings are
-# L2-normalised and weight decay holds the weights near their initial scale, and the largest loss terms here (the
-# decorrelation terms, bounded by their weights rho / gamma, at most a few thousand) stay far below, so the bounds
-# catch runs that blew up (the issue's "last good" checkpoint had weights of about 1e28), not slow ones
-MAX_WEIGHT, MAX_LOSS = 1e6, 1e6
-
 REPORTS = ("last", "best")
-
-CHECKPOINT_FORMAT = 1
 OPTIMIZERS = ("adam", "adamw", "sgd")
-
-def _to_safe(obj):
-    "Convert NumPy values inside `obj` to tensors / Python numbers so that weights_only loading accepts it."
-    if isinstance(obj, torch.Tensor): return obj.detach().cpu() if obj.device.type != "cpu" else obj
-    if isinstance(obj, np.ndarray): return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic): return obj.item()
-    if isinstance(obj, Mapping): return {k: _to_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return type(obj)(_to_safe(v) for v in obj)
-    return obj
-
-def load_checkpoint(path: str | Path) -> dict:
-    "Read a learner checkpoint with `torch.load(weights_only=True)` on the CPU; clear errors for bad files."
-    path = Path(path)
-    try: ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {e}); delete it (or pass "
-                         "resume=False) to start the run over") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
-    return ckpt
-
-def _insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
-    "Why these parameters are not sane (a non-finite value, or |value| > MAX_WEIGHT), or None; one device sync."
-    named = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if not named: return None
-    peaks = torch.stack([v.detach().abs().max().float().cpu() for v in named.values()]).tolist()
-    for (k, _), m in zip(named.items(), peaks):
-        if not math.isfinite(m): return f"parameter {k!r} holds non-finite values"
-    k, m = max(zip(named, peaks), key=lambda kv: kv[1])
-    return f"the largest |parameter| is {m:.3g} (in {k!r}), above the bound {MAX_WEIGHT:g}" if m > MAX_WEIGHT else None
-
-def _dist_info() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-def broadcast_state(module: nn.Module, buffers_only: bool = False) -> None:
-    "Copy rank 0's parameters (unless `buffers_only`) and buffers to every process."
-    import torch.distributed as dist
-    tensors = ([] if buffers_only else [p.data for p in module.parameters()]) + list(module.buffers())
-    for t in tensors: dist.broadcast(t, src=0)
-
-def all_reduce_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Average the gradients of `params` and `loss` over the processes in one flat all-reduce; returns the
-    mean loss. A parameter without a gradient on every rank keeps none (as in a single process)."""
-    import torch.distributed as dist
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=loss.device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    used = [p for p, h in zip(params, has.tolist()) if h]
-    for p in used:
-        if p.grad is None: p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1).float() for p in used] + [loss.detach().float().reshape(1)])
-    dist.all_reduce(flat)
-    flat /= world_size
-    i = 0
-    for p in used:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p.grad)); i += p.numel()
-    return flat[-1]
 
 # %% ../nbs/06_learner.ipynb #b621f8e6
 def eval_view(ds):
@@ -349,17 +238,8 @@ def eval_view(ds):
     view.transform = make_transform(preset, train=False, size=crops[0].size[0])
     return view
 
-# %% ../nbs/06_learner.ipynb #658b8308
-def _gather_rows(x: torch.Tensor, per: int, n: int) -> torch.Tensor:
-    "All-gather every process's block of at most `per` rows (rank order) into the first `n` rows of the whole."
-    import torch.distributed as dist
-    pad = x.new_zeros((per - len(x), *x.shape[1:]))
-    blocks = [torch.empty_like(torch.cat([x, pad])) for _ in range(dist.get_world_size())]
-    dist.all_gather(blocks, torch.cat([x, pad]).contiguous())
-    return torch.cat(blocks)[:n]
-
 # %% ../nbs/06_learner.ipynb #77b0b2a7
-class Learner:
+class Learner(EvaluationMixin, CheckpointMixin):
     "Train `method` on `train_ds` with the batches of `sampler`; evaluate, log, checkpoint, resume."
     def __init__(self, method: Method, train_ds, sampler, epochs: int = 1, lr: float = 1e-5,
                  weight_decay: float = 4e-4, optimizer: str | Callable = "adam",
@@ -387,7 +267,7 @@ class Learner:
                              "the training set (same order) with test transforms")
         self._train_eval_ds = train_eval_ds
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-        self._check_metrics()
+        check_metrics(self.metrics)
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
@@ -400,7 +280,7 @@ class Learner:
         if report not in REPORTS: raise unknown_name_error("report (which epoch's metrics a run reports)", report, REPORTS)
         self.report, self.stop_on_empty_tuples = report, bool(stop_on_empty_tuples)
         self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
-        self.rank, self.world_size = _dist_info()
+        self.rank, self.world_size = dist_info()
         self._optimizer_spec = optimizer
         self.callbacks = sorted([EvalCallback(eval_every), CSVLogger(),
                                  *([ProgressCallback()] if progress else []),
@@ -431,13 +311,6 @@ class Learner:
             raise ValueError("amp='fp16' needs a gradient scaler, which this learner does not use; use amp='bf16'")
         raise unknown_name_error("amp mode", amp, ("auto", "bf16", "none"))
 
-    def _check_metrics(self):
-        "Fail now, not after the first epoch, on a metric name `evaluate` does not know."
-        ks = [int(m.group(1)) for m in (re.fullmatch(r"recall@(\d+)", str(n)) for n in self.metrics) if m]
-        n = max([8] + [k + 2 for k in ks])    # enough dummy points for the largest k
-        try: evaluate(torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.arange(n) % 2, self.metrics)
-        except Exception as e: raise ValueError(f"Learner(metrics={self.metrics!r}): {e}") from e
-
     def _build_optimizer(self) -> torch.optim.Optimizer:
         groups = self.method.param_groups(self.lr, self.weight_decay)
         names = [g["name"] for g in groups]
@@ -461,7 +334,7 @@ class Learner:
         if self.channels_last: self.method.to(memory_format=torch.channels_last)
         if self.compile: self._compile_backbones()
         self.optimizer = self._build_optimizer()
-        self._batches = _BatchList()
+        self._batches = BatchList()
         # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
         # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
         items, collate = ((RawItems(self.train_ds), pad_collate) if self.batch_transform is not None
@@ -473,20 +346,14 @@ class Learner:
         if self.run_dir is not None and self.is_main: remove_temp_files(self.run_dir)   # writes a killed process left
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
             ck = load_checkpoint(self.checkpoint_path)
-            problem = _insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
+            problem = insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
             if problem is not None:
                 raise DivergedError(f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
                                     "Delete it to start the run over, with a lower learning rate (a new run directory).")
             self.load_state_dict(ck)
             self.resumed = True
         if self.world_size > 1:
-            inner = self.sampler
-            while not hasattr(inner, "rank") and (hasattr(inner, "samplers") or hasattr(inner, "base")):
-                inner = inner.samplers[0] if hasattr(inner, "samplers") else inner.base
-            if hasattr(inner, "rank") and (inner.rank, inner.world_size) != (self.rank, self.world_size):
-                raise ValueError(f"process {self.rank} of {self.world_size} got a sampler built for rank "
-                                 f"{getattr(inner, 'rank', None)} of {getattr(inner, 'world_size', None)}: build it "
-                                 "with rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()")
+            check_sampler_rank(self.sampler, self.rank, self.world_size)
             broadcast_state(self.method)
 
     def _compile_backbones(self):
@@ -587,24 +454,6 @@ class Learner:
         for cb in self.callbacks:
             if isinstance(cb, CheckpointCallback): cb.after_epoch(self)
 
-    def _to_device(self, batch: dict, transform=None, views: int = 1, generator=None) -> dict:
-        """Move `batch` to the device. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
-        it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device."""
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        def move(v):
-            if isinstance(v, torch.Tensor):
-                v = v.to(self.device, non_blocking=True)
-                return v.contiguous(memory_format=fmt) if v.dim() == 4 and v.is_floating_point() else v
-            if isinstance(v, list): return [move(u) for u in v]
-            return v
-        batch = {k: move(v) for k, v in batch.items()}
-        if transform is not None:
-            raw, sizes = batch.pop("x"), batch.pop("sizes")
-            xs = [transform(raw, sizes, generator).contiguous(memory_format=fmt) for _ in range(views)]
-            batch["x"] = xs[0]
-            if views > 1: batch["extra_views"] = xs[1:]
-        return batch
-
     def autocast(self):
         "The autocast context of this run (bf16 or disabled)."
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp == "bf16")
@@ -615,7 +464,7 @@ class Learner:
         gen = None
         if self.batch_transform is not None:
             gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
-        batch = self._to_device(batch, self.batch_transform, self.method.views, gen)
+        batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen)
         with self.autocast(): out = self.method.training_step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
             raise TypeError(f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
@@ -670,20 +519,6 @@ class Learner:
             "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
             "train.stop_on_empty_tuples: false.")
 
-    def reported_metrics(self) -> dict:
-        """What the run reports: {'reported', 'metrics', 'last_epoch', 'best_epoch', 'best_metrics'}. `report='best'`
-        reports the evaluated epoch with the highest test Recall@1 (the authors' code), 'last' the final epoch."""
-        last = dict(self.latest_metrics)
-        key = f"{next(iter(self.eval_sets))}/recall@1" if self.eval_sets else None
-        evaluated = [r for r in self.history if key is not None and key in r and r[key] == r[key]]
-        best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None     # ties: the earliest epoch
-        best = {k: float(v) for k, v in best_row.items() if k in last} if best_row else last
-        out = {"reported": "last epoch" if self.report == "last" else f"best epoch by {key}",
-               "metrics": last if self.report == "last" or best_row is None else best,
-               "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
-               "best_metrics": best}
-        return out
-
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
         if not self._counts.get(key): return float("nan")
@@ -697,144 +532,3 @@ class Learner:
             self._train_eval_ds = t if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(self.train_ds) \
                                   else eval_view(self.train_ds)
         return self._train_eval_ds
-
-    def headline_recall(self) -> float | None:
-        "The latest Recall@1 of the first evaluation set's headline embedding, if evaluated yet."
-        if not self.eval_sets: return None
-        return self.latest_metrics.get(f"{next(iter(self.eval_sets))}/recall@1")
-
-    # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def embed(self, dataset, fn: Callable | None = None, indices: Sequence[int] | None = None,
-              seeds: Sequence[int] | None = None, batch_size: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Embed items `indices` of `dataset` (default all, in order) with `fn` (default `method.embed`), the method in
-        eval mode: ({name: (N, D) float32}, labels). Item `indices[j]` loads with seed `seeds[j]` (default: stream 'eval')."""
-        self._setup()
-        keys = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
-        seeds = [stream_seed(self.seed, "eval", i) for i in keys] if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != len(keys): raise ValueError(f"embed got {len(seeds)} seeds for {len(keys)} items: give one per item")
-        items, n = list(zip(keys, seeds)), len(keys)
-        per = -(-n // self.world_size)
-        if self.world_size > 1 and (self.world_size - 1) * per < n:
-            # data-parallel: each process embeds one contiguous block, then all processes gather every block
-            emb, y = self._embed_items(dataset, items[self.rank * per:(self.rank + 1) * per], fn, batch_size)
-            return {k: _gather_rows(v, per, n) for k, v in emb.items()}, _gather_rows(y, per, n)
-        return self._embed_items(dataset, items, fn, batch_size)
-
-    def _embed_items(self, dataset, items: list, fn=None, batch_size=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
-        bs, fn = batch_size or self.eval_batch_size, fn or self.method.embed
-        batches = [items[a:a + bs] for a in range(0, len(items), bs)]
-        loader = torch.utils.data.DataLoader(
-            SeededViews(dataset) if transform is None else RawItems(dataset), collate_fn=None if transform is None else pad_collate,
-            num_workers=self.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
-        was_training = self.method.training
-        self.method.eval()
-        outs, labels = {}, []
-        try:
-            for keys, batch in zip(batches, loader):
-                gen = None if transform is None else torch.Generator().manual_seed(keys[0][1])
-                batch = self._to_device(batch, transform, 1, gen)
-                with self.autocast(): emb = fn(batch["x"])
-                if not isinstance(emb, Mapping) or not emb:
-                    raise TypeError(f"{getattr(fn, '__qualname__', fn)} must return a non-empty dict name -> embedding")
-                for k, v in emb.items(): outs.setdefault(k, []).append(v.float())
-                labels.append(batch["y"])
-        finally: self.method.train(was_training)
-        return {k: torch.cat(v) for k, v in outs.items()}, torch.cat(labels)
-
-    def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
-        "Metrics of every set (a dataset, or a (query, gallery) pair) and every embedding of `method.embed`."
-        sets, metrics = (self.eval_sets if sets is None else sets), (self.metrics if metrics is None else metrics)
-        out = {}
-        for name, ds in sets.items():
-            if isinstance(ds, (tuple, list)):
-                (q, ql), (g, gl) = self.embed(ds[0]), self.embed(ds[1])
-                res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed) for k in q}
-            else:
-                emb, y = self.embed(ds)
-                res = {k: evaluate(v, y, metrics, seed=self.seed) for k, v in emb.items()}
-            for i, (k, r) in enumerate(res.items()):
-                out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
-        if sets is self.eval_sets: self.latest_metrics = out
-        return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        "Everything needed to continue this run (tensors and plain Python values only)."
-        self._setup()
-        return _to_safe({
-            "format": CHECKPOINT_FORMAT, "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
-            "epochs": self.epochs, "seed": self.seed,
-            "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict() if isinstance(self.schedule, Schedule) else None,
-            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "rng": rng_state(), "history": self.history, "latest_metrics": self.latest_metrics,
-            "sums": self._sums, "counts": self._counts,
-            "callbacks": {key: cb.state_dict() for key, cb in self._callback_keys()}})
-
-    def load_state_dict(self, ckpt: dict) -> None:
-        "Restore a `state_dict` (e.g. from `load_checkpoint`)."
-        self._setup()
-        missing, unexpected = [], []
-        own = self.method.state_dict()
-        missing = [k for k in own if k not in ckpt["method"]]
-        unexpected = [k for k in ckpt["method"] if k not in own]
-        if missing or unexpected:
-            raise ValueError(f"the checkpoint was written by a different method or model (missing: {missing[:5]}, "
-                             f"unexpected: {unexpected[:5]}); use another run_dir or resume=False")
-        self.method.load_state_dict(ckpt["method"])
-        settings = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(ckpt["optimizer"])   # moments from the checkpoint, settings from here
-        for g, (lr, wd) in zip(self.optimizer.param_groups, settings): g["base_lr"], g["weight_decay"] = lr, wd
-        self._sampler_state = ckpt["sampler"]   # applied in fit, after on_fit_start may have rebuilt the sampler
-        self.epoch, self.step, self.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
-        self.history, self.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
-        self._sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
-        self._counts = dict(ckpt["counts"])
-        for key, cb in self._callback_keys():
-            state = ckpt["callbacks"].get(key)
-            if state is not None: cb.load_state_dict(state)
-        set_rng_state(ckpt["rng"])
-
-    def _callback_keys(self) -> list[tuple[str, Callback]]:
-        "Checkpoint keys of the callbacks: their names (numbered when a name repeats), not their positions."
-        seen: dict[str, int] = {}
-        out = []
-        for cb in self.callbacks:
-            n = seen[cb.name] = seen.get(cb.name, -1) + 1
-            out.append((cb.name if n == 0 else f"{cb.name}#{n}", cb))
-        return out
-
-    def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
-        "Write `run_dir/checkpoint.pt` atomically (rank 0 only) if the model is sane (else `DivergedError`); returns its path."
-        problem = self._divergence()
-        if problem is not None: self._stop_diverged(problem)
-        if self.checkpoint_path is None or not self.is_main: return None
-        return atomic_torch_save(self.state_dict(), self.checkpoint_path)
-
-    def _divergence(self) -> str | None:
-        "Why the current weights or loss are not sane (see `MAX_WEIGHT`, `MAX_LOSS`), or None."
-        loss = self.running("loss")
-        if self._counts.get("loss") and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
-            return f"the mean loss of the epoch so far is {loss:.3g}, beyond the bound {MAX_LOSS:g}"
-        return _insane_weights(dict(self.method.named_parameters()))
-
-    def _kept(self) -> str:
-        "Which checkpoint is kept, for the messages of a stopped run."
-        path = self.checkpoint_path
-        if path is None or not path.exists():
-            return "there is no checkpoint (" + ("run_dir=None" if path is None else "none was written yet") + ")"
-        ck = load_checkpoint(path)
-        return f"the last good checkpoint is kept at {path} (epoch {ck['epoch']}, step {ck['step']})"
-
-    def _stop_diverged(self, problem: str):
-        raise DivergedError(
-            f"training stopped: the run diverged by epoch {self.epoch} (0-based), step {self.step}: {problem}. This "
-            f"state was not saved; {self._kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) or set grad_clip "
-            f"(train.grad_clip). {self._rerun()}")
-
-    def _rerun(self) -> str:
-        has = self.checkpoint_path is not None and self.checkpoint_path.exists()
-        return ("Re-running the same config " + ("resumes from that checkpoint and " if has else "") +
-                "repeats the same steps: change the config (a new run directory).")
