@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.nn as nn
 
 from .core import stream_seed
 
 # %% auto #0
-__all__ = ['MethodContext']
+__all__ = ['MethodContext', 'Method']
 
 # %% ../nbs/06a_context.ipynb #8bd07bdf
 class MethodContext:
@@ -64,3 +65,46 @@ class MethodContext:
         self._learner.sampler = sampler
 
     def __repr__(self): return f"MethodContext(epoch={self.epoch}, step={self.step}, epochs={self.epochs}, device={self.device})"
+
+# %% ../nbs/06a_context.ipynb #e851ff17
+class Method(nn.Module):
+    "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
+    views: int = 1   # augmentations of each image per batch (2 for DaNCE's positive key)
+
+    def training_step(self, batch: dict) -> dict:
+        "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
+
+    def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        "Embeddings to evaluate, by name; the first one is the headline (default: the model's `embed`)."
+        model = getattr(self, "model", None)
+        if model is None: raise NotImplementedError(f"{type(self).__name__} has no .model: implement embed(x)")
+        return {"embedding": model.embed(x)}
+
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        "Named optimiser groups: sub-modules with `param_lr`, then backbone, heads, other."
+        groups, seen = {}, set()
+        def claim(name, module, glr, gwd):
+            ps = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(map(id, ps))
+            if ps: groups.setdefault(name, {"name": name, "params": [], "lr": glr, "weight_decay": gwd})["params"] += ps
+        for name, module in self.named_modules():
+            if name and getattr(module, "param_lr", None) is not None:
+                claim(name, module, float(module.param_lr), float(getattr(module, "param_weight_decay", 0.0)))
+        model = getattr(self, "model", None)
+        if model is not None and hasattr(model, "backbone"): claim("backbone", model.backbone, lr, weight_decay)
+        if model is not None and getattr(model, "head", None) is not None: claim("heads", model.head, lr, weight_decay)
+        claim("other", self, lr, weight_decay)
+        return list(groups.values())
+
+    def callbacks(self) -> list[Callback]:
+        "Callbacks this recipe needs (re-clustering, SPL weights, ...); the learner adds them."
+        return []
+    def on_fit_start(self, ctx: MethodContext) -> None:
+        "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
+    def on_epoch_start(self, ctx: MethodContext) -> None:
+        "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
+    def after_optimizer_step(self, ctx: MethodContext) -> None:
+        "Called after every optimiser step (momentum-encoder update, queue)."
+    def on_epoch_end(self, ctx: MethodContext) -> None:
+        "Called once per epoch after its last step, before evaluation and the checkpoint."

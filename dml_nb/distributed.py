@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['dist_info', 'broadcast_state', 'all_reduce_gradients', 'gather_rows', 'check_sampler_rank']
+__all__ = ['dist_info', 'broadcast_state', 'all_reduce_gradients', 'all_reduce_logs', 'gather_rows', 'check_sampler_rank']
 
 # %% ../nbs/06c_distributed.ipynb #2143f76f
 def dist_info() -> tuple[int, int]:
@@ -40,6 +40,18 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, wor
     for p in used:
         p.grad.copy_(flat[i:i + p.numel()].view_as(p.grad)); i += p.numel()
     return flat[-1]
+
+def all_reduce_logs(sums: dict, counts: dict, device=None) -> tuple[dict, dict]:
+    "The epoch's log sums and counts over every process (a key a process never logged counts 0 there)."
+    import torch.distributed as dist
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, list(sums))
+    union = sorted(set().union(*keys))
+    t = torch.tensor([[float(sums.get(k, 0.0)), float(counts.get(k, 0))] for k in union], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    total = dict(zip(union, t.tolist()))
+    order = list(sums) + [k for k in union if k not in sums]
+    return {k: total[k][0] for k in order}, {k: int(total[k][1]) for k in order}
 
 def gather_rows(x: torch.Tensor, per: int, n: int) -> torch.Tensor:
     "All-gather every process's block of at most `per` rows (rank order) into the first `n` rows of the whole."

@@ -4,211 +4,26 @@
 
 # %% ../nbs/06_learner.ipynb #ff980fe4
 from __future__ import annotations
-import csv, io, math, random, re, sys, time
+import math, time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn as nn
 
-from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
-                         seed_everything, stream_seed, unknown_name_error)
-from .context import MethodContext
+from .core import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed, unknown_name_error
+from .context import Method, MethodContext
+from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback, history_csv
+from .schedule import Schedule
 from .cache import RawItems, pad_collate
 from .batches import BatchList, SeededViews, to_device
 from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights, load_checkpoint,
                                rng_state, set_rng_state)
-from .distributed import all_reduce_gradients, broadcast_state, check_sampler_rank, dist_info
+from .distributed import all_reduce_gradients, all_reduce_logs, broadcast_state, check_sampler_rank, dist_info
 from .evaluation import EvaluationMixin, check_metrics
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'REPORTS', 'OPTIMIZERS', 'Schedule', 'Callback', 'Method', 'Baseline', 'EvalCallback', 'CSVLogger',
-           'history_csv', 'ProgressCallback', 'CheckpointCallback', 'NoTuplesError', 'eval_view', 'Learner']
-
-# %% ../nbs/06_learner.ipynb #2c1e4a85
-SCHEDULES = ("constant", "multistep", "cosine")
-
-class Schedule:
-    "Learning-rate factor per epoch: `constant`, `multistep` (milestones, gamma) or `cosine` (min_factor)."
-    def __init__(self, kind: str = "constant", milestones: Sequence[int] = (), gamma: float = 0.1,
-                 epochs: int | None = None, min_factor: float = 0.0):
-        if kind not in SCHEDULES: raise unknown_name_error("schedule", kind, SCHEDULES)
-        if kind == "multistep" and not milestones:
-            raise ValueError("a multistep schedule needs milestones, e.g. ('multistep', [55], 0.2)")
-        if kind == "cosine" and not epochs: raise ValueError("a cosine schedule needs the number of epochs")
-        if not gamma > 0: raise ValueError(f"gamma must be > 0, got {gamma}")
-        self.kind, self.milestones, self.gamma = kind, sorted(int(m) for m in milestones), float(gamma)
-        self.epochs, self.min_factor = epochs, float(min_factor)
-
-    @classmethod
-    def build(cls, spec, epochs: int) -> "Schedule":
-        "From None, a `Schedule`, `('multistep', milestones, gamma)`, `('cosine',)`, `('cosine', min_factor)` or a dict."
-        if spec is None: return cls("constant")
-        if isinstance(spec, Schedule): return spec
-        if isinstance(spec, str): spec = (spec,)
-        if isinstance(spec, Mapping): return cls(**{"epochs": epochs, **spec})
-        kind, *args = spec
-        if kind == "multistep":
-            if len(args) != 2: raise ValueError(f"expected ('multistep', milestones, gamma), got {tuple(spec)}")
-            return cls(kind, milestones=args[0], gamma=args[1])
-        if kind == "cosine":
-            if len(args) > 1: raise ValueError(f"expected ('cosine',) or ('cosine', min_factor), got {tuple(spec)}")
-            return cls(kind, epochs=epochs, min_factor=args[0] if args else 0.0)
-        if kind == "constant": return cls(kind)
-        raise unknown_name_error("schedule", kind, SCHEDULES)
-
-    def factor(self, epoch: int) -> float:
-        if self.kind == "multistep": return self.gamma ** sum(m <= epoch for m in self.milestones)
-        if self.kind == "cosine":
-            return self.min_factor + (1 - self.min_factor) * 0.5 * (1 + math.cos(math.pi * epoch / self.epochs))
-        return 1.0
-
-    def state_dict(self) -> dict:
-        return {"kind": self.kind, "milestones": list(self.milestones), "gamma": self.gamma,
-                "epochs": self.epochs, "min_factor": self.min_factor}
-    def __repr__(self): return f"Schedule({self.state_dict()})"
-
-# %% ../nbs/06_learner.ipynb #3ca5a9fa
-class Callback:
-    "Hooks the learner calls; `order` sorts them (lower first). State in `state_dict` goes into checkpoints."
-    order = 0
-    def before_fit(self, learner): pass
-    def before_epoch(self, learner): pass
-    def after_step(self, learner, logs: dict): pass
-    def after_epoch(self, learner): pass
-    def after_fit(self, learner): pass
-    def state_dict(self) -> dict: return {}
-    def load_state_dict(self, state: dict) -> None: pass
-    @property
-    def name(self) -> str: return type(self).__name__
-
-class Method(nn.Module):
-    "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
-    views: int = 1   # augmentations of each image per batch (2 for DaNCE's positive key)
-
-    def training_step(self, batch: dict) -> dict:
-        "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
-        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
-
-    def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        "Embeddings to evaluate, by name; the first one is the headline (default: the model's `embed`)."
-        model = getattr(self, "model", None)
-        if model is None: raise NotImplementedError(f"{type(self).__name__} has no .model: implement embed(x)")
-        return {"embedding": model.embed(x)}
-
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        "Named optimiser groups: sub-modules with `param_lr`, then backbone, heads, other."
-        groups, seen = {}, set()
-        def claim(name, module, glr, gwd):
-            ps = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(map(id, ps))
-            if ps: groups.setdefault(name, {"name": name, "params": [], "lr": glr, "weight_decay": gwd})["params"] += ps
-        for name, module in self.named_modules():
-            if name and getattr(module, "param_lr", None) is not None:
-                claim(name, module, float(module.param_lr), float(getattr(module, "param_weight_decay", 0.0)))
-        model = getattr(self, "model", None)
-        if model is not None and hasattr(model, "backbone"): claim("backbone", model.backbone, lr, weight_decay)
-        if model is not None and getattr(model, "head", None) is not None: claim("heads", model.head, lr, weight_decay)
-        claim("other", self, lr, weight_decay)
-        return list(groups.values())
-
-    def callbacks(self) -> list[Callback]:
-        "Callbacks this recipe needs (re-clustering, SPL weights, ...); the learner adds them."
-        return []
-    def on_fit_start(self, ctx: MethodContext) -> None:
-        "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
-    def on_epoch_start(self, ctx: MethodContext) -> None:
-        "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
-    def after_optimizer_step(self, ctx: MethodContext) -> None:
-        "Called after every optimiser step (momentum-encoder update, queue)."
-    def on_epoch_end(self, ctx: MethodContext) -> None:
-        "Called once per epoch after its last step, before evaluation and the checkpoint."
-
-# %% ../nbs/06_learner.ipynb #b238dc29
-class Baseline(Method):
-    "One model, one ranking loss (`LOSSES` name or module), one miner (`MINERS` name, module, 'auto' or None)."
-    def __init__(self, model: nn.Module, loss: nn.Module | str = "margin", miner: Any = "auto",
-                 loss_options: Mapping | None = None, miner_options: Mapping | None = None):
-        super().__init__()
-        self.model = model
-        self.loss = LOSSES.build(loss, **dict(loss_options or {})) if isinstance(loss, str) else loss
-        if miner == "auto": miner = getattr(self.loss, "default_miner", None)
-        self.miner = MINERS.build(miner, **dict(miner_options or {})) if isinstance(miner, str) else miner
-
-    def training_step(self, batch: dict) -> dict:
-        emb = self.model(batch["x"])
-        if not isinstance(emb, torch.Tensor):
-            raise TypeError(f"Baseline needs a model with one head returning a tensor, got {type(emb).__name__}; "
-                            "multi-head models need a multi-task recipe (dml_nb.methods)")
-        emb, y = emb.float(), batch["y"]
-        tuples = self.miner(emb, y) if self.miner is not None else None
-        logs = {"loss": self.loss(emb, y, tuples)}
-        if tuples is not None: logs["tuples"] = float(len(tuples[0]))
-        return logs
-
-# %% ../nbs/06_learner.ipynb #1431ea13
-class EvalCallback(Callback):
-    "Evaluate `learner.eval_sets` every `every` epochs and after the last epoch."
-    order = 10
-    def __init__(self, every: int = 1):
-        if every < 1: raise ValueError(f"eval_every must be >= 1, got {every}")
-        self.every = every
-    def after_epoch(self, learner):
-        done = learner.epoch + 1
-        if learner.eval_sets and (done % self.every == 0 or done == learner.epochs):
-            learner.row.update(learner.evaluate())
-
-class CSVLogger(Callback):
-    "Write `learner.history` to `run_dir/history.csv` after every epoch (atomically)."
-    order = 20
-    def __init__(self, filename: str = "history.csv"): self.filename = filename
-    def after_epoch(self, learner):
-        if learner.run_dir is None or not learner.is_main: return
-        atomic_write(Path(learner.run_dir) / self.filename, history_csv(learner.history))
-
-def history_csv(history: Sequence[Mapping]) -> str:
-    "Rows as CSV text; the columns are the union of the rows' keys in first-seen order."
-    cols = list(dict.fromkeys(k for row in history for k in row))
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=cols, lineterminator="\n")
-    w.writeheader(); w.writerows(history)
-    return out.getvalue()
-
-class ProgressCallback(Callback):
-    "A tqdm bar per epoch: running loss and the latest Recall@1 of the first evaluation set."
-    order = 30
-    def __init__(self, file=None): self.file, self.bar = file, None
-    def _close(self):
-        if self.bar is not None: self.bar.close(); self.bar = None
-    def _postfix(self, learner) -> dict:
-        out = {"loss": f"{learner.running('loss'):.4f}"}
-        r1 = learner.headline_recall()
-        if r1 is not None: out["R@1"] = f"{r1:.4f}"
-        return out
-    def after_step(self, learner, logs):
-        if not learner.is_main: return
-        if self.bar is None:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=learner.steps_in_epoch, initial=learner.step - 1, file=self.file or sys.stderr,
-                            desc=f"epoch {learner.epoch + 1}/{learner.epochs}", dynamic_ncols=True)
-        self.bar.update(1)
-        self.bar.set_postfix(self._postfix(learner), refresh=False)
-    def after_epoch(self, learner):
-        if self.bar is not None: self.bar.set_postfix(self._postfix(learner))
-        self._close()
-    def after_fit(self, learner): self._close()
-
-class CheckpointCallback(Callback):
-    "Save `run_dir/checkpoint.pt` after every epoch and, with `every_steps`, every `every_steps` steps."
-    order = 100
-    def __init__(self, every_steps: int | None = None):
-        if every_steps is not None and every_steps < 1: raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        self.every_steps = every_steps
-    def after_step(self, learner, logs):
-        if self.every_steps and learner.step % self.every_steps == 0 and learner.step < learner.steps_in_epoch:
-            learner.save_checkpoint()
-    def after_epoch(self, learner): learner.save_checkpoint(epoch_done=True)
+__all__ = ['REPORTS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #72f08d02
 class NoTuplesError(RuntimeError):
@@ -443,6 +258,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
             for cb in self.callbacks: cb.after_step(self, logs)
         problem = self._divergence()                # before evaluating a model that blew up
         if problem is not None: self._stop_diverged(problem)
+        if self.world_size > 1:                     # the row holds the mean of every log over all processes
+            self._sums, self._counts = all_reduce_logs(self._sums, self._counts, self.device)
         self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()},
                     **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
         self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)

@@ -12,8 +12,9 @@ from dml_nb.core import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         kmeans_assign, label_grouping, match_clusters, random_partition)
-from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
-from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.learner import Callback, Learner, NoTuplesError, load_checkpoint
+from dml_nb.methods import BaselineMethod
+from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -205,9 +206,7 @@ def test_k1_is_the_baseline(shapes):
     dnc = DivideAndConquer(backbone(), train.num_classes, train.labels, embedding_dim=8, num_learners=1, init="default",
                            loss_options={"class_specific_beta": True, "learn_beta": True}, miner="distance_weighted")
     h1 = Learner(dnc, train, sampler(), **kw).fit()
-    bb = backbone()
-    base = Baseline(EmbeddingModel(bb, EmbeddingHead(bb.feature_dim, 8)), "margin",
-                    loss_options={"num_classes": train.num_classes})
+    base = BaselineMethod(backbone(), train.num_classes, embedding_dim=8, loss="margin")
     h2 = Learner(base, train, sampler(), **kw).fit()
     assert [r["test/recall@1"] for r in h1] == [r["test/recall@1"] for r in h2]
     assert [r["loss"] for r in h1] == [r["loss"] for r in h2]
