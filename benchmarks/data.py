@@ -20,7 +20,7 @@ from PIL import Image
 
 from dml_nb.cache import RawItems, cache_images, pad_collate
 from dml_nb.data import ImageListDataset, make_transform
-from dml_nb.learner import SeededViews
+from dml_nb.batches import SeededViews
 
 
 def write_jpegs(folder: Path, n: int, seed: int = 0) -> list[Path]:

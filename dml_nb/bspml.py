@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .core import LOSSES, METHODS, MINERS, unknown_name_error
-from .learner import Callback, Method, derive_seed
+from .learner import Callback, Method
 from .metrics import maw_sdaw
 from .models import EmbeddingHead, EmbeddingModel
 
 # %% auto #0
-__all__ = ['XI_SCOPES', 'SOLVERS', 'BSPML_SEED', 'TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'class_index', 'spl_objective',
-           'spl_gradient', 'pair_loss_floor', 'terms_chunk_rows', 'sample_terms', 'ClassIndex',
-           'spl_stochastic_gradient', 'solve_spl_weights', 'projected_gradient_norm', 'SPLLogger', 'BSPML']
+__all__ = ['XI_SCOPES', 'SOLVERS', 'TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'class_index', 'spl_objective', 'spl_gradient',
+           'pair_loss_floor', 'terms_chunk_rows', 'sample_terms', 'ClassIndex', 'spl_stochastic_gradient',
+           'solve_spl_weights', 'projected_gradient_norm', 'SPLLogger', 'BSPML']
 
 # %% ../nbs/07d_bspml.ipynb #0868d5d2
 def class_index(labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -265,7 +265,6 @@ def projected_gradient_norm(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels, l
     return float(_projected_step(w, spl_gradient(w, xi_pos, xi_neg, labels, lam, mu), _at(n, inv).to(w.dtype)).pow(2).mean().sqrt())
 
 # %% ../nbs/07d_bspml.ipynb #e81e1608
-BSPML_SEED = 0xB5      # derive_seed domain of the weight solver (the learner uses 1-4)
 TERMS_TRANSFORMS = ("test", "train")
 LAMBDA_UNITS = ("floor", "absolute")
 
@@ -273,7 +272,7 @@ class SPLLogger(Callback):
     "Adds the SPL weight statistics of a BSPML recipe to the epoch's history row (before the CSV is written)."
     order = 5
     def __init__(self, method: "BSPML"): self.method = method
-    def after_epoch(self, learner): learner.row.update(self.method.weight_stats())
+    def after_epoch(self, learner): learner.context.row.update(self.method.weight_stats())
 
 @METHODS.register("bspml")
 class BSPML(Method):
@@ -363,8 +362,8 @@ class BSPML(Method):
 
     def callbacks(self) -> list[Callback]: return [SPLLogger(self)]
 
-    def on_fit_start(self, learner) -> None:
-        ds = learner.train_ds
+    def on_fit_start(self, ctx) -> None:
+        ds = ctx.train_dataset
         if self.labels is None: return
         if len(ds) != len(self.labels):
             raise ValueError(f"BSPML was built with {len(self.labels)} train_labels but the training set has {len(ds)} "
@@ -376,33 +375,33 @@ class BSPML(Method):
         if self._flipped is None and getattr(ds, "flipped", None) is not None:
             self._flipped = self._check_flipped(ds.flipped, "train_ds.flipped")
         if self.spl and self.terms_dataset is None:
-            self.terms_dataset = learner.train_eval_set if self.terms_transform == "test" else ds
+            self.terms_dataset = ctx.train_eval_set if self.terms_transform == "test" else ds
 
-    def on_epoch_start(self, learner) -> None: self.last_update = {}
+    def on_epoch_start(self, ctx) -> None: self.last_update = {}
 
-    def on_epoch_end(self, learner) -> None:
-        if self.spl and (learner.epoch + 1) % self.update_every == 0: self.update_weights(learner)
+    def on_epoch_end(self, ctx) -> None:
+        if self.spl and (ctx.epoch + 1) % self.update_every == 0: self.update_weights(ctx)
 
     @torch.no_grad()
-    def per_sample_terms(self, learner) -> tuple[Tensor, Tensor]:
+    def per_sample_terms(self, ctx) -> tuple[Tensor, Tensor]:
         "$\\xi^+$, $\\xi^-$ of every training sample against the whole training set, from the current model."
-        ds = self.terms_dataset if self.terms_dataset is not None else learner.train_ds
+        ds = self.terms_dataset if self.terms_dataset is not None else ctx.train_dataset
         if len(ds) != len(self.labels):
             raise ValueError(f"terms_dataset has {len(ds)} items, the training set {len(self.labels)}: it must be "
                              "the training set (same order) with test transforms")
-        emb, _ = learner.embed(ds)
-        return sample_terms(next(iter(emb.values())), self.labels.to(learner.device), self.alpha, self.beta, self.rho,
+        emb, _ = ctx.embed(ds)
+        return sample_terms(next(iter(emb.values())), self.labels.to(ctx.device), self.alpha, self.beta, self.rho,
                             self.epsilon, scope=self.xi_scope, batch=self.xi_batch, mine=self.mine_terms)
 
     @torch.no_grad()
-    def update_weights(self, learner) -> dict:
+    def update_weights(self, ctx) -> dict:
         "One weight step of Algorithm 1: terms from the current model, Algorithm 3 at the current age, then grow the age."
         # the terms on the embeddings' device; the O(N) solver on the CPU in float64 (CUDA's atomic index_add would
         # make a resumed run differ in the last bits)
-        xi_pos, xi_neg = (t.double().cpu() for t in self.per_sample_terms(learner))
+        xi_pos, xi_neg = (t.double().cpu() for t in self.per_sample_terms(ctx))
         labels, lam = self.labels.cpu(), float(self.age)
         w0 = self.weights.to("cpu", torch.float64)
-        gen = torch.Generator().manual_seed(derive_seed(learner.seed, BSPML_SEED, learner.epoch))
+        gen = ctx.rng("bspml/spl-solver", ctx.epoch)
         w, info = solve_spl_weights(xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, return_info=True, **self.solver)
         self.last_update = {"lambda": lam, "spl_objective": info["objective"], "spl_pg": info["pg"],
                             "spl_iters": info["iters"], "xi_pos": float(xi_pos.mean()), "xi_neg": float(xi_neg.mean())}

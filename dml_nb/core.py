@@ -11,10 +11,10 @@ from typing import Any, Callable
 import numpy as np
 
 # %% auto #0
-__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything', 'get_device',
-           'DiskWriteError', 'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json',
-           'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric', 'registering_modules', 'Registry',
-           'data_root', 'RunLockedError', 'describe_holder', 'lock_dir']
+__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'in_test', 'seed_everything',
+           'derive_seed', 'name_key', 'stream_seed', 'get_device', 'DiskWriteError', 'disk_write_error', 'atomic_write',
+           'atomic_torch_save', 'atomic_json', 'remove_temp_files', 'config_hash', 'unknown_name_error', 'parse_metric',
+           'registering_modules', 'Registry', 'data_root', 'RunLockedError', 'describe_holder', 'lock_dir']
 
 # %% ../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -22,14 +22,28 @@ def in_test() -> bool:
     return bool(os.environ.get("IN_TEST")) or "PYTEST_CURRENT_TEST" in os.environ
 
 # %% ../nbs/00_core.ipynb #04cdb3bf
-def seed_everything(seed: int) -> "torch.Generator":
-    "Seed Python, NumPy and torch (CPU and CUDA); return a `torch.Generator` seeded with `seed`."
+def seed_everything(seed: int, cuda: bool = True) -> "torch.Generator":
+    "Seed Python, NumPy and torch (CPU, and CUDA unless `cuda=False`); return a `torch.Generator` seeded with `seed`."
     import torch
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
+    torch.default_generator.manual_seed(seed)   # torch.manual_seed also queues a lazy CUDA seeding: ~3 ms a call
+    if cuda and torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
     return torch.Generator().manual_seed(seed)
+
+def derive_seed(*keys: int) -> int:
+    "A 63-bit seed that depends on every (non-negative integer) key."
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+def name_key(name: str) -> int:
+    "A stable 63-bit integer of the string `name` (its SHA-256): the domain of a named random stream."
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a random stream is named by a non-empty string (e.g. 'diva/queue-fill'), got {name!r}")
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
+
+def stream_seed(seed: int, name: str, *keys: int) -> int:
+    "The seed of random stream `name` of a run seeded with `seed`, at position `keys` (e.g. epoch, step)."
+    return derive_seed(seed, name_key(name), *keys)
 
 def get_device(device: "str | torch.device | None" = "auto") -> "torch.device":
     "Resolve `'auto'` (CUDA if available, else CPU) or a device name; an unavailable CUDA device is an error."

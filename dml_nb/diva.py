@@ -11,34 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import LOSSES, METHODS, unknown_name_error
-from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
 from .metrics import kmeans
 from .models import MemoryQueue, MomentumEncoder
 from .proxy_nce import DANCE_AXES
 
 # %% auto #0
-__all__ = ['FILL', 'CLUSTER', 'KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'dataset_features',
-           'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list', 'combine_heads']
-
-# %% ../nbs/07a_diva.ipynb #64def73b
-FILL, CLUSTER = 5, 6   # derive_seed domains of the queue filling and the k-means seeds (the learner uses 1-4)
-
-@torch.no_grad()
-def dataset_features(learner, fn, dataset=None, indices: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-                     batch_size: int | None = None) -> torch.Tensor:
-    "Concatenated `fn(x)` over `dataset` (default the training set) items `indices`, each loaded with its own seed."
-    dataset = learner.train_ds if dataset is None else dataset
-    indices = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
-    seeds = [derive_seed(learner.seed, EVAL, i) for i in indices] if seeds is None else list(seeds)
-    bs = batch_size or learner.eval_batch_size
-    keys = list(zip(indices, seeds))
-    loader = torch.utils.data.DataLoader(SeededViews(dataset), num_workers=learner.num_workers,
-                                         batch_sampler=[keys[a:a + bs] for a in range(0, len(keys), bs)])
-    out = []
-    for batch in loader:
-        with learner.autocast(): out.append(fn(batch["x"].to(learner.device)).float())
-    return torch.cat(out)
+__all__ = ['KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'QueueTask', 'DeepClusterTask', 'RotNetTask',
+           'DiVA', 'embed_weight_list', 'combine_heads']
 
 # %% ../nbs/07a_diva.ipynb #07ebd27c
 KEY_BUFFERS = ("initial", "ema")
@@ -98,22 +78,18 @@ class QueueTask(Task):
             self.queue.enqueue(k); added += len(k)
         return added
 
-    def fill_from_learner(self, method, learner) -> int:
+    def fill_from_learner(self, method, ctx) -> int:
         "Fill the queue with keys of training images (train transform, fixed per-image seeds, a seeded random order)."
-        bs = getattr(learner.sampler, "batch_size", None) or learner.eval_batch_size
-        self.size_queue(bs * getattr(learner, "world_size", 1))
+        bs = ctx.batch_size
+        self.size_queue(bs * ctx.world_size)
         need = self.queue.size - len(self.queue)
         if need <= 0: return 0
-        n = len(learner.train_ds)
-        g = torch.Generator().manual_seed(derive_seed(learner.seed, FILL) % 2**63)
+        n, g = len(ctx.train_dataset), ctx.rng("diva/queue-fill")
         order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
-        seeds = [derive_seed(learner.seed, FILL, j) for j in range(need)]
-        was = method.training
-        method.eval()
-        try: keys = dataset_features(learner, lambda x: self.keys(method, x), indices=order, seeds=seeds, batch_size=bs)
-        finally: method.train(was)
-        self.queue.enqueue(keys)
-        return len(keys)
+        seeds = [ctx.seed("diva/queue-fill", j) for j in range(need)]
+        out, _ = ctx.embed(ctx.train_dataset, lambda x: {"keys": self.keys(method, x)}, indices=order, seeds=seeds, batch_size=bs)
+        self.queue.enqueue(out["keys"])
+        return len(out["keys"])
 
     def forward(self, embeddings, batch, method) -> dict:
         views = batch.get("extra_views")
@@ -131,11 +107,11 @@ class QueueTask(Task):
         if "nonzero_weight_fraction" in stats: out["nonzero_weights"] = stats["nonzero_weight_fraction"]
         return out
 
-    def on_fit_start(self, method, learner):
-        if not self.queue.is_full or not self.sized: self.fill_from_learner(method, learner)
+    def on_fit_start(self, method, ctx):
+        if not self.queue.is_full or not self.sized: self.fill_from_learner(method, ctx)
 
     @torch.no_grad()
-    def after_optimizer_step(self, method, learner):
+    def after_optimizer_step(self, method, ctx):
         enc = self.key_encoder.encoder
         kept = [b.clone() for b in enc.buffers()] if self.key_buffers == "initial" else None
         self.key_encoder.update(method.model)
@@ -168,15 +144,11 @@ class DeepClusterTask(Task):
         self.classifier.reset_parameters()
         return self.assignments
 
-    def on_epoch_start(self, method, learner):
-        if learner.epoch % self.every and int(self.clustered_epoch) >= 0: return
-        was = method.training
-        method.eval()
-        try:
-            feats = dataset_features(learner, lambda x: _head_features(method, x, self.head), dataset=learner.train_eval_set)
-        finally: method.train(was)
-        self.recluster(feats, seed=derive_seed(learner.seed, CLUSTER, learner.epoch) % 2**31)
-        self.clustered_epoch.fill_(learner.epoch)
+    def on_epoch_start(self, method, ctx):
+        if ctx.epoch % self.every and int(self.clustered_epoch) >= 0: return
+        out, _ = ctx.embed(ctx.train_eval_set, lambda x: {"features": _head_features(method, x, self.head)})
+        self.recluster(out["features"], seed=ctx.seed("diva/deepcluster", ctx.epoch) % 2**31)
+        self.clustered_epoch.fill_(ctx.epoch)
 
     def forward(self, embeddings, batch, method) -> dict:
         y = self.assignments[batch["index"].to(self.assignments.device)]

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import METHODS, unknown_name_error
-from .learner import Callback, Method, NoTuplesError, derive_seed
+from .learner import Callback, Method, NoTuplesError
 from .metrics import kmeans_assign
 from .methods import build_loss, build_miner
 from .models import EmbeddingModel, SlicedHead, slice_bounds
@@ -133,10 +133,10 @@ FINETUNE_PROXIES = ("concat", "fresh")
 OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}   # lib/loss/margin_loss.py, train.py:114-127
 
 class DnCRecords(Callback):
-    "Write the cluster statistics of the epoch into `learner.row` (before the CSV is written)."
+    "Write the cluster statistics of the epoch into the epoch's history row (before the CSV is written)."
     order = 5
     def __init__(self, method): self.method = method
-    def after_epoch(self, learner): learner.row.update(self.method.epoch_records(learner.epoch))
+    def after_epoch(self, learner): learner.context.row.update(self.method.epoch_records(learner.context.epoch))
 
 @METHODS.register("dnc")
 class DivideAndConquer(Method):
@@ -207,7 +207,6 @@ class DivideAndConquer(Method):
         self._sampler: PhaseSampler | None = None
         self._finetune_start: int | None = None
         self._full_start: float = math.inf if full_embedding_epoch is None else full_embedding_epoch
-        self._features_only = False
 
     # ------------------------------------------------------------------ phases
     def finetune_start(self, epochs: int) -> int:
@@ -249,27 +248,25 @@ class DivideAndConquer(Method):
         return logs
 
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self._features_only: return {"features": F.normalize(self.model.backbone(x).float(), dim=1)}
         return {"embedding": self.model.embed(x)}
 
     def callbacks(self) -> list[Callback]: return [DnCRecords(self)]
 
     # ------------------------------------------------------------------ clustering
     @torch.no_grad()
-    def cluster_vectors(self, learner) -> torch.Tensor:
+    def cluster_vectors(self, ctx) -> torch.Tensor:
         "The L2-normalised vectors k-means runs on: the backbone features (code) or the full embedding (paper)."
-        self._features_only = self.cluster_on == "features"
-        try: emb, _ = learner.embed(self.cluster_dataset if self.cluster_dataset is not None else learner.train_eval_set)
-        finally: self._features_only = False
+        fn = (lambda x: {"features": F.normalize(self.model.backbone(x).float(), dim=1)}) if self.cluster_on == "features" else None
+        emb, _ = ctx.embed(self.cluster_dataset if self.cluster_dataset is not None else ctx.train_eval_set, fn)
         return F.normalize(next(iter(emb.values())).float(), dim=1)
 
-    def recluster(self, learner) -> None:
+    def recluster(self, ctx) -> None:
         "New assignments for the current grouping, matched to the previous clusters."
-        K, epoch, prev = self.num_learners, learner.epoch, self.assignments.cpu().numpy()
+        K, epoch, prev = self.num_learners, ctx.epoch, self.assignments.cpu().numpy()
         if self.grouping in ("kmeans", "kmeans_nosplit"):
-            seed = self.kmeans_seed if self.kmeans_seed is not None else derive_seed(learner.seed, 77, epoch)
-            new = kmeans_assign(self.cluster_vectors(learner), K, self.kmeans_iterations, self.kmeans_redo, seed=seed)
-        elif self.grouping == "random": new = random_partition(len(prev), K, seed=derive_seed(learner.seed, 78))
+            seed = self.kmeans_seed if self.kmeans_seed is not None else ctx.seed("dnc/kmeans", epoch)
+            new = kmeans_assign(self.cluster_vectors(ctx), K, self.kmeans_iterations, self.kmeans_redo, seed=seed)
+        elif self.grouping == "random": new = random_partition(len(prev), K, seed=ctx.seed("dnc/random-partition"))
         else: new = label_grouping(self.train_labels, K, self.class_groups)
         if (prev >= 0).all():
             new = match_clusters(prev, new, K, rule=self.rematch)
@@ -277,7 +274,7 @@ class DivideAndConquer(Method):
         self.assignments.copy_(torch.from_numpy(new))
         self.clustered_epoch.fill_(epoch)
 
-    def _use_clusters(self, learner) -> None:
+    def _use_clusters(self) -> None:
         base = self._sampler.base
         rr, ids, sizes = cluster_batch_sampler(base.labels, self.assignments.cpu().numpy(), self.num_learners,
                                                base.batch_size, base.samples_per_class, base.seed, base.rank,
@@ -296,30 +293,30 @@ class DivideAndConquer(Method):
         return True
 
     # ------------------------------------------------------------------ learner hooks
-    def on_fit_start(self, learner) -> None:
-        if len(learner.train_ds) != len(self.train_labels):
+    def on_fit_start(self, ctx) -> None:
+        if len(ctx.train_dataset) != len(self.train_labels):
             raise ValueError(f"dnc was built with {len(self.train_labels)} train_labels but the training set has "
-                             f"{len(learner.train_ds)} items")
-        if not isinstance(learner.sampler, PhaseSampler): learner.sampler = PhaseSampler(learner.sampler)
-        self._sampler = learner.sampler
+                             f"{len(ctx.train_dataset)} items")
+        if not isinstance(ctx.sampler, PhaseSampler): ctx.use_sampler(PhaseSampler(ctx.sampler))
+        self._sampler = ctx.sampler
         if not np.array_equal(np.asarray(self._sampler.base.labels), self.train_labels):
             raise ValueError("the run's sampler was built from other labels than train_labels: build both from the "
                              "training set's labels")
-        self._finetune_start = self.finetune_start(learner.epochs)
-        self._full_start = self.full_embedding_start(learner.epochs)
+        self._finetune_start = self.finetune_start(ctx.epochs)
+        self._full_start = self.full_embedding_start(ctx.epochs)
         # a resumed run continues with the clusters of its checkpoint
-        if self.dividing(learner.epoch) and bool((self.assignments >= 0).all()): self._use_clusters(learner)
+        if self.dividing(ctx.epoch) and bool((self.assignments >= 0).all()): self._use_clusters()
         else: self._sampler.use_base()
 
-    def on_epoch_start(self, learner) -> None:
-        e = learner.epoch
+    def on_epoch_start(self, ctx) -> None:
+        e = ctx.epoch
         if self.finetune_proxies == "concat" and (self.full(e) or not self.dividing(e)): self.merge_proxies()
         if not self.dividing(e): self._sampler.use_base(); return
         fixed = self.grouping in ("random", "labels")
         have = bool((self.assignments >= 0).all())
         if not have or (not fixed and (e - int(self.clustered_epoch)) >= self.recluster_every):
-            self.recluster(learner)
-        self._use_clusters(learner)
+            self.recluster(ctx)
+        self._use_clusters()
         idle = [k for k, n in self._sampler.learner_batches(e).items() if n == 0]
         if idle:
             raise ClusterError(f"learner(s) {idle} get no batch in epoch {e + 1}: with cluster_batches="

@@ -482,7 +482,8 @@ class RunResult:
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
 # sets, so its hash alone cannot tell): run folders of older recipes are then not reused. 2: the fidelity defaults
 # (authors' miners, DiVA / D&C / Sharing / BSPML recipes as their code ran them).
-RECIPES_VERSION = 2
+# 3: named random streams (same recipes, other draws)
+RECIPES_VERSION = 3
 
 def run_dir_for(cfg: Config, runs_dir: str | Path = "runs") -> Path:
     "Where `run` keeps the run of `cfg`: named by method, dataset and the hash of the config and `RECIPES_VERSION`."

@@ -4,341 +4,33 @@
 
 # %% ../nbs/06_learner.ipynb #ff980fe4
 from __future__ import annotations
-import csv, io, math, random, re, sys, time
+import math, time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn as nn
 
-from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
-                         unknown_name_error)
-from .metrics import evaluate
+from .core import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed, unknown_name_error
+from .context import Method, MethodContext
+from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback, history_csv
+from .schedule import Schedule
 from .cache import RawItems, pad_collate
+from .batches import BatchList, SeededViews, to_device
+from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights, load_checkpoint,
+                               rng_state, set_rng_state)
+from .distributed import all_reduce_gradients, all_reduce_logs, broadcast_state, check_sampler_rank, dist_info
+from .evaluation import EvaluationMixin, check_metrics
 
 # %% auto #0
-__all__ = ['STEP', 'SAMPLE', 'EPOCH', 'EVAL', 'AUGMENT', 'SCHEDULES', 'MAX_WEIGHT', 'MAX_LOSS', 'REPORTS', 'CHECKPOINT_FORMAT',
-           'OPTIMIZERS', 'derive_seed', 'seed_all', 'rng_state', 'set_rng_state', 'SeededViews', 'Schedule', 'Callback',
-           'Method', 'Baseline', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback',
-           'NonFiniteLossError', 'NoTuplesError', 'DivergedError', 'load_checkpoint', 'broadcast_state',
-           'all_reduce_gradients', 'eval_view', 'Learner']
-
-# %% ../nbs/06_learner.ipynb #fa64c9ac
-STEP, SAMPLE, EPOCH, EVAL, AUGMENT = 1, 2, 3, 4, 5   # domains of derive_seed, so that their seeds never coincide
-
-def derive_seed(*keys: int) -> int:
-    "A 63-bit seed that depends on every (non-negative integer) key."
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-def seed_all(seed: int, cuda: bool = False) -> None:
-    "Seed torch's CPU RNG (and the CUDA ones with `cuda=True`), NumPy's and Python's global RNGs."
-    torch.default_generator.manual_seed(seed)   # torch.manual_seed also queues a lazy CUDA seeding: ~3 ms a call
-    if cuda and torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
-    np.random.seed(seed % 2**32); random.seed(seed)
-
-def rng_state() -> dict:
-    "The global RNG states (torch CPU and CUDA, NumPy, Python), in a form `torch.load(weights_only=True)` reads."
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "python": random.getstate()}
-
-def set_rng_state(state: dict) -> None:
-    "Restore what `rng_state` returned."
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    v, internal, gauss_next = state["python"]
-    random.setstate((v, tuple(internal), gauss_next))
-
-# %% ../nbs/06_learner.ipynb #0b90460d
-class SeededViews(torch.utils.data.Dataset):
-    "`ds[(index, seed)]`: seed the RNGs with `seed`, then `{'x', 'y', 'index'}` (+ `'extra_views'` when `views > 1`)."
-    def __init__(self, dataset, views: int = 1):
-        if views < 1: raise ValueError(f"views must be >= 1, got {views}")
-        self.dataset, self.views = dataset, views
-    def __len__(self): return len(self.dataset)
-    def __getitem__(self, key):
-        index, seed = key
-        seed_all(seed)
-        x, y = self.dataset[index]
-        item = {"x": x, "y": int(y), "index": int(index)}
-        if self.views > 1: item["extra_views"] = [self.dataset[index][0] for _ in range(self.views - 1)]
-        return item
-
-class _BatchList(torch.utils.data.Sampler):
-    "The batches the loader runs next; the learner replaces `batches` every epoch (works with persistent workers)."
-    def __init__(self): self.batches: list = []
-    def __iter__(self): return iter(list(self.batches))
-    def __len__(self): return len(self.batches)
-
-# %% ../nbs/06_learner.ipynb #2c1e4a85
-SCHEDULES = ("constant", "multistep", "cosine")
-
-class Schedule:
-    "Learning-rate factor per epoch: `constant`, `multistep` (milestones, gamma) or `cosine` (min_factor)."
-    def __init__(self, kind: str = "constant", milestones: Sequence[int] = (), gamma: float = 0.1,
-                 epochs: int | None = None, min_factor: float = 0.0):
-        if kind not in SCHEDULES: raise unknown_name_error("schedule", kind, SCHEDULES)
-        if kind == "multistep" and not milestones:
-            raise ValueError("a multistep schedule needs milestones, e.g. ('multistep', [55], 0.2)")
-        if kind == "cosine" and not epochs: raise ValueError("a cosine schedule needs the number of epochs")
-        if not gamma > 0: raise ValueError(f"gamma must be > 0, got {gamma}")
-        self.kind, self.milestones, self.gamma = kind, sorted(int(m) for m in milestones), float(gamma)
-        self.epochs, self.min_factor = epochs, float(min_factor)
-
-    @classmethod
-    def build(cls, spec, epochs: int) -> "Schedule":
-        "From None, a `Schedule`, `('multistep', milestones, gamma)`, `('cosine',)`, `('cosine', min_factor)` or a dict."
-        if spec is None: return cls("constant")
-        if isinstance(spec, Schedule): return spec
-        if isinstance(spec, str): spec = (spec,)
-        if isinstance(spec, Mapping): return cls(**{"epochs": epochs, **spec})
-        kind, *args = spec
-        if kind == "multistep":
-            if len(args) != 2: raise ValueError(f"expected ('multistep', milestones, gamma), got {tuple(spec)}")
-            return cls(kind, milestones=args[0], gamma=args[1])
-        if kind == "cosine":
-            if len(args) > 1: raise ValueError(f"expected ('cosine',) or ('cosine', min_factor), got {tuple(spec)}")
-            return cls(kind, epochs=epochs, min_factor=args[0] if args else 0.0)
-        if kind == "constant": return cls(kind)
-        raise unknown_name_error("schedule", kind, SCHEDULES)
-
-    def factor(self, epoch: int) -> float:
-        if self.kind == "multistep": return self.gamma ** sum(m <= epoch for m in self.milestones)
-        if self.kind == "cosine":
-            return self.min_factor + (1 - self.min_factor) * 0.5 * (1 + math.cos(math.pi * epoch / self.epochs))
-        return 1.0
-
-    def state_dict(self) -> dict:
-        return {"kind": self.kind, "milestones": list(self.milestones), "gamma": self.gamma,
-                "epochs": self.epochs, "min_factor": self.min_factor}
-    def __repr__(self): return f"Schedule({self.state_dict()})"
-
-# %% ../nbs/06_learner.ipynb #3ca5a9fa
-class Callback:
-    "Hooks the learner calls; `order` sorts them (lower first). State in `state_dict` goes into checkpoints."
-    order = 0
-    def before_fit(self, learner): pass
-    def before_epoch(self, learner): pass
-    def after_step(self, learner, logs: dict): pass
-    def after_epoch(self, learner): pass
-    def after_fit(self, learner): pass
-    def state_dict(self) -> dict: return {}
-    def load_state_dict(self, state: dict) -> None: pass
-    @property
-    def name(self) -> str: return type(self).__name__
-
-class Method(nn.Module):
-    "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
-    views: int = 1   # augmentations of each image per batch (2 for DaNCE's positive key)
-
-    def training_step(self, batch: dict) -> dict:
-        "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
-        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
-
-    def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        "Embeddings to evaluate, by name; the first one is the headline (default: the model's `embed`)."
-        model = getattr(self, "model", None)
-        if model is None: raise NotImplementedError(f"{type(self).__name__} has no .model: implement embed(x)")
-        return {"embedding": model.embed(x)}
-
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        "Named optimiser groups: sub-modules with `param_lr`, then backbone, heads, other."
-        groups, seen = {}, set()
-        def claim(name, module, glr, gwd):
-            ps = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(map(id, ps))
-            if ps: groups.setdefault(name, {"name": name, "params": [], "lr": glr, "weight_decay": gwd})["params"] += ps
-        for name, module in self.named_modules():
-            if name and getattr(module, "param_lr", None) is not None:
-                claim(name, module, float(module.param_lr), float(getattr(module, "param_weight_decay", 0.0)))
-        model = getattr(self, "model", None)
-        if model is not None and hasattr(model, "backbone"): claim("backbone", model.backbone, lr, weight_decay)
-        if model is not None and getattr(model, "head", None) is not None: claim("heads", model.head, lr, weight_decay)
-        claim("other", self, lr, weight_decay)
-        return list(groups.values())
-
-    def callbacks(self) -> list[Callback]:
-        "Callbacks this recipe needs (re-clustering, SPL weights, ...); the learner adds them."
-        return []
-    def on_fit_start(self, learner) -> None:
-        "Called at every `fit`, after a checkpoint is restored (`learner.resumed`): rebuild what is derived from state."
-    def on_epoch_start(self, learner) -> None:
-        "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
-    def after_optimizer_step(self, learner) -> None:
-        "Called after every optimiser step (momentum-encoder update, queue)."
-    def on_epoch_end(self, learner) -> None:
-        "Called once per epoch after its last step, before evaluation and the checkpoint."
-
-# %% ../nbs/06_learner.ipynb #b238dc29
-class Baseline(Method):
-    "One model, one ranking loss (`LOSSES` name or module), one miner (`MINERS` name, module, 'auto' or None)."
-    def __init__(self, model: nn.Module, loss: nn.Module | str = "margin", miner: Any = "auto",
-                 loss_options: Mapping | None = None, miner_options: Mapping | None = None):
-        super().__init__()
-        self.model = model
-        self.loss = LOSSES.build(loss, **dict(loss_options or {})) if isinstance(loss, str) else loss
-        if miner == "auto": miner = getattr(self.loss, "default_miner", None)
-        self.miner = MINERS.build(miner, **dict(miner_options or {})) if isinstance(miner, str) else miner
-
-    def training_step(self, batch: dict) -> dict:
-        emb = self.model(batch["x"])
-        if not isinstance(emb, torch.Tensor):
-            raise TypeError(f"Baseline needs a model with one head returning a tensor, got {type(emb).__name__}; "
-                            "multi-head models need a multi-task recipe (dml_nb.methods)")
-        emb, y = emb.float(), batch["y"]
-        tuples = self.miner(emb, y) if self.miner is not None else None
-        logs = {"loss": self.loss(emb, y, tuples)}
-        if tuples is not None: logs["tuples"] = float(len(tuples[0]))
-        return logs
-
-# %% ../nbs/06_learner.ipynb #1431ea13
-class EvalCallback(Callback):
-    "Evaluate `learner.eval_sets` every `every` epochs and after the last epoch."
-    order = 10
-    def __init__(self, every: int = 1):
-        if every < 1: raise ValueError(f"eval_every must be >= 1, got {every}")
-        self.every = every
-    def after_epoch(self, learner):
-        done = learner.epoch + 1
-        if learner.eval_sets and (done % self.every == 0 or done == learner.epochs):
-            learner.row.update(learner.evaluate())
-
-class CSVLogger(Callback):
-    "Write `learner.history` to `run_dir/history.csv` after every epoch (atomically)."
-    order = 20
-    def __init__(self, filename: str = "history.csv"): self.filename = filename
-    def after_epoch(self, learner):
-        if learner.run_dir is None or not learner.is_main: return
-        atomic_write(Path(learner.run_dir) / self.filename, history_csv(learner.history))
-
-def history_csv(history: Sequence[Mapping]) -> str:
-    "Rows as CSV text; the columns are the union of the rows' keys in first-seen order."
-    cols = list(dict.fromkeys(k for row in history for k in row))
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=cols, lineterminator="\n")
-    w.writeheader(); w.writerows(history)
-    return out.getvalue()
-
-class ProgressCallback(Callback):
-    "A tqdm bar per epoch: running loss and the latest Recall@1 of the first evaluation set."
-    order = 30
-    def __init__(self, file=None): self.file, self.bar = file, None
-    def _close(self):
-        if self.bar is not None: self.bar.close(); self.bar = None
-    def _postfix(self, learner) -> dict:
-        out = {"loss": f"{learner.running('loss'):.4f}"}
-        r1 = learner.headline_recall()
-        if r1 is not None: out["R@1"] = f"{r1:.4f}"
-        return out
-    def after_step(self, learner, logs):
-        if not learner.is_main: return
-        if self.bar is None:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=learner.steps_in_epoch, initial=learner.step - 1, file=self.file or sys.stderr,
-                            desc=f"epoch {learner.epoch + 1}/{learner.epochs}", dynamic_ncols=True)
-        self.bar.update(1)
-        self.bar.set_postfix(self._postfix(learner), refresh=False)
-    def after_epoch(self, learner):
-        if self.bar is not None: self.bar.set_postfix(self._postfix(learner))
-        self._close()
-    def after_fit(self, learner): self._close()
-
-class CheckpointCallback(Callback):
-    "Save `run_dir/checkpoint.pt` after every epoch and, with `every_steps`, every `every_steps` steps."
-    order = 100
-    def __init__(self, every_steps: int | None = None):
-        if every_steps is not None and every_steps < 1: raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        self.every_steps = every_steps
-    def after_step(self, learner, logs):
-        if self.every_steps and learner.step % self.every_steps == 0 and learner.step < learner.steps_in_epoch:
-            learner.save_checkpoint()
-    def after_epoch(self, learner): learner.save_checkpoint(epoch_done=True)
+__all__ = ['REPORTS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #72f08d02
-class NonFiniteLossError(RuntimeError):
-    "Training stopped because the loss or the gradient norm became NaN or infinite."
-
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
-class DivergedError(NonFiniteLossError):
-    "Training stopped because the weights or the loss left the sane range (`MAX_WEIGHT`, `MAX_LOSS`): the run diverged."
-
-# a checkpoint is written only while the model is sane: every parameter finite with |value| <= MAX_WEIGHT and the
-# epoch's mean loss (so far) finite with |loss| <= MAX_LOSS; beyond that the run stops as diverged. Embeddings are
-# L2-normalised and weight decay holds the weights near their initial scale, and the largest loss terms here (the
-# decorrelation terms, bounded by their weights rho / gamma, at most a few thousand) stay far below, so the bounds
-# catch runs that blew up (the issue's "last good" checkpoint had weights of about 1e28), not slow ones
-MAX_WEIGHT, MAX_LOSS = 1e6, 1e6
-
 REPORTS = ("last", "best")
-
-CHECKPOINT_FORMAT = 1
 OPTIMIZERS = ("adam", "adamw", "sgd")
-
-def _to_safe(obj):
-    "Convert NumPy values inside `obj` to tensors / Python numbers so that weights_only loading accepts it."
-    if isinstance(obj, torch.Tensor): return obj.detach().cpu() if obj.device.type != "cpu" else obj
-    if isinstance(obj, np.ndarray): return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic): return obj.item()
-    if isinstance(obj, Mapping): return {k: _to_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return type(obj)(_to_safe(v) for v in obj)
-    return obj
-
-def load_checkpoint(path: str | Path) -> dict:
-    "Read a learner checkpoint with `torch.load(weights_only=True)` on the CPU; clear errors for bad files."
-    path = Path(path)
-    try: ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {e}); delete it (or pass "
-                         "resume=False) to start the run over") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
-    return ckpt
-
-def _insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
-    "Why these parameters are not sane (a non-finite value, or |value| > MAX_WEIGHT), or None; one device sync."
-    named = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if not named: return None
-    peaks = torch.stack([v.detach().abs().max().float().cpu() for v in named.values()]).tolist()
-    for (k, _), m in zip(named.items(), peaks):
-        if not math.isfinite(m): return f"parameter {k!r} holds non-finite values"
-    k, m = max(zip(named, peaks), key=lambda kv: kv[1])
-    return f"the largest |parameter| is {m:.3g} (in {k!r}), above the bound {MAX_WEIGHT:g}" if m > MAX_WEIGHT else None
-
-def _dist_info() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-def broadcast_state(module: nn.Module, buffers_only: bool = False) -> None:
-    "Copy rank 0's parameters (unless `buffers_only`) and buffers to every process."
-    import torch.distributed as dist
-    tensors = ([] if buffers_only else [p.data for p in module.parameters()]) + list(module.buffers())
-    for t in tensors: dist.broadcast(t, src=0)
-
-def all_reduce_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Average the gradients of `params` and `loss` over the processes in one flat all-reduce; returns the
-    mean loss. A parameter without a gradient on every rank keeps none (as in a single process)."""
-    import torch.distributed as dist
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=loss.device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    used = [p for p, h in zip(params, has.tolist()) if h]
-    for p in used:
-        if p.grad is None: p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1).float() for p in used] + [loss.detach().float().reshape(1)])
-    dist.all_reduce(flat)
-    flat /= world_size
-    i = 0
-    for p in used:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p.grad)); i += p.numel()
-    return flat[-1]
 
 # %% ../nbs/06_learner.ipynb #b621f8e6
 def eval_view(ds):
@@ -357,17 +49,8 @@ def eval_view(ds):
     view.transform = preprocessing.transform(train=False)
     return view
 
-# %% ../nbs/06_learner.ipynb #658b8308
-def _gather_rows(x: torch.Tensor, per: int, n: int) -> torch.Tensor:
-    "All-gather every process's block of at most `per` rows (rank order) into the first `n` rows of the whole."
-    import torch.distributed as dist
-    pad = x.new_zeros((per - len(x), *x.shape[1:]))
-    blocks = [torch.empty_like(torch.cat([x, pad])) for _ in range(dist.get_world_size())]
-    dist.all_gather(blocks, torch.cat([x, pad]).contiguous())
-    return torch.cat(blocks)[:n]
-
 # %% ../nbs/06_learner.ipynb #77b0b2a7
-class Learner:
+class Learner(EvaluationMixin, CheckpointMixin):
     "Train `method` on `train_ds` with the batches of `sampler`; evaluate, log, checkpoint, resume."
     def __init__(self, method: Method, train_ds, sampler, epochs: int = 1, lr: float = 1e-5,
                  weight_decay: float = 4e-4, optimizer: str | Callable = "adam",
@@ -395,7 +78,7 @@ class Learner:
                              "the training set (same order) with test transforms")
         self._train_eval_ds = train_eval_ds
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-        self._check_metrics()
+        check_metrics(self.metrics)
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
@@ -408,7 +91,7 @@ class Learner:
         if report not in REPORTS: raise unknown_name_error("report (which epoch's metrics a run reports)", report, REPORTS)
         self.report, self.stop_on_empty_tuples = report, bool(stop_on_empty_tuples)
         self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
-        self.rank, self.world_size = _dist_info()
+        self.rank, self.world_size = dist_info()
         self._optimizer_spec = optimizer
         self.callbacks = sorted([EvalCallback(eval_every), CSVLogger(),
                                  *([ProgressCallback()] if progress else []),
@@ -420,6 +103,7 @@ class Learner:
         self.row: dict = {}
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._interrupted = False
+        self.context = MethodContext(self)   # all that the method's hooks see of the run
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}   # per key: a recipe may log a key on some steps only
 
@@ -437,13 +121,6 @@ class Learner:
         if amp == "fp16":
             raise ValueError("amp='fp16' needs a gradient scaler, which this learner does not use; use amp='bf16'")
         raise unknown_name_error("amp mode", amp, ("auto", "bf16", "none"))
-
-    def _check_metrics(self):
-        "Fail now, not after the first epoch, on a metric name `evaluate` does not know."
-        ks = [int(m.group(1)) for m in (re.fullmatch(r"recall@(\d+)", str(n)) for n in self.metrics) if m]
-        n = max([8] + [k + 2 for k in ks])    # enough dummy points for the largest k
-        try: evaluate(torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.arange(n) % 2, self.metrics)
-        except Exception as e: raise ValueError(f"Learner(metrics={self.metrics!r}): {e}") from e
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         groups = self.method.param_groups(self.lr, self.weight_decay)
@@ -468,7 +145,7 @@ class Learner:
         if self.channels_last: self.method.to(memory_format=torch.channels_last)
         if self.compile: self._compile_backbones()
         self.optimizer = self._build_optimizer()
-        self._batches = _BatchList()
+        self._batches = BatchList()
         # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
         # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
         items, collate = ((RawItems(self.train_ds), pad_collate) if self.batch_transform is not None
@@ -480,20 +157,14 @@ class Learner:
         if self.run_dir is not None and self.is_main: remove_temp_files(self.run_dir)   # writes a killed process left
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
             ck = load_checkpoint(self.checkpoint_path)
-            problem = _insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
+            problem = insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
             if problem is not None:
                 raise DivergedError(f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
                                     "Delete it to start the run over, with a lower learning rate (a new run directory).")
             self.load_state_dict(ck)
             self.resumed = True
         if self.world_size > 1:
-            inner = self.sampler
-            while not hasattr(inner, "rank") and (hasattr(inner, "samplers") or hasattr(inner, "base")):
-                inner = inner.samplers[0] if hasattr(inner, "samplers") else inner.base
-            if hasattr(inner, "rank") and (inner.rank, inner.world_size) != (self.rank, self.world_size):
-                raise ValueError(f"process {self.rank} of {self.world_size} got a sampler built for rank "
-                                 f"{getattr(inner, 'rank', None)} of {getattr(inner, 'world_size', None)}: build it "
-                                 "with rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()")
+            check_sampler_rank(self.sampler, self.rank, self.world_size)
             broadcast_state(self.method)
 
     def _compile_backbones(self):
@@ -527,7 +198,7 @@ class Learner:
             self._interrupted, self.resumed = False, True
         if self.epoch >= self.epochs: return self.history                       # a finished run is not trained again
         self.method.train()
-        self.method.on_fit_start(self)
+        self.method.on_fit_start(self.context)
         if self._sampler_state is not None and hasattr(self.sampler, "load_state_dict"):
             try: self.sampler.load_state_dict(self._sampler_state)
             except (KeyError, TypeError, ValueError) as e:
@@ -566,14 +237,14 @@ class Learner:
         e = self.epoch
         self.set_lr(e)
         if self.step == 0:
-            seed_all(derive_seed(self.seed, EPOCH, e, self.rank), cuda=self.device.type == "cuda")
+            seed_everything(stream_seed(self.seed, "epoch", e, self.rank), cuda=self.device.type == "cuda")
             self._sums, self._counts = {}, {}
-            self.method.on_epoch_start(self)
+            self.method.on_epoch_start(self.context)
             for cb in self.callbacks: cb.before_epoch(self)
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
         start = self.step
-        self._batches.batches = [[(i, derive_seed(self.seed, SAMPLE, e, s, j, self.rank)) for j, i in enumerate(b)]
+        self._batches.batches = [[(i, stream_seed(self.seed, "sample", e, s, j, self.rank)) for j, i in enumerate(b)]
                                  for s, b in enumerate(batches[start:], start)]
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
@@ -583,10 +254,12 @@ class Learner:
             for cb in self.callbacks: cb.after_step(self, logs)
         problem = self._divergence()                # before evaluating a model that blew up
         if problem is not None: self._stop_diverged(problem)
+        if self.world_size > 1:                     # the row holds the mean of every log over all processes
+            self._sums, self._counts = all_reduce_logs(self._sums, self._counts, self.device)
         self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()},
                     **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
         self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)
-        self.method.on_epoch_end(self)
+        self.method.on_epoch_end(self.context)
         for cb in self.callbacks:
             if not isinstance(cb, CheckpointCallback): cb.after_epoch(self)
         if self.stop_on_empty_tuples: self._check_tuples(e)   # history.csv shows the epoch; the checkpoint does not
@@ -594,35 +267,17 @@ class Learner:
         for cb in self.callbacks:
             if isinstance(cb, CheckpointCallback): cb.after_epoch(self)
 
-    def _to_device(self, batch: dict, transform=None, views: int = 1, generator=None) -> dict:
-        """Move `batch` to the device. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
-        it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device."""
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        def move(v):
-            if isinstance(v, torch.Tensor):
-                v = v.to(self.device, non_blocking=True)
-                return v.contiguous(memory_format=fmt) if v.dim() == 4 and v.is_floating_point() else v
-            if isinstance(v, list): return [move(u) for u in v]
-            return v
-        batch = {k: move(v) for k, v in batch.items()}
-        if transform is not None:
-            raw, sizes = batch.pop("x"), batch.pop("sizes")
-            xs = [transform(raw, sizes, generator).contiguous(memory_format=fmt) for _ in range(views)]
-            batch["x"] = xs[0]
-            if views > 1: batch["extra_views"] = xs[1:]
-        return batch
-
     def autocast(self):
         "The autocast context of this run (bf16 or disabled)."
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp == "bf16")
 
     def _train_step(self, batch: dict) -> dict:
         e, s = self.epoch, batch["step"]
-        seed_all(derive_seed(self.seed, STEP, e, s, self.rank), cuda=self.device.type == "cuda")
+        seed_everything(stream_seed(self.seed, "step", e, s, self.rank), cuda=self.device.type == "cuda")
         gen = None
         if self.batch_transform is not None:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, AUGMENT, e, s, self.rank))
-        batch = self._to_device(batch, self.batch_transform, self.method.views, gen)
+            gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
+        batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen)
         with self.autocast(): out = self.method.training_step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
             raise TypeError(f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
@@ -641,7 +296,7 @@ class Learner:
         loss_v, gnorm_v = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)]).tolist()
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)): self._stop_nonfinite(loss_v, gnorm_v, s)
         self.optimizer.step()
-        self.method.after_optimizer_step(self)
+        self.method.after_optimizer_step(self.context)
         if self.world_size > 1: broadcast_state(self.method, buffers_only=True)   # BatchNorm statistics of rank 0
         logs = {"loss": loss_v, "grad_norm": gnorm_v}
         for k, v in out.items():   # tensors stay on the device (no sync); summed in float64
@@ -677,20 +332,6 @@ class Learner:
             "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
             "train.stop_on_empty_tuples: false.")
 
-    def reported_metrics(self) -> dict:
-        """What the run reports: {'reported', 'metrics', 'last_epoch', 'best_epoch', 'best_metrics'}. `report='best'`
-        reports the evaluated epoch with the highest test Recall@1 (the authors' code), 'last' the final epoch."""
-        last = dict(self.latest_metrics)
-        key = f"{next(iter(self.eval_sets))}/recall@1" if self.eval_sets else None
-        evaluated = [r for r in self.history if key is not None and key in r and r[key] == r[key]]
-        best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None     # ties: the earliest epoch
-        best = {k: float(v) for k, v in best_row.items() if k in last} if best_row else last
-        out = {"reported": "last epoch" if self.report == "last" else f"best epoch by {key}",
-               "metrics": last if self.report == "last" or best_row is None else best,
-               "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
-               "best_metrics": best}
-        return out
-
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
         if not self._counts.get(key): return float("nan")
@@ -704,140 +345,3 @@ class Learner:
             self._train_eval_ds = t if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(self.train_ds) \
                                   else eval_view(self.train_ds)
         return self._train_eval_ds
-
-    def headline_recall(self) -> float | None:
-        "The latest Recall@1 of the first evaluation set's headline embedding, if evaluated yet."
-        if not self.eval_sets: return None
-        return self.latest_metrics.get(f"{next(iter(self.eval_sets))}/recall@1")
-
-    # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def embed(self, dataset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        "Embed every item of `dataset` in order with `method.embed`: ({name: (N, D) float32}, labels)."
-        self._setup()
-        n = len(dataset)
-        per = -(-n // self.world_size)
-        if self.world_size > 1 and (self.world_size - 1) * per < n:
-            # data-parallel: each process embeds one contiguous block, then all processes gather every block
-            lo, hi = self.rank * per, min(n, (self.rank + 1) * per)
-            emb, y = self._embed_range(dataset, lo, hi)
-            return {k: _gather_rows(v, per, n) for k, v in emb.items()}, _gather_rows(y, per, n)
-        return self._embed_range(dataset, 0, n)
-
-    def _embed_range(self, dataset, lo: int, hi: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
-        loader = torch.utils.data.DataLoader(
-            SeededViews(dataset) if transform is None else RawItems(dataset), collate_fn=None if transform is None else pad_collate,
-            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-            batch_sampler=[[(i, derive_seed(self.seed, EVAL, i)) for i in range(a, min(a + self.eval_batch_size, hi))]
-                           for a in range(lo, hi, self.eval_batch_size)])
-        was_training = self.method.training
-        self.method.eval()
-        outs, labels = {}, []
-        try:
-            for batch in loader:
-                gen = None if transform is None else torch.Generator().manual_seed(derive_seed(self.seed, EVAL, int(batch["index"][0])))
-                batch = self._to_device(batch, transform, 1, gen)
-                with self.autocast(): emb = self.method.embed(batch["x"])
-                if not isinstance(emb, Mapping) or not emb:
-                    raise TypeError(f"{type(self.method).__name__}.embed must return a non-empty dict name -> embedding")
-                for k, v in emb.items(): outs.setdefault(k, []).append(v.float())
-                labels.append(batch["y"])
-        finally: self.method.train(was_training)
-        return {k: torch.cat(v) for k, v in outs.items()}, torch.cat(labels)
-
-    def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
-        "Metrics of every set (a dataset, or a (query, gallery) pair) and every embedding of `method.embed`."
-        sets, metrics = (self.eval_sets if sets is None else sets), (self.metrics if metrics is None else metrics)
-        out = {}
-        for name, ds in sets.items():
-            if isinstance(ds, (tuple, list)):
-                (q, ql), (g, gl) = self.embed(ds[0]), self.embed(ds[1])
-                res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed) for k in q}
-            else:
-                emb, y = self.embed(ds)
-                res = {k: evaluate(v, y, metrics, seed=self.seed) for k, v in emb.items()}
-            for i, (k, r) in enumerate(res.items()):
-                out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
-        if sets is self.eval_sets: self.latest_metrics = out
-        return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        "Everything needed to continue this run (tensors and plain Python values only)."
-        self._setup()
-        return _to_safe({
-            "format": CHECKPOINT_FORMAT, "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
-            "epochs": self.epochs, "seed": self.seed,
-            "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict() if isinstance(self.schedule, Schedule) else None,
-            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "rng": rng_state(), "history": self.history, "latest_metrics": self.latest_metrics,
-            "sums": self._sums, "counts": self._counts,
-            "callbacks": {key: cb.state_dict() for key, cb in self._callback_keys()}})
-
-    def load_state_dict(self, ckpt: dict) -> None:
-        "Restore a `state_dict` (e.g. from `load_checkpoint`)."
-        self._setup()
-        missing, unexpected = [], []
-        own = self.method.state_dict()
-        missing = [k for k in own if k not in ckpt["method"]]
-        unexpected = [k for k in ckpt["method"] if k not in own]
-        if missing or unexpected:
-            raise ValueError(f"the checkpoint was written by a different method or model (missing: {missing[:5]}, "
-                             f"unexpected: {unexpected[:5]}); use another run_dir or resume=False")
-        self.method.load_state_dict(ckpt["method"])
-        settings = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(ckpt["optimizer"])   # moments from the checkpoint, settings from here
-        for g, (lr, wd) in zip(self.optimizer.param_groups, settings): g["base_lr"], g["weight_decay"] = lr, wd
-        self._sampler_state = ckpt["sampler"]   # applied in fit, after on_fit_start may have rebuilt the sampler
-        self.epoch, self.step, self.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
-        self.history, self.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
-        self._sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
-        self._counts = dict(ckpt["counts"])
-        for key, cb in self._callback_keys():
-            state = ckpt["callbacks"].get(key)
-            if state is not None: cb.load_state_dict(state)
-        set_rng_state(ckpt["rng"])
-
-    def _callback_keys(self) -> list[tuple[str, Callback]]:
-        "Checkpoint keys of the callbacks: their names (numbered when a name repeats), not their positions."
-        seen: dict[str, int] = {}
-        out = []
-        for cb in self.callbacks:
-            n = seen[cb.name] = seen.get(cb.name, -1) + 1
-            out.append((cb.name if n == 0 else f"{cb.name}#{n}", cb))
-        return out
-
-    def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
-        "Write `run_dir/checkpoint.pt` atomically (rank 0 only) if the model is sane (else `DivergedError`); returns its path."
-        problem = self._divergence()
-        if problem is not None: self._stop_diverged(problem)
-        if self.checkpoint_path is None or not self.is_main: return None
-        return atomic_torch_save(self.state_dict(), self.checkpoint_path)
-
-    def _divergence(self) -> str | None:
-        "Why the current weights or loss are not sane (see `MAX_WEIGHT`, `MAX_LOSS`), or None."
-        loss = self.running("loss")
-        if self._counts.get("loss") and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
-            return f"the mean loss of the epoch so far is {loss:.3g}, beyond the bound {MAX_LOSS:g}"
-        return _insane_weights(dict(self.method.named_parameters()))
-
-    def _kept(self) -> str:
-        "Which checkpoint is kept, for the messages of a stopped run."
-        path = self.checkpoint_path
-        if path is None or not path.exists():
-            return "there is no checkpoint (" + ("run_dir=None" if path is None else "none was written yet") + ")"
-        ck = load_checkpoint(path)
-        return f"the last good checkpoint is kept at {path} (epoch {ck['epoch']}, step {ck['step']})"
-
-    def _stop_diverged(self, problem: str):
-        raise DivergedError(
-            f"training stopped: the run diverged by epoch {self.epoch} (0-based), step {self.step}: {problem}. This "
-            f"state was not saved; {self._kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) or set grad_clip "
-            f"(train.grad_clip). {self._rerun()}")
-
-    def _rerun(self) -> str:
-        has = self.checkpoint_path is not None and self.checkpoint_path.exists()
-        return ("Re-running the same config " + ("resumes from that checkpoint and " if has else "") +
-                "repeats the same steps: change the config (a new run directory).")

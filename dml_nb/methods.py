@@ -79,10 +79,10 @@ class Task(nn.Module):
         return out
 
     def setup(self, method: "MultiTaskMethod") -> None: "Called once the recipe's model exists (end of its __init__)."
-    def on_fit_start(self, method, learner) -> None: pass
-    def on_epoch_start(self, method, learner) -> None: pass
-    def after_optimizer_step(self, method, learner) -> None: pass
-    def on_epoch_end(self, method, learner) -> None: pass
+    def on_fit_start(self, method, ctx) -> None: "Called by the recipe's hook of the same name with its `MethodContext`."
+    def on_epoch_start(self, method, ctx) -> None: pass
+    def after_optimizer_step(self, method, ctx) -> None: pass
+    def on_epoch_end(self, method, ctx) -> None: pass
     def extra_repr(self) -> str: return f"name={self.name!r}, head={self.head!r}, weight={self.weight}, labels={self.labels!r}"
 
 # %% ../nbs/07_methods.ipynb #d5de7ac1
@@ -210,17 +210,17 @@ class MultiTaskMethod(Method):
         return {"concat": F.normalize(torch.cat(list(embs.values()), dim=-1), dim=-1), **embs}
 
     # ---------------------------------------------------------------- learner hooks, forwarded to the tasks
-    def on_fit_start(self, learner) -> None:
+    def on_fit_start(self, ctx) -> None:
         self._steps = int(self.steps_done)
-        for t in self.tasks.values(): t.on_fit_start(self, learner)
-    def on_epoch_start(self, learner) -> None:
-        for t in self.tasks.values(): t.on_epoch_start(self, learner)
-    def after_optimizer_step(self, learner) -> None:
+        for t in self.tasks.values(): t.on_fit_start(self, ctx)
+    def on_epoch_start(self, ctx) -> None:
+        for t in self.tasks.values(): t.on_epoch_start(self, ctx)
+    def after_optimizer_step(self, ctx) -> None:
         self._steps += 1
         self.steps_done.fill_(self._steps)
-        for t in self.tasks.values(): t.after_optimizer_step(self, learner)
-    def on_epoch_end(self, learner) -> None:
-        for t in self.tasks.values(): t.on_epoch_end(self, learner)
+        for t in self.tasks.values(): t.after_optimizer_step(self, ctx)
+    def on_epoch_end(self, ctx) -> None:
+        for t in self.tasks.values(): t.on_epoch_end(self, ctx)
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._steps = int(self.steps_done)

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import LOSSES, METHODS, MINERS, unknown_name_error
-from .learner import Callback, derive_seed
+from .core import stream_seed
+from .learner import Callback
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
 from .dnc import cluster_statistics, match_clusters
@@ -206,7 +207,6 @@ EMBEDS = ("concat", "phi", "phi_star")
 UPDATES = ("algorithm1", "alternate", "joint")
 GROUP_ON = ("features", "phi_star", "early")
 SHARED_BATCHES = ("class_balanced", "groups")
-_COIN, _SHARED_STREAM, _REGROUP = 81, 82, 79           # derive_seed domains of the recipe's own randomness
 
 def has_proxies(loss) -> bool:
     "True for a proxy loss (a `ProxyLoss`: an instance, a class or a registered name), which cannot train on inter-class triplets."
@@ -243,9 +243,10 @@ class SharingRecords(Callback):
             if k.startswith(("loss/", "tuples/", "positives/")):
                 self.sums[k] = self.sums.get(k, 0.0) + v; self.counts[k] = self.counts.get(k, 0) + 1   # no device sync
     def after_epoch(self, learner):
-        learner.row.update({k: float(self.sums[k]) / self.counts[k] for k in self.sums})
-        learner.row.update({f"updates/{k[5:]}": n for k, n in self.counts.items() if k.startswith("loss/")})
-        learner.row.update(self.method.group_records(learner.epoch))
+        row = learner.context.row
+        row.update({k: float(self.sums[k]) / self.counts[k] for k in self.sums})
+        row.update({f"updates/{k[5:]}": n for k, n in self.counts.items() if k.startswith("loss/")})
+        row.update(self.method.group_records(learner.context.epoch))
     def state_dict(self) -> dict: return {"sums": dict(self.sums), "counts": dict(self.counts)}
     def load_state_dict(self, state: dict) -> None: self.sums, self.counts = dict(state["sums"]), dict(state["counts"])
 
@@ -327,7 +328,7 @@ class SharingMatters(MultiTaskMethod):
         self.register_buffer("groups", torch.full((n,), -1, dtype=torch.long))     # T^G group id of every sample
         self.register_buffer("grouped_epoch", torch.tensor(-1))
         self.cluster_dataset = None
-        self._embed_mode, self._sampler, self._seed = None, None, 0
+        self._sampler, self._seed = None, 0
 
     # ---------------------------------------------------------------- Algorithm 1
     def tasks_for_step(self, step: int) -> list[Task]:
@@ -375,8 +376,6 @@ class SharingMatters(MultiTaskMethod):
     @torch.no_grad()
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "The headline embedding (`embed` option) first, then every head."
-        if self._embed_mode == "features": return {"features": self.features(x).float()}
-        if self._embed_mode == "early": return {"features": early_features(self.model.backbone, x)}
         out = super().embed(x)
         if len(out) == 1: return out
         return {self.embed_name: out[self.embed_name], **{k: v for k, v in out.items() if k != self.embed_name}}
@@ -385,60 +384,60 @@ class SharingMatters(MultiTaskMethod):
 
     # ---------------------------------------------------------------- grouping
     @torch.no_grad()
-    def grouping_features(self, learner, on: str) -> torch.Tensor:
+    def grouping_features(self, ctx, on: str) -> torch.Tensor:
         "What is clustered, over the training set with test transforms: 'features' (f), 'phi_star' or 'early' (MIC)."
-        self._embed_mode = None if on == "phi_star" else on
-        try: out, _ = learner.embed(self.cluster_dataset if self.cluster_dataset is not None else learner.train_eval_set)
-        finally: self._embed_mode = None
+        fn = {"features": lambda x: {"features": self.features(x).float()},
+              "early": lambda x: {"features": early_features(self.model.backbone, x)}}.get(on)
+        out, _ = ctx.embed(self.cluster_dataset if self.cluster_dataset is not None else ctx.train_eval_set, fn)
         return out["features"] if on != "phi_star" else out[self.shared_head]
 
     @torch.no_grad()
-    def regroup(self, learner) -> None:
+    def regroup(self, ctx) -> None:
         "Recompute the T^G groups: k-means of the standardised grouping features of the training set."
         first = int(self.grouped_epoch) < 0
-        feats = self.grouping_features(learner, self.first_group_on if first else self.group_on)
+        feats = self.grouping_features(ctx, self.first_group_on if first else self.group_on)
         new = group_samples(feats, self.train_labels, self.num_groups, self.standardize if first else self.regroup_standardize,
-                            seed=derive_seed(learner.seed, _REGROUP, learner.epoch), niter=self.kmeans_iterations,
+                            seed=ctx.seed("sharing/regroup", ctx.epoch), niter=self.kmeans_iterations,
                             nredo=self.kmeans_redo)
         prev = self.groups.cpu().numpy()
         if self.rematch_groups and (prev >= 0).all(): new = match_clusters(prev, new, self.num_groups)   # ids (and betas) stay
         self.groups.copy_(torch.from_numpy(new))
-        self.grouped_epoch.fill_(learner.epoch)
+        self.grouped_epoch.fill_(ctx.epoch)
 
     def _group_batches(self):
         "The shared stream of `shared_batches='groups'`, from the current groups."
         base = self._sampler.base
         return GroupBatchSampler(self.groups.cpu().numpy(), base.batch_size, base.samples_per_class,
-                                 self.group_swap_probability, batches_per_epoch=len(base), seed=derive_seed(self._seed, _SHARED_STREAM),
+                                 self.group_swap_probability, batches_per_epoch=len(base), seed=stream_seed(self._seed, "sharing/shared-batches"),
                                  rank=base.rank, world_size=base.world_size)
 
-    def on_fit_start(self, learner) -> None:
-        super().on_fit_start(learner)
-        if self.grouping and len(learner.train_ds) != len(self.train_labels):
+    def on_fit_start(self, ctx) -> None:
+        super().on_fit_start(ctx)
+        if self.grouping and len(ctx.train_dataset) != len(self.train_labels):
             raise ValueError(f"sharing was built with {len(self.train_labels)} train_labels but the training set has "
-                             f"{len(learner.train_ds)} items")
-        self._seed = learner.seed
+                             f"{len(ctx.train_dataset)} items")
+        self._seed = ctx.run_seed
         if self.updates != "algorithm1": return
-        if not isinstance(learner.sampler, SharingSampler):
-            base = learner.sampler
+        if not isinstance(ctx.sampler, SharingSampler):
+            base = ctx.sampler
             if not isinstance(base, ClassBalancedBatchSampler):
                 raise TypeError(f"updates='algorithm1' draws each iteration's shared batch from a second stream like the "
                                 f"run's sampler, which must be a ClassBalancedBatchSampler, got {type(base).__name__}")
             shared = None
             if "shared" in self.tasks and self.shared_batches == "class_balanced":
                 shared = ClassBalancedBatchSampler(base.labels, base.batch_size, base.samples_per_class,
-                                                   batches_per_epoch=base.batches_per_epoch, seed=derive_seed(base.seed, _SHARED_STREAM),
+                                                   batches_per_epoch=base.batches_per_epoch, seed=stream_seed(base.seed, "sharing/shared-batches"),
                                                    rank=base.rank, world_size=base.world_size)
-            learner.sampler = SharingSampler(base, shared, self.shared_probability, seed=derive_seed(learner.seed, _COIN),
-                                             discriminative="discriminative" in self.tasks)
-        self._sampler = learner.sampler
+            ctx.use_sampler(SharingSampler(base, shared, self.shared_probability, seed=ctx.seed("sharing/coin"),
+                                             discriminative="discriminative" in self.tasks))
+        self._sampler = ctx.sampler
         if self.shared_batches == "groups" and bool((self.groups >= 0).all()) and len(self.groups):
             self._sampler.use_shared(self._group_batches())     # a resumed run: the groups of its checkpoint
 
-    def on_epoch_start(self, learner) -> None:
-        super().on_epoch_start(learner)
-        if self.grouping and (int(self.grouped_epoch) < 0 or learner.epoch - int(self.grouped_epoch) >= self.regroup_every):
-            self.regroup(learner)
+    def on_epoch_start(self, ctx) -> None:
+        super().on_epoch_start(ctx)
+        if self.grouping and (int(self.grouped_epoch) < 0 or ctx.epoch - int(self.grouped_epoch) >= self.regroup_every):
+            self.regroup(ctx)
             if self.shared_batches == "groups" and self._sampler is not None: self._sampler.use_shared(self._group_batches())
 
     def group_records(self, epoch: int) -> dict:

@@ -461,17 +461,17 @@ def test_labels_must_match_the_training_set(noisy):
 
 def test_terms_use_test_transforms_and_the_current_model(noisy):
     L = learner(noisy, epochs=1)
-    L._setup(); L.method.on_fit_start(L)
+    L._setup(); L.method.on_fit_start(L.context)
     view = L.method.terms_dataset
     clean_view = load_dataset("shapes", split="train", images_per_class=4, augment=False)
     assert torch.equal(view[5][0], clean_view[5][0]) and view.labels is noisy.labels
-    xp, xn = L.method.per_sample_terms(L)
+    xp, xn = L.method.per_sample_terms(L.context)
     emb, _ = L.embed(clean_view)
     ref = L.method.loss.per_sample_terms(emb["embedding"], torch.as_tensor(noisy.labels))
     torch.testing.assert_close((xp, xn), ref)
     Lb = learner(noisy, epochs=1, xi_scope="batch", xi_batch=(4, 3))                 # the batch reading reaches the update
-    Lb._setup(); Lb.method.on_fit_start(Lb)
-    torch.testing.assert_close(Lb.method.per_sample_terms(Lb),
+    Lb._setup(); Lb.method.on_fit_start(Lb.context)
+    torch.testing.assert_close(Lb.method.per_sample_terms(Lb.context),
                                sample_terms(Lb.embed(clean_view)[0]["embedding"], torch.as_tensor(noisy.labels), scope="batch", batch=(4, 3)))
 
 

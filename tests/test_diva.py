@@ -128,7 +128,7 @@ def test_fill_from_learner_is_deterministic():
     a, b = diva(), diva()
     la, lb = learner(a), learner(b)
     la._setup(); lb._setup()
-    a.tasks["dance"].fill_from_learner(a, la); b.tasks["dance"].fill_from_learner(b, lb)
+    a.tasks["dance"].fill_from_learner(a, la.context); b.tasks["dance"].fill_from_learner(b, lb.context)
     assert torch.equal(a.tasks["dance"].queue.queue, b.tasks["dance"].queue.queue)
     assert a.tasks["dance"].queue.is_full
 
@@ -403,7 +403,7 @@ def test_tuple_options_reach_the_miners():
 def test_queue_is_sized_in_batches_of_the_learner():
     m = diva(queue_size=None)                            # default: 30 batches
     lrn = learner(m, steps=1)
-    lrn._setup(); m.on_fit_start(lrn)
+    lrn._setup(); m.on_fit_start(lrn.context)
     assert m.tasks["dance"].queue.size == 30 * 16 and m.tasks["dance"].queue.is_full
     assert diva(queue_size=None, queue_batches=2).tasks["dance"].fill(m, [torch.randn(8, 3, 32, 32)] * 5) == 16
 

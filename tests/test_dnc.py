@@ -12,9 +12,10 @@ from dml_nb.core import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         label_grouping, match_clusters, random_partition)
+from dml_nb.learner import Callback, Learner, NoTuplesError, load_checkpoint
+from dml_nb.methods import BaselineMethod
 from dml_nb.metrics import kmeans_assign
-from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
-from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -206,9 +207,7 @@ def test_k1_is_the_baseline(shapes):
     dnc = DivideAndConquer(backbone(), train.num_classes, train.labels, embedding_dim=8, num_learners=1, init="default",
                            loss_options={"class_specific_beta": True, "learn_beta": True}, miner="distance_weighted")
     h1 = Learner(dnc, train, sampler(), **kw).fit()
-    bb = backbone()
-    base = Baseline(EmbeddingModel(bb, EmbeddingHead(bb.feature_dim, 8)), "margin",
-                    loss_options={"num_classes": train.num_classes})
+    base = BaselineMethod(backbone(), train.num_classes, embedding_dim=8, loss="margin")
     h2 = Learner(base, train, sampler(), **kw).fit()
     assert [r["test/recall@1"] for r in h1] == [r["test/recall@1"] for r in h2]
     assert [r["loss"] for r in h1] == [r["loss"] for r in h2]
@@ -230,11 +229,11 @@ def test_other_groupings_train(shapes, grouping):
 
 def test_cluster_on_features(shapes):
     learn = run(shapes, epochs=1, cluster_on="features")
-    vec = learn.method.cluster_vectors(learn)
+    vec = learn.method.cluster_vectors(learn.context)
     assert vec.shape == (len(shapes[0]), learn.method.model.backbone.feature_dim)
     torch.testing.assert_close(vec.norm(dim=1), torch.ones(len(vec)))
     learn.method.cluster_on = "embedding"
-    assert learn.method.cluster_vectors(learn).shape == (len(shapes[0]), 8)
+    assert learn.method.cluster_vectors(learn.context).shape == (len(shapes[0]), 8)
 
 
 class KillAt(Callback):
@@ -372,27 +371,35 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     learn = run(shapes, epochs=1, num_learners=4, embedding_dim=8, cluster_batches="uniform", finetune_epochs=0)
     learn.sampler = PhaseSampler(learn.sampler)
     m = learn.method
-    m.on_fit_start(learn)
+    m.on_fit_start(learn.context)
     rr = m._sampler
     # find an epoch in which the uniform draws skip a learner (few steps per epoch make it likely) and check the stop
-    m.recluster(learn); m._use_clusters(learn)
+    m.recluster(learn.context); m._use_clusters()
     epochs = [e for e in range(400) if 0 in rr.clusters.counts(e)]
     if not epochs: pytest.skip("no epoch without a learner among the first 400")
     learn.epoch = epochs[0]
     m.clustered_epoch.fill_(epochs[0])
     with pytest.raises(ClusterError, match="get no batch in epoch"):
-        m.on_epoch_start(learn)
+        m.on_epoch_start(learn.context)
 
 
-def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes):
-    learn = run(shapes, cls=Recording, epochs=3, num_learners=4, embedding_dim=8, finetune_epochs=0)
+@pytest.fixture(scope="module")
+def shapes8():
+    "8 images per class: k-means into 4 clusters of a 4-per-class set can leave a cluster of scattered singletons."
+    return (load_dataset("shapes", split="train", images_per_class=8),
+            load_dataset("shapes", split="train", images_per_class=8, augment=False),
+            load_dataset("shapes", split="test", images_per_class=4))
+
+
+def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes8):
+    learn = run(shapes8, cls=Recording, epochs=3, num_learners=4, embedding_dim=8, finetune_epochs=0)
     hist = learn.fit()
     for e, row in enumerate(hist):
         groups = [g for ep, g, *_ in learn.method.seen if ep == e]
         counts = np.bincount(groups, minlength=4)
         assert len(set(counts)) == 1 and counts[0] == row["dnc/learner0/batches"]
         assign = next(a for ep, g, idx, a in learn.method.seen if ep == e).numpy()
-        usable = [len(usable_members(shapes[0].labels, np.flatnonzero(assign == k))) for k in range(4)]
+        usable = [len(usable_members(shapes8[0].labels, np.flatnonzero(assign == k))) for k in range(4)]
         assert counts[0] == max(1, max(usable) // 16)              # the largest cluster's batches, for every learner
         assert all(row[f"tuples/learner{k}"] > 0 for k in range(4))
 

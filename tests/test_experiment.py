@@ -72,3 +72,14 @@ def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
     assert now.name != f"baseline-shapes-{config_hash(config_to_dict(cfg))}"     # the name before the fidelity defaults
     monkeypatch.setattr(ex, "RECIPES_VERSION", ex.RECIPES_VERSION + 1)
     assert ex.run_dir_for(cfg, tmp_path) != now
+
+
+def test_named_random_streams_move_run_folders_only_through_recipes_version(monkeypatch, tmp_path):
+    "Named random streams (RECIPES_VERSION 3) change the draws, not the configs: the config hash is the one of before."
+    import dml_nb.experiment as ex
+    cfg = make_config(TINY)
+    assert config_hash(config_to_dict(cfg)) == "56ad0a368312"                   # unchanged since RECIPES_VERSION 2
+    assert ex.RECIPES_VERSION == 3
+    now = ex.run_dir_for(cfg, tmp_path).name
+    monkeypatch.setattr(ex, "RECIPES_VERSION", 2)
+    assert ex.run_dir_for(cfg, tmp_path).name == "baseline-shapes-1e2984cc9f75" != now   # the folder before the streams

@@ -12,8 +12,12 @@ import torch
 import torch.nn as nn
 
 from dml_nb.data import load_dataset
-from dml_nb.learner import (Baseline, Callback, Learner, Method, NonFiniteLossError, Schedule, derive_seed,
-                            load_checkpoint, ProgressCallback, history_csv, SAMPLE)
+from dml_nb.core import stream_seed
+from dml_nb.callbacks import Callback, ProgressCallback, history_csv
+from dml_nb.core import LOSSES
+from dml_nb.learner import Learner, Method, NonFiniteLossError, load_checkpoint
+from dml_nb.methods import BaselineMethod
+from dml_nb.schedule import Schedule
 from dml_nb.models import EmbeddingHead, EmbeddingModel, MultiHead, build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
 
@@ -34,6 +38,13 @@ def model(seed=0, width=8, dim=16):
     return EmbeddingModel(bb, EmbeddingHead(bb.feature_dim, dim))
 
 
+def baseline(num_classes=None, loss="margin", seed=0, width=8, dim=16, cls=BaselineMethod, **options):
+    "The registry's baseline (one head, one loss; the margin loss gets a beta per class) on the small CNN of `model`."
+    torch.manual_seed(seed)
+    bb = build_backbone("small_cnn", width=width, feature_dim=4 * width)
+    return cls(bb, num_classes, embedding_dim=dim, loss=loss, **options)
+
+
 def sampler_for(ds, steps=4, batch=16, seed=0):
     return ClassBalancedBatchSampler(ds.labels, batch_size=batch, samples_per_class=4, seed=seed,
                                      batches_per_epoch=steps)
@@ -41,7 +52,7 @@ def sampler_for(ds, steps=4, batch=16, seed=0):
 
 def learner(sets, run_dir=None, epochs=2, steps=4, method=None, **kw):
     train, _, test = sets
-    method = method or Baseline(model(), "margin", loss_options={"num_classes": train.num_classes})
+    method = method or baseline(train.num_classes)
     kw = {"lr": 1e-3, "eval_sets": {"test": test}, "metrics": ("recall@1",), "progress": False, "seed": 3, **kw}
     return Learner(method, train, sampler_for(train, steps), epochs=epochs, run_dir=run_dir, **kw)
 
@@ -69,7 +80,7 @@ class KillAt(Callback):
 def test_short_run_learns():
     train = load_dataset("shapes", split="train", images_per_class=8)
     test = load_dataset("shapes", split="test", images_per_class=8)
-    method = Baseline(model(width=8, dim=32), "margin", loss_options={"num_classes": train.num_classes})
+    method = baseline(train.num_classes, width=8, dim=32)
     learn = Learner(method, train, sampler_for(train, steps=15, batch=32), epochs=3, lr=3e-3, weight_decay=0,
                     eval_sets={"test": test}, metrics=("recall@1",), progress=False)
     before = learn.evaluate()["test/recall@1"]
@@ -84,7 +95,7 @@ def test_short_run_learns():
 def test_multistep_and_cosine_change_lr_at_the_right_epochs(sets):
     hist = learner(sets, epochs=5, steps=1, lr=1e-2, schedule=("multistep", [1, 3], 0.1), eval_sets={}).fit()
     np.testing.assert_allclose([r["lr/backbone"] for r in hist], [1e-2, 1e-3, 1e-3, 1e-4, 1e-4])
-    np.testing.assert_allclose([r["lr/loss"] for r in hist], [5e-4, 5e-5, 5e-5, 5e-6, 5e-6])   # beta's own lr
+    np.testing.assert_allclose([r["lr/tasks.discriminative.loss"] for r in hist], [5e-4, 5e-5, 5e-5, 5e-6, 5e-6])   # beta's own lr
     hist = learner(sets, epochs=4, steps=1, lr=1e-2, schedule=("cosine", 0.1), eval_sets={}).fit()
     f = [0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * e / 4)) for e in range(4)]
     np.testing.assert_allclose([r["lr/heads"] for r in hist], 1e-2 * np.array(f))
@@ -94,14 +105,15 @@ def test_multistep_and_cosine_change_lr_at_the_right_epochs(sets):
 
 def test_param_groups_get_their_lr_and_weight_decay(sets):
     learn = learner(sets, epochs=0, lr=1e-5, weight_decay=4e-4,
-                    group_options={"heads": {"lr": 1e-3}, "loss": {"weight_decay": 1e-6}})
+                    group_options={"heads": {"lr": 1e-3}, "tasks.discriminative.loss": {"weight_decay": 1e-6}})
     learn.fit()
     g = {grp["name"]: grp for grp in learn.optimizer.param_groups}
-    assert set(g) == {"loss", "backbone", "heads"}
+    assert set(g) == {"tasks.discriminative.loss", "backbone", "heads"}
     assert (g["backbone"]["lr"], g["backbone"]["weight_decay"]) == (1e-5, 4e-4)
     assert (g["heads"]["lr"], g["heads"]["weight_decay"]) == (1e-3, 4e-4)
-    assert (g["loss"]["lr"], g["loss"]["weight_decay"]) == (5e-4, 1e-6)
-    assert g["loss"]["params"][0] is learn.method.loss.beta
+    loss_group = g["tasks.discriminative.loss"]
+    assert (loss_group["lr"], loss_group["weight_decay"]) == (5e-4, 1e-6)
+    assert loss_group["params"][0] is learn.method.tasks["discriminative"].loss.beta
     with pytest.raises(ValueError, match="unknown parameter group 'head'. Did you mean 'heads'"):
         learner(sets, epochs=0, group_options={"head": {"lr": 1.0}}).fit()
     with pytest.raises(ValueError, match="may set 'lr' and 'weight_decay'"):
@@ -136,7 +148,7 @@ def test_history_csv_metrics_json_and_progress(sets, tmp_path):
     assert rows[0]["test/recall@1"] == ""                            # evaluated every 2 epochs and at the end
     assert float(rows[1]["train/recall@2"]) == pytest.approx(hist[1]["train/recall@2"])
     assert float(rows[2]["loss"]) == pytest.approx(hist[2]["loss"])
-    assert {"lr/backbone", "lr/heads", "lr/loss", "grad_norm", "tuples", "time"} <= set(rows[0])
+    assert {"lr/backbone", "lr/heads", "lr/tasks.discriminative.loss", "grad_norm", "tuples/discriminative", "time"} <= set(rows[0])
     import json
     m = json.load(open(tmp_path / "metrics.json"))
     assert m["metrics"]["test/recall@1"] == pytest.approx(hist[-1]["test/recall@1"])
@@ -152,15 +164,15 @@ def test_history_csv_handles_rows_with_different_columns():
 
 # non-finite loss -------------------------------------------------------------------------------------------------
 
-class NaNAt(Baseline):
-    "Baseline whose loss (or gradient) turns non-finite at one (epoch, step)."
+class NaNAt(BaselineMethod):
+    "The baseline, whose loss (or gradient) turns non-finite at one (epoch, step)."
     def __init__(self, *a, at=(1, 2), grad=False, **kw):
         super().__init__(*a, **kw); self.at, self.grad = at, grad
     def training_step(self, batch):
         out = super().training_step(batch)
         if (batch["epoch"], batch["step"]) == self.at:
             if self.grad:   # finite loss, infinite gradient
-                out["loss"] = out["loss"] + _inf_grad(self.model.head.linear.bias)
+                out["loss"] = out["loss"] + _inf_grad(self.model.head.heads["embedding"].linear.bias)
             else:
                 out["loss"] = out["loss"] * float("nan")
         return out
@@ -179,7 +191,7 @@ def _inf_grad(bias): return _InfGrad.apply(bias[:2])
 @pytest.mark.parametrize("grad", [False, True])
 def test_nonfinite_stops_with_clear_message_and_keeps_last_good_checkpoint(sets, tmp_path, grad):
     train = sets[0]
-    method = NaNAt(model(), "triplet", at=(1, 2), grad=grad)
+    method = baseline(None, "triplet", cls=NaNAt, at=(1, 2), grad=grad)
     learn = learner(sets, tmp_path, epochs=3, method=method, checkpoint_every_steps=1, eval_sets={})
     what = "the gradient norm is inf" if grad else "the loss is nan"
     with pytest.raises(NonFiniteLossError, match=f"{what} at epoch 1 \\(0-based\\), step 2.*last good checkpoint "
@@ -267,7 +279,7 @@ def test_checkpoint_loads_weights_only_and_holds_everything(sets, tmp_path):
     learner(sets, tmp_path, epochs=1).fit()
     ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert {"method", "optimizer", "schedule", "sampler", "rng", "history", "epoch", "step", "callbacks"} <= set(ck)
-    assert "loss.beta" in ck["method"] and "model.head.linear.weight" in ck["method"]
+    assert "tasks.discriminative.loss.beta" in ck["method"] and "model.head.heads.embedding.linear.weight" in ck["method"]
     assert ck["sampler"] == {"seed": 0, "epoch": 0}
     assert set(ck["rng"]) == {"torch", "cuda", "numpy", "python"}
 
@@ -289,7 +301,7 @@ def test_checkpoint_writes_are_atomic(sets, tmp_path, monkeypatch):
 
 def test_checkpoint_of_another_model_is_a_clear_error(sets, tmp_path):
     learner(sets, tmp_path, epochs=1).fit()
-    other = Baseline(model(dim=8), "triplet")
+    other = baseline(None, "triplet", dim=8)
     with pytest.raises(ValueError, match="different method or model"):
         learner(sets, tmp_path, epochs=2, method=other).fit()
     (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
@@ -297,8 +309,8 @@ def test_checkpoint_of_another_model_is_a_clear_error(sets, tmp_path):
         learner(sets, tmp_path, epochs=2).fit()
 
 
-class Counting(Baseline):
-    "Baseline with method state outside parameters: a buffer and extra state (NumPy, a generator)."
+class Counting(BaselineMethod):
+    "The baseline with method state outside parameters: a buffer and extra state (NumPy, a generator)."
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.register_buffer("seen", torch.zeros(60, dtype=torch.long))
@@ -317,7 +329,7 @@ class Counting(Baseline):
 
 
 def test_method_state_survives_a_kill(sets, tmp_path):
-    mk = lambda: Counting(model(), "margin", loss_options={"num_classes": 60})
+    mk = lambda: baseline(60, cls=Counting)
     ref = learner(sets, tmp_path / "ref", epochs=2, steps=4, method=mk())
     ref.fit()
     with pytest.raises(KeyboardInterrupt):
@@ -340,7 +352,7 @@ class TwoHeads(Method):
         torch.manual_seed(0)
         bb = build_backbone("small_cnn", width=8, feature_dim=32)
         self.model = EmbeddingModel(bb, MultiHead(32, {"a": 8, "b": 8}))
-        self.loss = Baseline(self.model, "triplet").loss
+        self.loss = LOSSES.build("triplet")
         self.seen_groups, self.view_shapes = [], []
     def training_step(self, batch):
         self.seen_groups.append(batch["group"])
@@ -372,7 +384,7 @@ def test_views_groups_and_per_head_evaluation(sets):
 
 
 def test_seeds_are_positional():
-    assert derive_seed(0, SAMPLE, 1, 2, 3) == derive_seed(0, SAMPLE, 1, 2, 3) != derive_seed(0, SAMPLE, 1, 2, 4)
+    assert stream_seed(0, "sample", 1, 2, 3) == stream_seed(0, "sample", 1, 2, 3) != stream_seed(0, "sample", 1, 2, 4)
 
 
 # GPU options on the CPU, bad input ---------------------------------------------------------------------------------
@@ -395,11 +407,11 @@ def test_bad_input_is_a_clear_error(sets):
         Learner(model(), sets[0], sampler_for(sets[0]))
     other = load_dataset("shapes", split="train", images_per_class=8)
     with pytest.raises(IndexError, match="build the sampler from this dataset's labels"):
-        Learner(Baseline(model(), "triplet"), sets[0], sampler_for(other), progress=False).fit()
-    class NoLoss(Baseline):
+        Learner(baseline(None, "triplet"), sets[0], sampler_for(other), progress=False).fit()
+    class NoLoss(BaselineMethod):
         def training_step(self, batch): return {"value": super().training_step(batch)["loss"]}
     with pytest.raises(TypeError, match="must return a dict with a 'loss' entry"):
-        learner(sets, method=NoLoss(model(), "triplet"), eval_sets={}).fit()
+        learner(sets, method=baseline(None, "triplet", cls=NoLoss), eval_sets={}).fit()
     with pytest.raises(ValueError, match="unknown schedule 'step'"):
         Schedule.build(("step", [1], 0.1), 3)
 
@@ -410,7 +422,8 @@ DDP_SCRIPT = r'''
 import sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 from dml_nb.data import load_dataset
-from dml_nb.learner import Baseline, Learner
+from dml_nb.learner import Learner
+from dml_nb.methods import BaselineMethod
 from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
 dist.init_process_group("gloo")
@@ -420,7 +433,7 @@ train = load_dataset("shapes", split="train", images_per_class=4)
 test = load_dataset("shapes", split="test", images_per_class=4)
 torch.manual_seed(rank)                      # different initial weights per rank: the learner must sync them
 bb = build_backbone("small_cnn", width=8, feature_dim=32)
-method = Baseline(EmbeddingModel(bb, EmbeddingHead(32, 16)), "margin", loss_options={"num_classes": 60})
+method = BaselineMethod(bb, 60, embedding_dim=16)
 sampler = ClassBalancedBatchSampler(train.labels, batch_size=16, samples_per_class=4, batches_per_epoch=3,
                                     rank=rank, world_size=world)
 learn = Learner(method, train, sampler, epochs=2, lr=1e-3, eval_sets={"test": test}, metrics=("recall@1",),
@@ -470,18 +483,17 @@ class Record(Method):
 
 def test_cached_training_set_is_augmented_on_the_device_in_batches(cached_sets):
     train = cached_sets[0]
-    rec = Record(Baseline(model(), "margin", loss_options={"num_classes": train.num_classes}), views=2)
+    rec = Record(baseline(train.num_classes), views=2)
     learn = learner(cached_sets, epochs=1, steps=3, method=rec)
     assert learn.batch_transform is train.batch_transform
     learn.fit()
     b = rec.seen[0]
     assert b["x"].shape == (16, 3, 32, 32) and b["x"].dtype == torch.float32 and "sizes" not in b
     assert len(b["extra_views"]) == 1 and not torch.equal(b["x"], b["extra_views"][0])
-    # the views are BatchAugment of the raw images with the generator of (seed, AUGMENT, epoch, step, rank)
+    # the views are BatchAugment of the raw images with the generator of stream 'augment' at (epoch, step, rank)
     from dml_nb.cache import RawItems, pad_collate
-    from dml_nb.learner import AUGMENT
     raw = pad_collate([RawItems(train)[int(i)] for i in b["index"]])
-    g = torch.Generator().manual_seed(derive_seed(3, AUGMENT, 0, 0, 0))
+    g = torch.Generator().manual_seed(stream_seed(3, "augment", 0, 0, 0))
     x = train.batch_transform(raw["x"], raw["sizes"], g)
     assert torch.equal(b["x"], x) and torch.equal(b["extra_views"][0], train.batch_transform(raw["x"], raw["sizes"], g))
 
