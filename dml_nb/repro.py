@@ -301,6 +301,10 @@ class Claims:
         print(f"[{verdict.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
         return None if holds is None else bool(holds)
 
+    def beats(self, claim: str, table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> bool | None:
+        "`check` the most common claim: row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`)."
+        return self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric))
+
     def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
     def save(self, figures_dir: str | Path | None = None) -> pd.DataFrame:
@@ -375,10 +379,15 @@ class Reproduction:
         out = compare(table, self.paper() if numbers is None else numbers, columns)
         return self.write(out, title, self.note(per_seed, **note) if notes is None else notes)
 
-    def table(self, per_seed: pd.DataFrame, metrics: Sequence[str], title: str, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
-        "`summarize` `per_seed` over `metrics`, then `report` it (`kw`): returns (summary, comparison)."
-        table = summarize(per_seed, metrics)
+    def table(self, per_seed: pd.DataFrame, metrics: Sequence[str] | None, title: str, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
+        "`summarize` `per_seed` over `metrics` (None: the base config's eval metrics), then `report` it (`kw`): returns (summary, comparison)."
+        table = summarize(per_seed, list(metrics or self.base["eval"]["metrics"]))
         return table, self.report(table, per_seed, title, **kw)
+
+    def not_run(self, per_seed: pd.DataFrame, title: str, notes: str = "no row ran") -> pd.DataFrame:
+        "For a table none of whose runs finished: print and write each row and seed with the reason it did not run."
+        print("not run:", "; ".join(f"{r} (seed {s}): {st}" for r, s, st in zip(per_seed["row"], per_seed["seed"], per_seed["status"])))
+        return self.write(per_seed.set_index("row")[["seed", "status"]], title, f"{self.dataset}: {notes}.")
 
     def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
         "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
