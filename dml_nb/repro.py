@@ -301,6 +301,10 @@ class Claims:
         print(f"[{verdict.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
         return None if holds is None else bool(holds)
 
+    def beats(self, claim: str, table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> bool | None:
+        "`check` the most common claim: row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`)."
+        return self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric))
+
     def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
     def save(self, figures_dir: str | Path | None = None) -> pd.DataFrame:
@@ -347,22 +351,43 @@ class Reproduction:
         rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
         return run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
 
-    def paper(self) -> pd.DataFrame: return paper_numbers(self.stem, self.shown)
+    def paper(self, dataset: str | None = None) -> pd.DataFrame:
+        "The paper's numbers on `dataset` (default: the shown one)."
+        return paper_numbers(self.stem, dataset or self.shown)
 
-    def note(self, per_seed: pd.DataFrame | None = None, paper: str | None = None, compare: str | None = "the ordering") -> str:
-        """The note under a table: what ran (dataset, backbone, epochs, seeds, the epoch reported), the paper's
-        dataset (`paper`: another text), and on embedded data what to `compare` (None: no such sentence)."""
+    def note(self, per_seed: pd.DataFrame | None = None, paper: str | None = None, compare: str | None = "the ordering",
+             ours: str = "", detail: str = "") -> str:
+        """The note under a table: what ran (dataset, backbone, epochs, `ours`: more of the setting, seeds, the epoch
+        reported), a `detail` on the rows, the paper's dataset (`paper`: another text), and on embedded data what to
+        `compare` (None: no such sentence)."""
         b = self.base
-        ours = f"Ours: {self.dataset}, {b['model']['backbone']}, {b['train']['epochs']} epochs, seeds {list(self.seeds)}"
-        if per_seed is not None: ours += f", {reported_as(per_seed)}"
+        text = f"Ours: {self.dataset}, {b['model']['backbone']}, {b['train']['epochs']} epochs, {ours + ', ' if ours else ''}seeds {list(self.seeds)}"
+        if per_seed is not None: text += f", {reported_as(per_seed)}"
         hint = f" Embedded-data results: compare {compare}, not the values." if compare and self.embedded else ""
-        return f"{ours}; paper: {self.shown if paper is None else paper}.{hint}"
+        return f"{text}{'; ' + detail if detail else ''}; paper: {self.shown if paper is None else paper}.{hint}"
 
     def write(self, table: pd.DataFrame, title: str, notes: str = "", suffix: str = "") -> pd.DataFrame:
         "Write `table` to `figures/<stem><suffix>.csv` and `.md` with its title and notes, print the notes; returns `table`."
         write_table(table, self.stem + suffix, self.figures, title=title, notes=notes)
         if notes: print(notes)
         return table
+
+    def report(self, table: pd.DataFrame, per_seed: pd.DataFrame, title: str, columns: Sequence[str] | None = None,
+               numbers: pd.DataFrame | None = None, notes: str | None = None, **note) -> pd.DataFrame:
+        """`table` (from `summarize`) beside the paper's `numbers` (default: `paper()`) on `columns` (default: all its
+        metrics), written under `title` with `notes` (default: `note(per_seed, **note)`); returns the comparison."""
+        out = compare(table, self.paper() if numbers is None else numbers, columns)
+        return self.write(out, title, self.note(per_seed, **note) if notes is None else notes)
+
+    def table(self, per_seed: pd.DataFrame, metrics: Sequence[str] | None, title: str, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
+        "`summarize` `per_seed` over `metrics` (None: the base config's eval metrics), then `report` it (`kw`): returns (summary, comparison)."
+        table = summarize(per_seed, list(metrics or self.base["eval"]["metrics"]))
+        return table, self.report(table, per_seed, title, **kw)
+
+    def not_run(self, per_seed: pd.DataFrame, title: str, notes: str = "no row ran") -> pd.DataFrame:
+        "For a table none of whose runs finished: print and write each row and seed with the reason it did not run."
+        print("not run:", "; ".join(f"{r} (seed {s}): {st}" for r, s, st in zip(per_seed["row"], per_seed["seed"], per_seed["status"])))
+        return self.write(per_seed.set_index("row")[["seed", "status"]], title, f"{self.dataset}: {notes}.")
 
     def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
         "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
