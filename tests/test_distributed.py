@@ -1,4 +1,5 @@
-"Multi-process training on CPU: torchrun with the gloo backend, 2 processes, a tiny config, through dml-train."
+"""Multi-process training on CPU (gloo, 2 processes): a tiny config through dml-train under torchrun, and
+DistributedDataParallel with half the batch per process against one process with the whole batch."""
 import json
 import os
 import shutil
