@@ -19,7 +19,8 @@ from .cache import RawItems, pad_collate
 from .batches import BatchList, SeededViews, to_device
 from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights, load_checkpoint,
                                rng_state, set_rng_state)
-from .distributed import all_reduce_gradients, all_reduce_logs, broadcast_state, check_sampler_rank, dist_info
+from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
+                                mean_over_processes)
 from .evaluation import EvaluationMixin, check_metrics
 
 # %% auto #0
@@ -102,6 +103,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self.latest_metrics: dict[str, float] = {}
         self.row: dict = {}
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
+        self._parallel = None   # the training step under DistributedDataParallel when world_size > 1
         self._interrupted = False
         self.context = MethodContext(self)   # all that the method's hooks see of the run
         self._sums: dict[str, torch.Tensor] = {}
@@ -165,7 +167,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
             self.resumed = True
         if self.world_size > 1:
             check_sampler_rank(self.sampler, self.rank, self.world_size)
-            broadcast_state(self.method)
+            self._parallel = data_parallel(self.method)   # copies rank 0's parameters and buffers everywhere
 
     def _compile_backbones(self):
         "`torch.compile` every backbone of the recipe in place (state-dict keys unchanged: checkpoints still load)."
@@ -278,7 +280,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
         if self.batch_transform is not None:
             gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
         batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen)
-        with self.autocast(): out = self.method.training_step(batch)
+        step = self.method.training_step if self._parallel is None else self._parallel
+        with self.autocast(): out = step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
             raise TypeError(f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
                             f"got {type(out).__name__}")
@@ -286,18 +289,17 @@ class Learner(EvaluationMixin, CheckpointMixin):
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.world_size > 1:
-            loss = all_reduce_gradients([p for g in self.optimizer.param_groups for p in g["params"]], loss,
-                                        self.world_size)
+        loss.backward()              # under DDP the gradients are averaged over the processes during the backward
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.grad_clip: gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         else: gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
-        loss_v, gnorm_v = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)]).tolist()
+        stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
+        if self.world_size > 1: stats = mean_over_processes(stats)   # the mean loss: every rank stops together
+        loss_v, gnorm_v = stats.tolist()
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)): self._stop_nonfinite(loss_v, gnorm_v, s)
         self.optimizer.step()
         self.method.after_optimizer_step(self.context)
-        if self.world_size > 1: broadcast_state(self.method, buffers_only=True)   # BatchNorm statistics of rank 0
+        if self.world_size > 1: broadcast_buffers(self.method)   # BatchNorm statistics and queues of rank 0
         logs = {"loss": loss_v, "grad_norm": gnorm_v}
         for k, v in out.items():   # tensors stay on the device (no sync); summed in float64
             if k != "loss": logs[k] = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
