@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import LOSSES, METHODS, MINERS, unknown_name_error
+from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, Method, derive_seed
 from .metrics import maw_sdaw
 from .models import EmbeddingHead, EmbeddingModel

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from .core import BACKBONES, data_root, unknown_name_error
+from .core import data_root
+from .registry import BACKBONES, unknown_name_error
 from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
                             UnreadableImagesError, check_images, inshop_test_classes, read_cars196, read_cub200,
                             read_index, read_inshop, read_sop, read_vehicleid, write_fake_dataset)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LOSSES, METHODS, unknown_name_error
+from .registry import LOSSES, METHODS, unknown_name_error
 from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
 from .metrics import kmeans

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import METHODS, unknown_name_error
+from .registry import METHODS, unknown_name_error
 from .learner import Callback, Method, NoTuplesError, derive_seed
 from .metrics import kmeans_assign
 from .methods import build_loss, build_miner

@@ -11,9 +11,9 @@ from typing import Any, Literal, Optional, Sequence
 
 import yaml
 
-from .core import (BACKBONES, LOSSES, METHODS, MINERS, DiskWriteError, RunLockedError, _disk_cause,
-                         atomic_json, atomic_torch_save, atomic_write, config_hash, data_root, describe_holder,
-                         disk_write_error, lock_dir, parse_metric, remove_temp_files, unknown_name_error)
+from .core import (DiskWriteError, RunLockedError, _disk_cause, atomic_json, atomic_torch_save, atomic_write,
+                         config_hash, data_root, describe_holder, disk_write_error, lock_dir, remove_temp_files)
+from .registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_name_error
 from .formats import (DATASETS, REAL_DATASETS, SPLITS, DatasetFormatError, DatasetNotFoundError,
                             UnreadableImagesError, check_images, read_index)
 

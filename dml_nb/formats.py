@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .core import atomic_json, unknown_name_error
+from .core import atomic_json
+from .registry import unknown_name_error
 
 # %% auto #0
 __all__ = ['DATASETS', 'REAL_DATASETS', 'SPLITS', 'EXPECTED_FILES', 'RELEASES', 'READERS', 'DatasetFormatError',

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .core import (LOSSES, MINERS, atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files,
-                         unknown_name_error)
+from .core import atomic_json, atomic_torch_save, atomic_write, get_device, remove_temp_files
+from .registry import LOSSES, MINERS, unknown_name_error
 from .metrics import evaluate
 from .cache import RawItems, pad_collate
 

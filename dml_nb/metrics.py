@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from .core import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
+from .registry import METRICS, RETRIEVAL_METRICS, parse_metric, unknown_name_error
 
 # %% auto #0
 __all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'lowp_supported', 'faiss_gpus', 'set_num_threads', 'knn', 'recall_at_k', 'map_at_r',

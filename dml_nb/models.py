@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from .core import BACKBONES, unknown_name_error
+from .registry import BACKBONES, unknown_name_error
 
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'CAFFE_BGR_MEAN', 'CAFFE_BGR_STD', 'SLICED_INITS', 'FULL_EMBEDDINGS', 'TRAIN_SPLITS',

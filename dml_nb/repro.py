@@ -15,7 +15,8 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from .core import BACKBONES, METHODS, atomic_write, data_root, in_test
+from .core import atomic_write, data_root, in_test
+from .registry import BACKBONES, METHODS
 from .experiment import (ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
                                run_dir_for)
 from .models import resolve_pretrained

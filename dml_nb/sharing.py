@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LOSSES, METHODS, MINERS, unknown_name_error
+from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, derive_seed
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler

@@ -363,7 +363,7 @@ def learner(ds, run_dir=None, epochs=2, steps=3, callbacks=(), m=None, **kw):
 
 
 def test_registered():
-    from dml_nb.core import METHODS
+    from dml_nb.registry import METHODS
     try:
         cls = METHODS.get("bspml")
     except ModuleNotFoundError as e:      # METHODS imports every recipe module; another one may not exist yet

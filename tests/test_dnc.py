@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from golden import load_golden, arr
-from dml_nb.core import METHODS, Registry
+from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         label_grouping, match_clusters, random_partition)

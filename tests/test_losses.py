@@ -14,7 +14,7 @@ import torch.nn.functional as F
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
-from dml_nb.core import LOSSES
+from dml_nb.registry import LOSSES
 from dml_nb.losses import (ContrastiveLoss, FastAPLoss, MarginLoss, MultiSimilarityLoss, NPairLoss, RDMLLoss,
                            SNRContrastiveLoss, SoftTripletLoss, TripletLoss, WeightedMultiSimilarityLoss)
 from dml_nb.miners import MultiSimilarityMiner, SemiHardMiner

@@ -196,7 +196,7 @@ def test_resume_is_exact():
 
 
 def test_registered_and_built_by_name():
-    from dml_nb.core import METHODS
+    from dml_nb.registry import METHODS
     m = METHODS.build("baseline", backbone=tiny_backbone(), num_classes=4, train_labels=None, embedding_dim=8, dropout=0.1)
     assert isinstance(m, BaselineMethod) and m.dims == {"embedding": 8}
     with pytest.raises(TypeError, match="Did you mean 'dropout'"):

@@ -348,7 +348,7 @@ class _ToyBGR(Backbone):
 @pytest.fixture
 def toy_backbone(monkeypatch):
     "`toy_bgr` registered as a backbone for the test only."
-    from dml_nb.core import BACKBONES
+    from dml_nb.registry import BACKBONES
     BACKBONES.get("resnet50")                               # the package's backbones are registered first
     monkeypatch.setitem(BACKBONES._items, "toy_bgr", _ToyBGR)
     return _ToyBGR
@@ -402,7 +402,7 @@ def test_a_transform_without_the_backbone_record_is_not_guessed():
 
 
 def test_a_backbone_without_preprocessing_is_an_error_saying_what_to_add(monkeypatch):
-    from dml_nb.core import BACKBONES
+    from dml_nb.registry import BACKBONES
     from dml_nb.data import make_transform
     BACKBONES.get("resnet50")
     class Bare(Backbone): pass

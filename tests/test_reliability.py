@@ -20,7 +20,8 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.core import LOSSES, METHODS, MINERS, BACKBONES, DiskWriteError, RunLockedError, _static_registrations
+from dml_nb.core import DiskWriteError, RunLockedError
+from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
 from dml_nb.experiment import ConfigError, load_config, main, make_config, run, run_dir_for
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
                             read_sop, read_vehicleid, write_fake_dataset)

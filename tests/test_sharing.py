@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dml_nb.core import METHODS, Registry
+from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import cluster_statistics, match_clusters
 from dml_nb.learner import Callback, Learner, load_checkpoint
