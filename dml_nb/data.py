@@ -16,8 +16,9 @@ from torchvision.transforms import v2
 from .core import data_root
 from .registry import BACKBONES, unknown_name_error
 from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
-                            UnreadableImagesError, check_images, inshop_test_classes, read_cars196, read_cub200,
-                            read_index, read_inshop, read_sop, read_vehicleid, write_fake_dataset)
+                            inshop_test_classes, read_cars196, read_cub200, read_index, read_inshop, read_sop,
+                            read_vehicleid)
+from .checks import UnreadableImagesError, check_images, write_fake_dataset
 
 # %% auto #0
 __all__ = ['PRESET_ALIASES', 'SHAPES', 'TEXTURES', 'ON_UNREADABLE', 'make_transform', 'ImageListDataset', 'shapes_classes',

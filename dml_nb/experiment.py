@@ -14,8 +14,8 @@ import yaml
 from .core import (DiskWriteError, RunLockedError, _disk_cause, atomic_json, atomic_torch_save, atomic_write,
                          config_hash, data_root, describe_holder, disk_write_error, lock_dir, remove_temp_files)
 from .registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_name_error
-from .formats import (DATASETS, REAL_DATASETS, SPLITS, DatasetFormatError, DatasetNotFoundError,
-                            UnreadableImagesError, check_images, read_index)
+from .formats import DATASETS, REAL_DATASETS, SPLITS, DatasetFormatError, DatasetNotFoundError, read_index
+from .checks import UnreadableImagesError, check_images
 
 # %% auto #0
 __all__ = ['RECIPES_VERSION', 'USER_ERRORS', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',

@@ -24,7 +24,8 @@ from dml_nb.core import DiskWriteError, RunLockedError
 from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
 from dml_nb.experiment import ConfigError, load_config, main, make_config, run, run_dir_for
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
-                            read_sop, read_vehicleid, write_fake_dataset)
+                            read_sop, read_vehicleid)
+from dml_nb.checks import write_fake_dataset
 from dml_nb.learner import DivergedError, load_checkpoint
 from dml_nb.metrics import knn, map_at_r, recall_at_k
 
@@ -270,7 +271,7 @@ def test_check_data_lists_unreadable_images_once_and_caches_the_verdict(sop_with
     code, out, _ = cli(capsys, *args)
     assert code == 2 and f"unreadable: {bad} (" in out and "--set data.on_unreadable=skip" in out, out
     assert "sop at " in out and "train 6 images / 2 classes, test 6 images / 2 classes" in out
-    import dml_nb.formats as F
+    import dml_nb.checks as F
     monkeypatch.setattr(F, "_decode", lambda p: pytest.fail("decoded again"))   # the verdict comes from the cache
     code, out2, _ = cli(capsys, *args)
     assert code == 2 and out2 == out
