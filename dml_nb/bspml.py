@@ -17,7 +17,7 @@ from torch import Tensor
 from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, Method, derive_seed
 from .metrics import maw_sdaw
-from .models import EmbeddingHead, EmbeddingModel
+from .heads import EmbeddingHead, EmbeddingModel
 
 # %% auto #0
 __all__ = ['XI_SCOPES', 'SOLVERS', 'BSPML_SEED', 'TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'class_index', 'spl_objective',

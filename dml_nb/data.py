@@ -36,7 +36,7 @@ def make_transform(preset: str = "resnet50", train: bool = False, size: int | No
     preprocessing_for = getattr(BACKBONES.get(name), "preprocessing_for", None)
     if preprocessing_for is None:
         raise TypeError(f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
-                        "a dml_nb.models.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
+                        "a dml_nb.preprocessing.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
     return preprocessing_for(size).transform(train, flip)
 
 # %% ../nbs/01_data.ipynb #ba5a10ab

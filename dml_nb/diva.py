@@ -14,7 +14,7 @@ from .registry import LOSSES, METHODS, unknown_name_error
 from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
 from .metrics import kmeans
-from .models import MemoryQueue, MomentumEncoder
+from .momentum import MemoryQueue, MomentumEncoder
 from .proxy_nce import DANCE_AXES
 
 # %% auto #0

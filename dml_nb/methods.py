@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .learner import Callback, Method
-from .models import EmbeddingModel, MultiHead
+from .heads import EmbeddingModel, MultiHead
 from .decorrelation import Decorrelation
 
 # %% auto #0

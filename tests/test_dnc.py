@@ -14,7 +14,8 @@ from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_ba
                         label_grouping, match_clusters, random_partition)
 from dml_nb.metrics import kmeans_assign
 from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
-from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.models import build_backbone
+from dml_nb.heads import EmbeddingHead, EmbeddingModel
 from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

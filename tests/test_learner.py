@@ -14,7 +14,8 @@ import torch.nn as nn
 from dml_nb.data import load_dataset
 from dml_nb.learner import (Baseline, Callback, Learner, Method, NonFiniteLossError, Schedule, derive_seed,
                             load_checkpoint, ProgressCallback, history_csv, SAMPLE)
-from dml_nb.models import EmbeddingHead, EmbeddingModel, MultiHead, build_backbone
+from dml_nb.models import build_backbone
+from dml_nb.heads import EmbeddingHead, EmbeddingModel, MultiHead
 from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -411,7 +412,8 @@ import sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 from dml_nb.data import load_dataset
 from dml_nb.learner import Baseline, Learner
-from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.models import build_backbone
+from dml_nb.heads import EmbeddingHead, EmbeddingModel
 from dml_nb.samplers import ClassBalancedBatchSampler
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,8 +11,11 @@ import torch
 import torch.nn as nn
 
 from dml_nb.core import seed_everything
-from dml_nb.models import (Backbone, BNInception, EmbeddingModel, GoogLeNet, MemoryQueue, MomentumEncoder, MultiHead,
-                           Preprocessing, ResNet50, SmallCNN, batchnorm_modules, build_backbone, global_pool)
+from dml_nb.models import (Backbone, BNInception, GoogLeNet, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
+                           global_pool)
+from dml_nb.heads import EmbeddingModel, MultiHead
+from dml_nb.momentum import MemoryQueue, MomentumEncoder
+from dml_nb.preprocessing import Preprocessing
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -254,7 +257,7 @@ def test_memory_queue_all_gather_two_processes(tmp_path):
 # Divide and Conquer's sliced head against the authors' lib/model.py and train.py (golden fixture) -------------------
 
 from golden import load_golden, arr
-from dml_nb.models import SlicedHead, slice_bounds
+from dml_nb.heads import SlicedHead, slice_bounds
 
 
 def _golden_head(case, **options):
