@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .registry import LOSSES, METHODS, unknown_name_error
 from .learner import EVAL, SeededViews, derive_seed
 from .methods import MultiTaskMethod, Task
-from .metrics import kmeans
+from .clustering import kmeans
 from .momentum import MemoryQueue, MomentumEncoder
 from .proxy_nce import DANCE_AXES
 

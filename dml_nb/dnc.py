@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .registry import METHODS, unknown_name_error
 from .learner import Callback, Method, NoTuplesError, derive_seed
-from .metrics import kmeans_assign
+from .clustering import kmeans_assign
 from .methods import build_loss, build_miner
 from .heads import EmbeddingModel, SlicedHead, slice_bounds
 from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members

@@ -17,7 +17,7 @@ from .learner import Callback, derive_seed
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
 from .dnc import cluster_statistics, match_clusters
-from .metrics import kmeans_assign
+from .clustering import kmeans_assign
 
 # %% auto #0
 __all__ = ['STANDARDIZE', 'DISCRIMINATIVE', 'SHARED', 'ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES',

@@ -12,7 +12,7 @@ from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         label_grouping, match_clusters, random_partition)
-from dml_nb.metrics import kmeans_assign
+from dml_nb.clustering import kmeans_assign
 from dml_nb.learner import Baseline, Callback, Learner, NoTuplesError, load_checkpoint
 from dml_nb.models import build_backbone
 from dml_nb.heads import EmbeddingHead, EmbeddingModel

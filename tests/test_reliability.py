@@ -27,7 +27,8 @@ from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196
                             read_sop, read_vehicleid)
 from dml_nb.checks import write_fake_dataset
 from dml_nb.learner import DivergedError, load_checkpoint
-from dml_nb.metrics import knn, map_at_r, recall_at_k
+from dml_nb.metrics import map_at_r, recall_at_k
+from dml_nb.neighbours import knn
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
