@@ -361,7 +361,8 @@ def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
     from torchvision.transforms.v2 import functional as TF
     from dml_nb.cache import BatchAugment
     from dml_nb.data import ArrayDataset, make_transform
-    from dml_nb.experiment import build_datasets, make_config
+    from dml_nb.experiment import build_datasets
+    from dml_nb.config import make_config
     from dml_nb.learner import eval_view
     pp = toy_backbone.preprocessing_for()
     train, test = make_transform("toy_bgr", train=True), make_transform("toy_bgr")

@@ -22,7 +22,9 @@ import yaml
 
 from dml_nb.core import DiskWriteError, RunLockedError
 from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
-from dml_nb.experiment import ConfigError, load_config, main, make_config, run, run_dir_for
+from dml_nb.experiment import run, run_dir_for
+from dml_nb.config import ConfigError, load_config, make_config
+from dml_nb.cli import main
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
                             read_sop, read_vehicleid)
 from dml_nb.checks import write_fake_dataset
@@ -367,7 +369,7 @@ def test_help_and_config_errors_answer_without_importing_torch(tmp_path):
     "`import dml_nb.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
     (tmp_path / "bad.yaml").write_text("train: {epochs: 3\nseed: 1\n")
     shapes = ROOT / "params/train/shapes_baseline.yaml"
-    code = ("import sys, time\nt = time.time()\nfrom dml_nb.experiment import main\n"
+    code = ("import sys, time\nt = time.time()\nfrom dml_nb.cli import main\n"
             "try: rc = main(sys.argv[1:])\nexcept SystemExit as e: rc = e.code\n"
             "heavy = [m for m in ('torch', 'torchvision', 'sklearn', 'faiss', 'pandas') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, file=sys.stderr)")

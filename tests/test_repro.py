@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dml_nb.repro import Claims, better, collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke, setup
-from dml_nb.experiment import ConfigError, make_config
+from dml_nb.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "nbs").glob("repro_*.ipynb"))
