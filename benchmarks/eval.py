@@ -25,7 +25,9 @@ import torch
 
 from sklearn.metrics import normalized_mutual_info_score
 
-from dml_nb.metrics import _auto_nredo, _cache_bytes, evaluate, kmeans, lowp_supported, set_num_threads
+from dml_nb.metrics import evaluate
+from dml_nb.clustering import _auto_nredo, kmeans
+from dml_nb.neighbours import _cache_bytes, lowp_supported, set_num_threads
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),

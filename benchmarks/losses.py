@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dml_nb.core import LOSSES, MINERS
+from dml_nb.registry import LOSSES, MINERS
 
 
 @dataclass

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 import dml_nb.experiment as X
+from dml_nb.config import load_config
 from dml_nb.data import ArrayDataset, make_transform
-from dml_nb.learner import Callback
+from dml_nb.callbacks import Callback
 from dml_nb.models import build_backbone
 
 PARAMS = Path(__file__).resolve().parent.parent / "params" / "train"
@@ -119,9 +120,9 @@ def main():
                     f"train.compile={'true' if args.compile else 'false'}"]
             if args.variant == "shapes":
                 over.append(f"data.cache={'true' if cache == 'on' else 'false'}")
-                cfg = X.load_config(PARAMS / f"shapes_{m}.yaml", overrides=over)
+                cfg = load_config(PARAMS / f"shapes_{m}.yaml", overrides=over)
             else:
-                cfg = X.load_config(PARAMS / f"cub200_{m}.yaml", overrides=over + ["model.pretrained=null", "data.name=shapes"])
+                cfg = load_config(PARAMS / f"cub200_{m}.yaml", overrides=over + ["model.pretrained=null", "data.name=shapes"])
             if args.batch: cfg.train.batch_size = args.batch
             steps = args.steps or (None if args.variant == "shapes" else 30)
             if steps: cfg.train.batches_per_epoch = steps

@@ -14,10 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import LOSSES, METHODS, MINERS, unknown_name_error
-from .learner import Callback, Method
+from .registry import LOSSES, METHODS, MINERS, unknown_name_error
+from .callbacks import Callback
+from .context import Method
 from .metrics import maw_sdaw
-from .models import EmbeddingHead, EmbeddingModel
+from .heads import EmbeddingHead, EmbeddingModel
 
 # %% auto #0
 __all__ = ['XI_SCOPES', 'SOLVERS', 'TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'class_index', 'spl_objective', 'spl_gradient',

@@ -110,7 +110,7 @@ class BatchAugment(torch.nn.Module):
     `scale`, `ratio`) + horizontal flip with probability `flip`; test = Resize(`resize`, shorter side) + CenterCrop
     (`size`); then (x / 255 - mean) / std and, with `bgr`, RGB -> BGR. Call it on a zero-padded batch (N, C, H, W)
     with the true sizes (N, 2), or on one (C, H, W) image (the per-item path; random draws from torch's global RNG).
-    `preprocessing`: the backbone's `dml_nb.models.Preprocessing` it runs, which gives its `test_version`."""
+    `preprocessing`: the backbone's `dml_nb.preprocessing.Preprocessing` it runs, which gives its `test_version`."""
     def __init__(self, size: int, train: bool = True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
                  resize: int | None = None, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), bgr: bool = False,
                  preprocessing=None):
@@ -165,7 +165,7 @@ class BatchAugment(torch.nn.Module):
         """The batched equivalent of a `dml_nb.data.make_transform` pipeline (and of the backbone preprocessing it
         carries as `.preprocessing`); other pipelines are an error naming the step."""
         from torchvision.transforms import v2
-        from dml_nb.models import ToBGR
+        from dml_nb.preprocessing import ToBGR
         ops = list(getattr(transform, "transforms", [transform]))
         kw, crop, resize = {"flip": 0.0}, None, None
         for op in ops:

@@ -13,10 +13,12 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from .core import BACKBONES, data_root, unknown_name_error
+from .core import data_root
+from .registry import BACKBONES, unknown_name_error
 from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
-                            UnreadableImagesError, check_images, inshop_test_classes, read_cars196, read_cub200,
-                            read_index, read_inshop, read_sop, read_vehicleid, write_fake_dataset)
+                            inshop_test_classes, read_cars196, read_cub200, read_index, read_inshop, read_sop,
+                            read_vehicleid)
+from .checks import UnreadableImagesError, check_images, write_fake_dataset
 
 # %% auto #0
 __all__ = ['PRESET_ALIASES', 'SHAPES', 'TEXTURES', 'ON_UNREADABLE', 'make_transform', 'ImageListDataset', 'shapes_classes',
@@ -34,7 +36,7 @@ def make_transform(preset: str = "resnet50", train: bool = False, size: int | No
     preprocessing_for = getattr(BACKBONES.get(name), "preprocessing_for", None)
     if preprocessing_for is None:
         raise TypeError(f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
-                        "a dml_nb.models.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
+                        "a dml_nb.preprocessing.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
     return preprocessing_for(size).transform(train, flip)
 
 # %% ../nbs/01_data.ipynb #ba5a10ab

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import unknown_name_error
+from .registry import unknown_name_error
 
 # %% auto #0
 __all__ = ['DISTANCES', 'pairwise_distance', 'Distance', 'EuclideanDistance', 'DotProductSimilarity', 'CosineSimilarity',

@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LOSSES, METHODS, unknown_name_error
+from .registry import LOSSES, METHODS, unknown_name_error
 from .methods import MultiTaskMethod, Task
-from .metrics import kmeans
-from .models import MemoryQueue, MomentumEncoder
+from .clustering import kmeans
+from .momentum import MemoryQueue, MomentumEncoder
 from .proxy_nce import DANCE_AXES
 
 # %% auto #0

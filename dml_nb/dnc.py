@@ -12,11 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import METHODS, unknown_name_error
-from .learner import Callback, Method, NoTuplesError
-from .metrics import kmeans_assign
+from .registry import METHODS, unknown_name_error
+from .callbacks import Callback
+from .context import Method
+from .learner import NoTuplesError
+from .clustering import kmeans_assign
 from .methods import build_loss, build_miner
-from .models import EmbeddingModel, SlicedHead, slice_bounds
+from .heads import EmbeddingModel, SlicedHead, slice_bounds
 from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 
 # %% auto #0

@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .core import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed, unknown_name_error
+from .core import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
+from .registry import unknown_name_error
 from .context import Method, MethodContext
 from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback, history_csv
 from .schedule import Schedule

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import LOSSES
+from .registry import LOSSES
 from .distances import Distance, EuclideanDistance, as_distance
 from .miners import MultiSimilarityMiner, check_batch, negative_mask, positive_mask
 

@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LOSSES, METHODS, MINERS, unknown_name_error
-from .learner import Callback, Method
-from .models import EmbeddingModel, MultiHead
+from .registry import LOSSES, METHODS, MINERS, unknown_name_error
+from .callbacks import Callback
+from .context import Method
+from .heads import EmbeddingModel, MultiHead
 from .decorrelation import Decorrelation
 
 # %% auto #0

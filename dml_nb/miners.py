@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import MINERS
+from .registry import MINERS
 from .distances import Distance, EuclideanDistance, as_distance, pairwise_distance
 
 # %% auto #0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import LOSSES
+from .registry import LOSSES
 from .distances import Distance
 from .losses import RankingLoss, as_pairs, zero_loss
 from .miners import check_batch, log_inverse_sphere_density

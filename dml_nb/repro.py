@@ -15,9 +15,10 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from .core import BACKBONES, METHODS, atomic_write, data_root, in_test
-from .experiment import (ConfigError, RunResult, build_learner, load_result, make_config, merge_layers, run,
-                               run_dir_for)
+from .core import atomic_write, data_root, in_test
+from .registry import BACKBONES, METHODS
+from .experiment import RunResult, build_learner, load_result, run, run_dir_for
+from .config import ConfigError, make_config, merge_layers
 from .models import resolve_pretrained
 from .viz import markdown_table, save_figure, set_style
 

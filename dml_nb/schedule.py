@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from .core import unknown_name_error
+from .registry import unknown_name_error
 
 # %% auto #0
 __all__ = ['SCHEDULES', 'Schedule']

@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LOSSES, METHODS, MINERS, unknown_name_error
+from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .core import stream_seed
-from .learner import Callback
+from .callbacks import Callback
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
 from .dnc import cluster_statistics, match_clusters
-from .metrics import kmeans_assign
+from .clustering import kmeans_assign
 
 # %% auto #0
 __all__ = ['STANDARDIZE', 'DISCRIMINATIVE', 'SHARED', 'ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES',

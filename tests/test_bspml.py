@@ -17,7 +17,9 @@ from dml_nb.bspml import (BSPML, SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor
 from dml_nb.losses import WeightedMultiSimilarityLoss
 from dml_nb.learner import eval_view
 from dml_nb.data import add_label_noise, load_dataset, make_transform
-from dml_nb.learner import Callback, Learner, load_checkpoint
+from dml_nb.callbacks import Callback
+from dml_nb.learner import Learner
+from dml_nb.checkpoint import load_checkpoint
 from dml_nb.metrics import maw_sdaw
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
@@ -363,7 +365,7 @@ def learner(ds, run_dir=None, epochs=2, steps=3, callbacks=(), m=None, **kw):
 
 
 def test_registered():
-    from dml_nb.core import METHODS
+    from dml_nb.registry import METHODS
     try:
         cls = METHODS.get("bspml")
     except ModuleNotFoundError as e:      # METHODS imports every recipe module; another one may not exist yet

@@ -12,7 +12,8 @@ from torchvision.transforms.v2 import functional as TF
 
 from dml_nb.cache import (BatchAugment, CachedImages, RawItems, cache_images, center_crop_boxes, crop_resize,
                           pad_collate, random_resized_crop_boxes)
-from dml_nb.data import ImageListDataset, load_dataset, make_transform, write_fake_dataset
+from dml_nb.data import ImageListDataset, load_dataset, make_transform
+from dml_nb.checks import write_fake_dataset
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

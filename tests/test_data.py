@@ -7,7 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from dml_nb.data import (DATASETS, SPLITS, add_label_noise, load_dataset, make_shapes, write_fake_dataset)
+from dml_nb.formats import DATASETS, SPLITS
+from dml_nb.data import add_label_noise, load_dataset, make_shapes
+from dml_nb.checks import write_fake_dataset
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ import torch
 from dml_nb.core import seed_everything
 from dml_nb.data import load_dataset
 from dml_nb.diva import DeepClusterTask, DiVA, QueueTask, RotNetTask
-from dml_nb.learner import Callback, Learner
+from dml_nb.callbacks import Callback
+from dml_nb.learner import Learner
 from dml_nb.miners import check_triplets
-from dml_nb.metrics import kmeans
+from dml_nb.clustering import kmeans
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
 

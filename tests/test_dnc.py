@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from golden import load_golden, arr
-from dml_nb.core import METHODS, Registry
+from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         label_grouping, match_clusters, random_partition)
-from dml_nb.learner import Callback, Learner, NoTuplesError, load_checkpoint
+from dml_nb.callbacks import Callback
+from dml_nb.learner import Learner, NoTuplesError
+from dml_nb.checkpoint import load_checkpoint
 from dml_nb.methods import BaselineMethod
-from dml_nb.metrics import kmeans_assign
+from dml_nb.clustering import kmeans_assign
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from dml_nb.core import config_hash
-from dml_nb.experiment import ConfigError, config_to_dict, make_config, run
+from dml_nb.experiment import run
+from dml_nb.config import ConfigError, config_to_dict, make_config
 
 TINY = {"data": {"name": "shapes", "images_per_class": 4, "size": 32},
         "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from dml_nb.core import METHODS
-from dml_nb.experiment import config_to_dict, make_config, read_yaml
+from dml_nb.registry import METHODS
+from dml_nb.config import config_to_dict, make_config, read_yaml
 from dml_nb.repro import Row, base_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb import metrics as M
-from dml_nb.metrics import evaluate, knn, map_at_r, recall_at_k
+from dml_nb import neighbours as M
+from dml_nb.metrics import evaluate, map_at_r, recall_at_k
+from dml_nb.neighbours import knn
 
 from test_metrics import brute_map_at_r, brute_neighbours, brute_recall
 

@@ -14,11 +14,14 @@ import torch.nn as nn
 from dml_nb.data import load_dataset
 from dml_nb.core import stream_seed
 from dml_nb.callbacks import Callback, ProgressCallback, history_csv
-from dml_nb.core import LOSSES
-from dml_nb.learner import Learner, Method, NonFiniteLossError, load_checkpoint
+from dml_nb.registry import LOSSES
+from dml_nb.learner import Learner
+from dml_nb.context import Method
+from dml_nb.checkpoint import NonFiniteLossError, load_checkpoint
 from dml_nb.methods import BaselineMethod
 from dml_nb.schedule import Schedule
-from dml_nb.models import EmbeddingHead, EmbeddingModel, MultiHead, build_backbone
+from dml_nb.heads import EmbeddingHead, EmbeddingModel, MultiHead
+from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -424,7 +427,8 @@ torch.set_num_threads(1)
 from dml_nb.data import load_dataset
 from dml_nb.learner import Learner
 from dml_nb.methods import BaselineMethod
-from dml_nb.models import EmbeddingHead, EmbeddingModel, build_backbone
+from dml_nb.heads import EmbeddingHead, EmbeddingModel
+from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
-from dml_nb.core import LOSSES
+from dml_nb.registry import LOSSES
 from dml_nb.losses import (ContrastiveLoss, FastAPLoss, MarginLoss, MultiSimilarityLoss, NPairLoss, RDMLLoss,
                            SNRContrastiveLoss, SoftTripletLoss, TripletLoss, WeightedMultiSimilarityLoss)
 from dml_nb.miners import MultiSimilarityMiner, SemiHardMiner
@@ -232,7 +232,7 @@ def test_margin_beta_readings():
 
 
 def test_fixed_beta_never_reaches_an_optimiser():
-    from dml_nb.learner import Method
+    from dml_nb.context import Method
 
     class Tiny(Method):
         def __init__(self, **loss_options):

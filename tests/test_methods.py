@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dml_nb.core import seed_everything
-from dml_nb.learner import Callback, Learner
+from dml_nb.callbacks import Callback
+from dml_nb.learner import Learner
 from dml_nb.methods import BaselineMethod, MultiTaskMethod, Task, build_loss
 from dml_nb.miners import check_triplets
 from dml_nb.models import build_backbone
@@ -196,7 +197,7 @@ def test_resume_is_exact():
 
 
 def test_registered_and_built_by_name():
-    from dml_nb.core import METHODS
+    from dml_nb.registry import METHODS
     m = METHODS.build("baseline", backbone=tiny_backbone(), num_classes=4, train_labels=None, embedding_dim=8, dropout=0.1)
     assert isinstance(m, BaselineMethod) and m.dims == {"embedding": 8}
     with pytest.raises(TypeError, match="Did you mean 'dropout'"):

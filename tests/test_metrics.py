@@ -15,8 +15,10 @@ import pytest
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from dml_nb.metrics import (evaluate, generalization_gap, kmeans, knn, map_at_r, maw_sdaw, nmi, recall_at_k,
-                            singular_value_spectrum, spectral_decay)
+from dml_nb.metrics import (evaluate, generalization_gap, map_at_r, maw_sdaw, recall_at_k, singular_value_spectrum,
+                            spectral_decay)
+from dml_nb.clustering import kmeans, nmi
+from dml_nb.neighbours import knn
 
 BACKENDS = ("torch", "faiss")
 
@@ -87,7 +89,7 @@ def test_recall_matches_brute_force(backend, dtype, as_torch):
 
 def test_knn_chunks_match_one_block():
     "Queries split over many chunks (tiny max_chunk) give the same neighbours as one exact computation."
-    from dml_nb.metrics import _knn_torch
+    from dml_nb.neighbours import _knn_torch
     g = torch.Generator().manual_seed(3)
     q, r = torch.randn(50, 6, generator=g), torch.randn(5000, 6, generator=g)
     d, i = _knn_torch(q, r, 5, False, max_chunk=3 * 5000)  # 3 queries per chunk, last chunk shorter
@@ -333,7 +335,7 @@ def test_cuda_matches_cpu():
 # ---- faiss-gpu and device placement (issue 6) ----
 import faiss
 
-from dml_nb import metrics as M
+from dml_nb import neighbours as M
 
 HAS_FAISS_GPU = M.faiss_gpus() > 0
 

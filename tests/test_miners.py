@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dml_nb.core import MINERS
+from dml_nb.registry import MINERS
 from dml_nb.distances import pairwise_distance
 from dml_nb.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
                            distance_weights)

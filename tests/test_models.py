@@ -11,8 +11,11 @@ import torch
 import torch.nn as nn
 
 from dml_nb.core import seed_everything
-from dml_nb.models import (Backbone, BNInception, EmbeddingModel, GoogLeNet, MemoryQueue, MomentumEncoder, MultiHead,
-                           Preprocessing, ResNet50, SmallCNN, batchnorm_modules, build_backbone, global_pool)
+from dml_nb.models import (Backbone, BNInception, GoogLeNet, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
+                           global_pool)
+from dml_nb.heads import EmbeddingModel, MultiHead
+from dml_nb.momentum import MemoryQueue, MomentumEncoder
+from dml_nb.preprocessing import Preprocessing
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -254,7 +257,7 @@ def test_memory_queue_all_gather_two_processes(tmp_path):
 # Divide and Conquer's sliced head against the authors' lib/model.py and train.py (golden fixture) -------------------
 
 from golden import load_golden, arr
-from dml_nb.models import SlicedHead, slice_bounds
+from dml_nb.heads import SlicedHead, slice_bounds
 
 
 def _golden_head(case, **options):
@@ -348,7 +351,7 @@ class _ToyBGR(Backbone):
 @pytest.fixture
 def toy_backbone(monkeypatch):
     "`toy_bgr` registered as a backbone for the test only."
-    from dml_nb.core import BACKBONES
+    from dml_nb.registry import BACKBONES
     BACKBONES.get("resnet50")                               # the package's backbones are registered first
     monkeypatch.setitem(BACKBONES._items, "toy_bgr", _ToyBGR)
     return _ToyBGR
@@ -358,7 +361,8 @@ def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
     from torchvision.transforms.v2 import functional as TF
     from dml_nb.cache import BatchAugment
     from dml_nb.data import ArrayDataset, make_transform
-    from dml_nb.experiment import build_datasets, make_config
+    from dml_nb.experiment import build_datasets
+    from dml_nb.config import make_config
     from dml_nb.learner import eval_view
     pp = toy_backbone.preprocessing_for()
     train, test = make_transform("toy_bgr", train=True), make_transform("toy_bgr")
@@ -402,7 +406,7 @@ def test_a_transform_without_the_backbone_record_is_not_guessed():
 
 
 def test_a_backbone_without_preprocessing_is_an_error_saying_what_to_add(monkeypatch):
-    from dml_nb.core import BACKBONES
+    from dml_nb.registry import BACKBONES
     from dml_nb.data import make_transform
     BACKBONES.get("resnet50")
     class Bare(Backbone): pass

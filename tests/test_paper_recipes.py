@@ -8,8 +8,9 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.data import write_fake_dataset
-from dml_nb.experiment import config_to_dict, make_config, merge_layers, read_yaml, run
+from dml_nb.checks import write_fake_dataset
+from dml_nb.experiment import run
+from dml_nb.config import config_to_dict, make_config, merge_layers, read_yaml
 from dml_nb.repro import Row, base_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from torch.autograd import gradcheck
 from torch.func import functional_call
 
 from dml_nb.decorrelation import Decorrelation
-from dml_nb.models import grad_reverse
+from dml_nb.heads import grad_reverse
 from dml_nb.proxy_nce import DaNCELoss, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss
 
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")

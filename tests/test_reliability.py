@@ -20,12 +20,17 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.core import LOSSES, METHODS, MINERS, BACKBONES, DiskWriteError, RunLockedError, _static_registrations
-from dml_nb.experiment import ConfigError, load_config, main, make_config, run, run_dir_for
+from dml_nb.core import DiskWriteError, RunLockedError
+from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
+from dml_nb.experiment import run, run_dir_for
+from dml_nb.config import ConfigError, load_config, make_config
+from dml_nb.cli import main
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
-                            read_sop, read_vehicleid, write_fake_dataset)
-from dml_nb.learner import DivergedError, load_checkpoint
-from dml_nb.metrics import knn, map_at_r, recall_at_k
+                            read_sop, read_vehicleid)
+from dml_nb.checks import write_fake_dataset
+from dml_nb.checkpoint import DivergedError, load_checkpoint
+from dml_nb.metrics import map_at_r, recall_at_k
+from dml_nb.neighbours import knn
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -269,7 +274,7 @@ def test_check_data_lists_unreadable_images_once_and_caches_the_verdict(sop_with
     code, out, _ = cli(capsys, *args)
     assert code == 2 and f"unreadable: {bad} (" in out and "--set data.on_unreadable=skip" in out, out
     assert "sop at " in out and "train 6 images / 2 classes, test 6 images / 2 classes" in out
-    import dml_nb.formats as F
+    import dml_nb.checks as F
     monkeypatch.setattr(F, "_decode", lambda p: pytest.fail("decoded again"))   # the verdict comes from the cache
     code, out2, _ = cli(capsys, *args)
     assert code == 2 and out2 == out
@@ -364,7 +369,7 @@ def test_help_and_config_errors_answer_without_importing_torch(tmp_path):
     "`import dml_nb.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
     (tmp_path / "bad.yaml").write_text("train: {epochs: 3\nseed: 1\n")
     shapes = ROOT / "params/train/shapes_baseline.yaml"
-    code = ("import sys, time\nt = time.time()\nfrom dml_nb.experiment import main\n"
+    code = ("import sys, time\nt = time.time()\nfrom dml_nb.cli import main\n"
             "try: rc = main(sys.argv[1:])\nexcept SystemExit as e: rc = e.code\n"
             "heavy = [m for m in ('torch', 'torchvision', 'sklearn', 'faiss', 'pandas') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, file=sys.stderr)")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dml_nb.repro import Claims, better, collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke, setup
-from dml_nb.experiment import ConfigError, make_config
+from dml_nb.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "nbs").glob("repro_*.ipynb"))
@@ -179,7 +179,7 @@ def test_collector_fixture_is_small_and_real():
 def _smoke_cases():
     "Every method spec of the parameter files and of the notebooks' parameters cells, on its base: {case id: config}."
     import json
-    from dml_nb.core import METHODS
+    from dml_nb.registry import METHODS
     def specs(obj, path=""):
         if isinstance(obj, dict):
             if isinstance(obj.get("name"), str) and obj["name"] in METHODS: yield path, obj; return

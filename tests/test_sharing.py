@@ -10,10 +10,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dml_nb.core import METHODS, Registry
+from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
 from dml_nb.dnc import cluster_statistics, match_clusters
-from dml_nb.learner import Callback, Learner, load_checkpoint
+from dml_nb.callbacks import Callback
+from dml_nb.learner import Learner
+from dml_nb.checkpoint import load_checkpoint
 from dml_nb.miners import check_triplets
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
