@@ -323,6 +323,9 @@ class SmallCNN(Backbone):
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
         self.preprocessing = Preprocessing(input_size, input_size, tuple(mean), tuple(std))
+        if pretrained is True:   # the weights shipped in the package (dml_nb.pretrain), checksum and options checked
+            from .pretrain import shipped_weights
+            pretrained = shipped_weights(width, feature_dim, in_channels)
         self._finish(pretrained, "small_cnn")
 
     def forward_features(self, x): return self.body(x)
