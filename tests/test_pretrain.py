@@ -32,7 +32,6 @@ def test_checks_name_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m dml_nb.pretrain"): shipped_weights(folder=tmp_path / "none")
 
 
-@pytest.mark.skipif(not _files(WEIGHTS_DIR, "fgpool")[0].is_file(), reason="no shipped weights in this checkout")
 def test_shipped_weights_load_offline_and_refuse_other_options():
     pt, sha, _ = _files(WEIGHTS_DIR, "fgpool")
     assert sha.read_text().split()[0] == _sha256(pt) and pt.stat().st_size < 4 * 2**20
