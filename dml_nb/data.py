@@ -263,7 +263,7 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
         if name == "finegrained":
-            from .finegrained import make_finegrained   # imported here: dml_nb.finegrained builds on this module
+            from dml_nb.finegrained import make_finegrained   # imported here: dml_nb.finegrained builds on this module
             ds = make_finegrained(split, size=size or 32, **options)
         else: ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"
                     else make_digits(split, size=size or 32))

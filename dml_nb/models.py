@@ -324,7 +324,7 @@ class SmallCNN(Backbone):
         self.feature_dim = feature_dim
         self.preprocessing = Preprocessing(input_size, input_size, tuple(mean), tuple(std))
         if pretrained is True:   # the weights shipped in the package (dml_nb.pretrain), checksum and options checked
-            from .pretrain import shipped_weights
+            from dml_nb.pretrain import shipped_weights
             pretrained = shipped_weights(width, feature_dim, in_channels)
         self._finish(pretrained, "small_cnn")
 
