@@ -217,7 +217,8 @@ def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
     return ArrayDataset(np.ascontiguousarray(img.numpy()), d.target[keep], name="digits", split=split)
 
 # %% ../nbs/01_data.ipynb #075af53b
-_OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": ()}
+_OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": (),
+            "finegrained": ("images_per_class", "seed", "num_classes")}
 ON_UNREADABLE = (None, "error", "skip")
 
 def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str, progress: bool = True):
@@ -242,15 +243,18 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
                         f"augment, size{''.join(', ' + o for o in _OPTIONS[name])}")
     mode = options.get("on_unreadable")
     if mode not in ON_UNREADABLE: raise unknown_name_error("on_unreadable value", mode, ["error", "skip"])
-    embedded = name in ("shapes", "digits")
+    embedded = name not in REAL_DATASETS
     train = (split == "train") if augment is None else augment
     if transform == "auto":
         preset = preset or ("small" if embedded else "resnet50")
         tsize = (size or 32) if PRESET_ALIASES.get(preset, preset) == "small_cnn" else size
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
-        ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"
-              else make_digits(split, size=size or 32))
+        if name == "finegrained":
+            from dml_nb.finegrained import make_finegrained   # imported here: dml_nb.finegrained builds on this module
+            ds = make_finegrained(split, size=size or 32, **options)
+        else: ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"
+                    else make_digits(split, size=size or 32))
         ds.transform = transform
         return ds
     root = data_root(name, root)

@@ -309,6 +309,9 @@ class SmallCNN(Backbone):
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
         self.preprocessing = replace(self.preprocessing_for(input_size), mean=tuple(mean), std=tuple(std))
+        if pretrained is True:   # the weights shipped in the package (dml_nb.pretrain), checksum and options checked
+            from dml_nb.pretrain import shipped_weights
+            pretrained = shipped_weights(width, feature_dim, in_channels)
         self._finish(pretrained, "small_cnn")
 
     @classmethod

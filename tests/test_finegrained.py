@@ -1,0 +1,57 @@
+"The embedded fine-grained set: fixed disjoint class sets, deterministic images, sizes and types, load_dataset."
+import numpy as np
+import pytest
+
+from dml_nb.data import load_dataset
+from dml_nb.config import make_config
+from dml_nb.finegrained import (CLASSES_PER_SPLIT, FACTORS, factor_grid, finegrained_classes, make_finegrained,
+                                render_finegrained)
+
+
+def test_three_class_sets_are_disjoint_and_cover_every_combination():
+    sets = {s: finegrained_classes(s) for s in ("train", "test", "pretrain")}
+    assert [len(v) for v in sets.values()] == [CLASSES_PER_SPLIT, CLASSES_PER_SPLIT, 3840 - 2 * CLASSES_PER_SPLIT]
+    assert set(sets["train"]).isdisjoint(sets["test"])
+    assert set(sets["pretrain"]).isdisjoint(set(sets["train"]) | set(sets["test"]))
+    assert len(np.unique(np.concatenate(list(sets.values())))) == len(factor_grid()) == 3840
+    grid = factor_grid()   # what the sets share is factor values, never combinations
+    for i, values in enumerate(FACTORS.values()):
+        for s in sets.values(): assert len(np.unique(grid[s, i])) == len(values)
+    np.testing.assert_array_equal(finegrained_classes("train"), sets["train"])   # fixed, no seed involved
+
+
+def test_images_are_deterministic_and_depend_on_the_seed():
+    c = finegrained_classes("test")[0]
+    a, b = render_finegrained(c, 5, seed=3), render_finegrained(c, 5, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, render_finegrained(c, 5, seed=4))
+    x, y = make_finegrained("train", 3, num_classes=4), make_finegrained("train", 3, num_classes=4)
+    np.testing.assert_array_equal(x.images, y.images)
+
+
+@pytest.mark.parametrize("size", [32, 48])
+def test_sizes_dtype_and_factor_ids(size):
+    ds = make_finegrained("pretrain", images_per_class=3, size=size, num_classes=7)
+    assert ds.images.shape == (21, size, size, 3) and ds.images.dtype == np.uint8
+    assert ds.num_classes == 7 and ds.labels.dtype == np.int64 and sorted(set(ds.labels)) == list(range(7))
+    np.testing.assert_array_equal(np.sort(ds.class_ids), np.sort(finegrained_classes("pretrain")[:7]))
+    grid = factor_grid()[ds.class_ids[ds.labels]]
+    np.testing.assert_array_equal(np.stack([ds.shape_ids, ds.texture_ids, ds.palette_ids, ds.part_ids], 1), grid)
+    assert ds.images.std() > 20    # not blank
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="between 2 and 100"): make_finegrained("test", num_classes=101)
+    with pytest.raises(ValueError, match="between 32 and 64"): make_finegrained("test", size=16)
+    with pytest.raises(ValueError, match="at least 2"): make_finegrained("test", images_per_class=1)
+    with pytest.raises(ValueError, match="pretrain, test, train"): make_finegrained("val")
+
+
+def test_load_dataset_and_config_know_the_name():
+    tr = load_dataset("finegrained", split="train", images_per_class=2, num_classes=3)
+    te = load_dataset("finegrained", split="test", images_per_class=2, num_classes=3)
+    x, y = tr[0]
+    assert x.shape == (3, 32, 32) and x.dtype.is_floating_point and y == tr.labels[0]
+    assert set(tr.class_ids).isdisjoint(te.class_ids)
+    with pytest.raises(Exception, match="pretrain|split"): load_dataset("finegrained", split="pretrain")
+    assert make_config({"data": {"name": "finegrained"}}).data.name == "finegrained"

@@ -1,0 +1,42 @@
+"The pretraining stage: bit-identical regeneration at a tiny size, and the shipped weights' checks."
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dml_nb.models import build_backbone
+from dml_nb.pretrain import WEIGHTS_DIR, PretrainRecipe, _files, _sha256, pretrain, save_weights, shipped_weights
+
+TINY = PretrainRecipe(num_classes=5, images_per_class=4, heldout_per_class=2, width=4, feature_dim=8, epochs=2,
+                      batch_size=8, threads=1)
+
+
+def test_two_runs_write_identical_bytes(tmp_path):
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    files = [save_weights(pretrain(r, progress=False)[0], r, 0.0, tmp_path / n)
+             for n, r in (("a", TINY), ("b", TINY), ("c", replace(TINY, seed=1)))]
+    a, b, c = (f.read_bytes() for f in files)
+    assert a == b and a != c
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, det)   # restored
+    sd = torch.load(files[0], weights_only=True)
+    assert set(sd) == set(build_backbone("small_cnn", width=4, feature_dim=8).state_dict())
+
+
+def test_checks_name_the_fix(tmp_path):
+    pt = save_weights(pretrain(TINY, progress=False)[0], TINY, 0.5, tmp_path)
+    assert shipped_weights(4, 8, folder=tmp_path) == pt
+    with pytest.raises(ValueError, match="width: 4, feature_dim: 8"): shipped_weights(32, 256, folder=tmp_path)
+    pt.write_bytes(pt.read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.pretrain"):
+        shipped_weights(4, 8, folder=tmp_path)
+    with pytest.raises(FileNotFoundError, match="python -m dml_nb.pretrain"): shipped_weights(folder=tmp_path / "none")
+
+
+def test_shipped_weights_load_offline_and_refuse_other_options():
+    pt, sha, _ = _files(WEIGHTS_DIR, "fgpool")
+    assert sha.read_text().split()[0] == _sha256(pt) and pt.stat().st_size < 4 * 2**20
+    net = build_backbone("small_cnn", pretrained=True)
+    ref = torch.load(pt, weights_only=True)
+    torch.testing.assert_close(net.state_dict()["body.0.weight"], ref["body.0.weight"])
+    with pytest.raises(ValueError, match="model.options: {width: 32, feature_dim: 256}"):
+        build_backbone("small_cnn", pretrained=True, width=16)
