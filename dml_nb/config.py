@@ -26,7 +26,7 @@ class DataConfig:
     root: Optional[str] = None              # None: $DML_DATA/<name> (real data only)
     size: Optional[int] = None              # image side for embedded sets; crop size for the real-data presets
     preset: Optional[str] = None            # the backbone whose transforms to use; None: model.backbone
-    images_per_class: Optional[int] = None  # shapes only
+    images_per_class: Optional[int] = None  # shapes and finegrained only
     label_noise: float = 0.0                # BSPML protocol: fraction of each training class relabelled
     test_split: str = "test"                # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
     eval_train: bool = True                 # also evaluate on the training set (generalisation gap)

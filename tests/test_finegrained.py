@@ -55,3 +55,11 @@ def test_load_dataset_and_config_know_the_name():
     assert set(tr.class_ids).isdisjoint(te.class_ids)
     with pytest.raises(Exception, match="pretrain|split"): load_dataset("finegrained", split="pretrain")
     assert make_config({"data": {"name": "finegrained"}}).data.name == "finegrained"
+
+
+def test_config_images_per_class_reaches_the_finegrained_set():
+    "`data.images_per_class` in a config is passed to the embedded fine-grained set (it was once silently ignored)."
+    from dml_nb.config import make_config
+    from dml_nb.experiment import build_datasets
+    train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)
+    assert len(train) == 100 * 4 and len(evals["test"]) == 100 * 4
