@@ -53,6 +53,12 @@ class Backbone(nn.Module):
                              "that still update their statistics cannot be meaningfully frozen)")
         self.pooling, self.frozen_bn, self.frozen_bn_affine = pooling, frozen_bn, frozen_bn_affine
 
+    @classmethod
+    def weights_for(cls, pretrained, name: str, **options) -> Path | None:
+        """The weights file a backbone built with `pretrained` and `options` would load (None: random init), or the
+        clear error its constructor would raise; `experiment`/`repro` ask this before a run starts."""
+        return resolve_pretrained(pretrained, name, cls.weight_files, cls.weight_urls)
+
     def _finish(self, pretrained, name: str):
         "Load weights if asked, then apply the BatchNorm freezing. Call at the end of `__init__`."
         path = resolve_pretrained(pretrained, name, self.weight_files, self.weight_urls)
@@ -309,10 +315,17 @@ class SmallCNN(Backbone):
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
         self.preprocessing = replace(self.preprocessing_for(input_size), mean=tuple(mean), std=tuple(std))
-        if pretrained is True:   # the weights shipped in the package (dml_nb.pretrain), checksum and options checked
-            from dml_nb.pretrain import shipped_weights
-            pretrained = shipped_weights(width, feature_dim, in_channels)
+        pretrained = self.weights_for(pretrained, "small_cnn", width=width, feature_dim=feature_dim, in_channels=in_channels)
         self._finish(pretrained, "small_cnn")
+
+    @classmethod
+    def weights_for(cls, pretrained, name: str = "small_cnn", width: int = 32, feature_dim: int = 256,
+                    in_channels: int = 3, **_) -> Path | None:
+        "`pretrained=True`: the weights shipped in the package (`dml_nb.pretrain`), their checksum and options checked."
+        if pretrained is True:
+            from dml_nb.pretrain import shipped_weights
+            return shipped_weights(width, feature_dim, in_channels)
+        return super().weights_for(pretrained, name)
 
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:

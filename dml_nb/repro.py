@@ -19,7 +19,6 @@ from .core import atomic_write, data_root, in_test
 from .registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
 from .config import ConfigError, make_config, merge_layers
-from .models import resolve_pretrained
 from .viz import markdown_table, save_figure, set_style
 
 # %% auto #0
@@ -142,7 +141,7 @@ def availability(raw: Mapping) -> str | None:
         if not root.is_dir(): return f"dataset {cfg.data.name} not on disk: {root} does not exist (the README's 'Data' section lists the expected files)"
     if cfg.model.pretrained not in (None, False):
         cls = BACKBONES.get(cfg.model.backbone)
-        try: resolve_pretrained(cfg.model.pretrained, cfg.model.backbone, getattr(cls, "weight_files", ()), getattr(cls, "weight_urls", ()))
+        try: cls.weights_for(cfg.model.pretrained, cfg.model.backbone, **cfg.model.options)
         except (FileNotFoundError, ValueError) as e: return f"backbone weights missing: {e}"
     return None
 

@@ -40,3 +40,11 @@ def test_shipped_weights_load_offline_and_refuse_other_options():
     torch.testing.assert_close(net.state_dict()["body.0.weight"], ref["body.0.weight"])
     with pytest.raises(ValueError, match="model.options: {width: 32, feature_dim: 256}"):
         build_backbone("small_cnn", pretrained=True, width=16)
+
+
+def test_reproductions_see_the_shipped_weights():
+    "`repro.availability` asks the backbone (`weights_for`): small_cnn + pretrained: true is runnable, a width the weights do not fit is not."
+    from dml_nb.repro import availability
+    assert availability({"model": {"backbone": "small_cnn", "pretrained": True}}) is None
+    why = availability({"model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 16}}})
+    assert why is not None and "width: 32" in why
