@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from .core import atomic_write, data_root, in_test
 from .registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
+from .learner import NoTuplesError
+from .dnc import ClusterError
 from .config import ConfigError, make_config, merge_layers
 from .viz import markdown_table, save_figure, set_style
 
@@ -196,6 +198,8 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
+        except (ClusterError, NoTuplesError) as e:   # the method cannot train on this data: shown with the reason
+            skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
     return collect_runs(runs_dir, rows, base, seeds, skipped), results
 
 def reported_as(per_seed: pd.DataFrame) -> str:

@@ -235,3 +235,15 @@ def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
     params = {"dataset": "shapes", "seeds": [0, 1], "paper_dataset": "cars196", "figures_dir": tmp_path, "runs_dir": tmp_path}
     nb = setup("repro_sharing_table7", params, shrink={"seeds": 1})
     assert nb.seeds == [0, 1] and nb.shown == "cars196" and nb.embedded
+
+
+def test_a_run_the_method_cannot_train_is_a_row_with_its_reason(monkeypatch, tmp_path):
+    "A D&C run whose clusters cannot form batches (or a run with no tuples) is shown as stopped with the reason; the table goes on."
+    import dml_nb.repro as R
+    from dml_nb.dnc import ClusterError
+    def stop(raw, runs_dir, progress=True): raise ClusterError("1 of 2 clusters cannot form a batch with negatives")
+    monkeypatch.setattr(R, "run_one", stop)
+    per_seed, results = R.run_rows([Row("D&C", {"name": "dnc", "num_learners": 2})], base_config("digits"), seeds=[0],
+                                   runs_dir=tmp_path, progress=False)
+    assert results == {}
+    assert per_seed["status"].tolist() == ["stopped: 1 of 2 clusters cannot form a batch with negatives"]
