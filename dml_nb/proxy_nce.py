@@ -27,6 +27,7 @@ def _no_tuples(loss_name: str, tuples) -> None:
 class ProxyLoss(RankingLoss):
     "Base of the proxy losses: `proxies`, one learnable vector per class; every sample of the batch, no tuples."
     param_weight_decay: float = 0.0
+    uses_proxies: bool = True   # what `sharing.has_proxies` reads (an attribute survives a class defined anew in a notebook)
 
     def __init__(self, num_classes: int, embedding_dim: int, param_lr: float, distance: str | Distance):
         super().__init__(distance)

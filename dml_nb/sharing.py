@@ -209,10 +209,11 @@ GROUP_ON = ("features", "phi_star", "early")
 SHARED_BATCHES = ("class_balanced", "groups")
 
 def has_proxies(loss) -> bool:
-    "True for a proxy loss (a `ProxyLoss`: an instance, a class or a registered name), which cannot train on inter-class triplets."
-    from dml_nb.proxy_nce import ProxyLoss
+    """True for a proxy loss (a `ProxyLoss`: an instance, a class or a registered name), which cannot train on
+    inter-class triplets. Read from the class's `uses_proxies`, not by `issubclass`: a notebook that defines the loss
+    classes anew (`03b`) registers its own classes under the same names."""
     cls = LOSSES.get(loss) if isinstance(loss, str) else loss if isinstance(loss, type) else type(loss)
-    return issubclass(cls, ProxyLoss)
+    return bool(getattr(cls, "uses_proxies", False))
 
 def shared_miner(sampling: str, sampler: str):
     "The miner of the shared task for a Table 8 setup (`sampling`) and sampler."
