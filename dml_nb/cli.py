@@ -73,9 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             res = run(cfg, runs_dir=args.runs_dir, run_dir=args.run_dir, progress=not args.no_progress and is_main,
                       wait=args.wait)
-        finally:
             if dist:
                 import torch
+                torch.distributed.barrier()   # every rank is done with the group before any rank leaves it
+        finally:
+            if dist:   # free the learner's DDP wrapper (its reducer threads) while the group still exists, then leave it
+                import gc, torch
+                gc.collect()
                 torch.distributed.destroy_process_group()
     except KeyboardInterrupt:
         print("dml-train: interrupted; the same command resumes from the last checkpoint", file=sys.stderr); return 130
