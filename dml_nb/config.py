@@ -75,6 +75,7 @@ class EvalConfig:
     batch_size: int = 256
     save_embeddings: bool = True
     report: Literal["last", "best"] = "last"   # the epoch whose metrics the run reports (best: highest test R@1)
+    nmi_seeds: int = 1                          # NMI: the mean over this many k-means starts
 
 @dataclass
 class Config:
@@ -216,6 +217,8 @@ def _check_names(cfg: Config) -> None:
     for m in cfg.eval.metrics:
         try: parse_metric(m)
         except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
+    if not isinstance(cfg.eval.nmi_seeds, int) or cfg.eval.nmi_seeds < 1:
+        raise ConfigError(f"bad value for eval.nmi_seeds: {cfg.eval.nmi_seeds!r}; expected a positive integer (the k-means starts NMI is averaged over)")
     t = cfg.train
     for key in ("epochs", "batch_size", "samples_per_class"):
         if getattr(t, key) < 1:
@@ -239,7 +242,7 @@ def _check_names(cfg: Config) -> None:
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
 _OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
-                       "train": {"compile": False, "stop_on_empty_tuples": True}, "eval": {"report": "last"}}
+                       "train": {"compile": False, "stop_on_empty_tuples": True}, "eval": {"report": "last", "nmi_seeds": 1}}
 
 def config_to_dict(cfg: Config) -> dict:
     "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."

@@ -75,10 +75,11 @@ class EvaluationMixin:
         for name, ds in sets.items():
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = self.embed(ds[0]), self.embed(ds[1])
-                res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed) for k in q}
+                res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed,
+                                   nmi_seeds=self.nmi_seeds) for k in q}
             else:
                 emb, y = self.embed(ds)
-                res = {k: evaluate(v, y, metrics, seed=self.seed) for k, v in emb.items()}
+                res = {k: evaluate(v, y, metrics, seed=self.seed, nmi_seeds=self.nmi_seeds) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
         if sets is self.eval_sets: self.latest_metrics = out

@@ -13,7 +13,7 @@ import yaml
 
 from .core import (DiskWriteError, _disk_cause, atomic_json, atomic_torch_save, atomic_write, config_hash,
                          data_root, describe_holder, disk_write_error, lock_dir, remove_temp_files)
-from .registry import METHODS
+from .registry import BACKBONES, METHODS
 from .formats import REAL_DATASETS, DatasetNotFoundError, read_index
 from .checks import UnreadableImagesError, check_images
 from .config import Config, ConfigError, config_to_dict, make_config
@@ -126,7 +126,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     return Learner(method, train, sampler, epochs=t.epochs, lr=t.lr, weight_decay=t.weight_decay,
                    optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, eval_sets=evals,
                    train_eval_ds=evals.get("train"),
-                   eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size,
+                   eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size, nmi_seeds=cfg.eval.nmi_seeds,
                    run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
                    device=t.device, amp=None if t.amp == "none" else t.amp,
                    channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],
@@ -160,7 +160,10 @@ RECIPES_VERSION = 3
 
 def run_dir_for(cfg: Config, runs_dir: str | Path = "runs") -> Path:
     "Where `run` keeps the run of `cfg`: named by method, dataset and the hash of the config and `RECIPES_VERSION`."
-    h = config_hash({"config": config_to_dict(cfg), "recipes": RECIPES_VERSION})
+    key = {"config": config_to_dict(cfg), "recipes": RECIPES_VERSION}
+    weights = BACKBONES.get(cfg.model.backbone).weights_checksum(cfg.model.pretrained, **cfg.model.options)
+    if weights: key["weights"] = weights     # weights shipped in the package: a new file, a new run
+    h = config_hash(key)
     return Path(runs_dir) / f"{cfg.method.name}-{cfg.data.name}-{h}"
 
 def _versions() -> dict:

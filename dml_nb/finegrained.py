@@ -5,6 +5,8 @@
 # %% ../nbs/01c_finegrained.ipynb #76e144a6
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .registry import unknown_name_error
@@ -90,6 +92,11 @@ def render_finegrained(class_id: int, n: int, size: int = 32, seed: int = 0) -> 
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 # %% ../nbs/01c_finegrained.ipynb #98bfe6ef
+@functools.lru_cache(maxsize=8)
+def _rendered(classes: tuple, images_per_class: int, size: int, seed: int) -> np.ndarray:
+    "The images of `classes`, rendered once per process: a notebook's many runs on one split share them (callers copy)."
+    return np.concatenate([render_finegrained(c, images_per_class, size, seed) for c in classes])
+
 def make_finegrained(split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0,
                      num_classes: int | None = None) -> ArrayDataset:
     "Split `split` of `finegrained`: its first `num_classes` classes (default all), `images_per_class` images of `size` px."
@@ -100,7 +107,7 @@ def make_finegrained(split: str = "train", images_per_class: int = 32, size: int
         classes = classes[:num_classes]
     if not 32 <= size <= 64: raise ValueError(f"finegrained size must be between 32 and 64 px, got {size}")
     if images_per_class < 2: raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
-    images = np.concatenate([render_finegrained(c, images_per_class, size, seed) for c in classes])
+    images = _rendered(tuple(int(c) for c in classes), images_per_class, size, seed).copy()
     cls = np.repeat(classes, images_per_class)
     f = factor_grid()[cls]
     return ArrayDataset(images, cls, name="finegrained", split=split, shape_ids=f[:, 0], texture_ids=f[:, 1],

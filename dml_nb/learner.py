@@ -63,7 +63,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
                  checkpoint_every_steps: int | None = None, callbacks: Sequence[Callback] = (),
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
                  num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
-                 stop_on_empty_tuples: bool = True):
+                 stop_on_empty_tuples: bool = True, nmi_seeds: int = 1):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -81,7 +81,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self._train_eval_ds = train_eval_ds
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
         check_metrics(self.metrics)
-        self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
+        self.eval_batch_size, self.num_workers, self.nmi_seeds = eval_batch_size, num_workers, nmi_seeds
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
         self.device = get_device(device)

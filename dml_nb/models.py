@@ -59,6 +59,11 @@ class Backbone(nn.Module):
         clear error its constructor would raise; `experiment`/`repro` ask this before a run starts."""
         return resolve_pretrained(pretrained, name, cls.weight_files, cls.weight_urls)
 
+    @classmethod
+    def weights_checksum(cls, pretrained, **options) -> str | None:
+        "The checksum of weights that ship with the package for `pretrained` (they enter the run hash), else None."
+        return None
+
     def _finish(self, pretrained, name: str):
         "Load weights if asked, then apply the BatchNorm freezing. Call at the end of `__init__`."
         path = resolve_pretrained(pretrained, name, self.weight_files, self.weight_urls)
@@ -326,6 +331,13 @@ class SmallCNN(Backbone):
             from dml_nb.pretrain import shipped_weights
             return shipped_weights(width, feature_dim, in_channels)
         return super().weights_for(pretrained, name)
+
+    @classmethod
+    def weights_checksum(cls, pretrained, **options) -> str | None:
+        "`pretrained=True`: the sha256 of the shipped weights, so that regenerated weights give new run folders."
+        if pretrained is not True: return None
+        from dml_nb.pretrain import shipped_checksum
+        return shipped_checksum()
 
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:

@@ -20,8 +20,8 @@ from .metrics import recall_at_k
 from .models import build_backbone
 
 # %% auto #0
-__all__ = ['TAG', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pretrain', 'save_weights', 'shipped_weights', 'main',
-           'feature_recall']
+__all__ = ['TAG', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pretrain', 'save_weights', 'shipped_weights',
+           'shipped_checksum', 'main', 'feature_recall']
 
 # %% ../nbs/04c_pretrain.ipynb #85990034
 @dataclass(frozen=True)
@@ -137,6 +137,11 @@ def shipped_weights(width: int = 32, feature_dim: int = 256, in_channels: int = 
                          "the file is damaged or was rewritten; restore it with `git checkout dml_nb/weights/`, or "
                          "regenerate it and its checksum with `python -m dml_nb.pretrain`")
     return pt
+
+def shipped_checksum(folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> str | None:
+    "The recorded sha256 of the shipped weights (None when they are not there): part of the hash of every run that starts from them."
+    sha = _files(folder, tag)[1]
+    return sha.read_text().split()[0] if sha.is_file() else None
 
 # %% ../nbs/04c_pretrain.ipynb #d248f7b1
 def main(argv: list[str] | None = None) -> None:

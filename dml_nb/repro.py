@@ -15,6 +15,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from .claims import Claims
 from .core import atomic_write, data_root, in_test
 from .registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
@@ -24,10 +25,10 @@ from .config import ConfigError, make_config, merge_layers
 from .viz import markdown_table, save_figure, set_style
 
 # %% auto #0
-__all__ = ['SHAPES_BASE', 'SECTIONS', 'EMBEDDED', 'project_root', 'paper_variant', 'output_dirs', 'base_config', 'smoke', 'Row',
-           'rows_from', 'availability', 'run_one', 'load_learner', 'portable', 'job_config', 'run_rows', 'reported_as',
-           'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs', 'Claims', 'better', 'fmt',
-           'Reproduction', 'setup']
+__all__ = ['SHAPES_BASE', 'FINEGRAINED_BASE', 'SECTIONS', 'EMBEDDED', 'project_root', 'paper_variant', 'output_dirs',
+           'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner', 'portable',
+           'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table',
+           'collect_runs', 'Reproduction', 'setup']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 def project_root(start: str | Path | None = None) -> Path:
@@ -47,7 +48,7 @@ def _source_hash() -> str:
 def paper_variant(raw: Mapping) -> str | None:
     "None for a run on embedded data; else '<dataset>-<backbone>': the folder a paper-scale run's figures go to."
     name = raw.get("data", {}).get("name", "shapes")
-    if name in ("shapes", "digits"): return None
+    if name in ("shapes", "digits", "finegrained"): return None
     return f"{name}-{raw.get('model', {}).get('backbone', 'small_cnn')}"
 
 def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None,
@@ -75,11 +76,19 @@ SHAPES_BASE = {
     "eval": {"every": 3, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"]},
 }
 
+FINEGRAINED_BASE = {   # the miniature regime (#17), chosen on the margin baseline alone: nbs/10b_regime.ipynb
+    "data": {"name": "finegrained", "images_per_class": 16, "size": 32},
+    "model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 32, "feature_dim": 256}},
+    "train": {"epochs": 4, "batch_size": 60, "samples_per_class": 4, "lr": 3e-5, "weight_decay": 4e-4},
+    "eval": {"every": 4, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"], "nmi_seeds": 3},
+}
+
 def base_config(dataset: str = "shapes", data: Mapping | None = None, model: Mapping | None = None,
                 train: Mapping | None = None, eval: Mapping | None = None) -> dict:
-    "The notebook's base config: `SHAPES_BASE` for the embedded sets, overridden by the given sections."
-    raw = copy.deepcopy(SHAPES_BASE)
-    if dataset != "shapes": raw["data"] = {"name": dataset}
+    """The notebook's base config: `FINEGRAINED_BASE` for `finegrained`, `SHAPES_BASE` for the other embedded sets (and
+    the model and schedule of the paper datasets until their parameter files replace them), overridden by the given sections."""
+    raw = copy.deepcopy(FINEGRAINED_BASE if dataset == "finegrained" else SHAPES_BASE)
+    if dataset not in ("shapes", "finegrained"): raw["data"] = {"name": dataset}
     if dataset == "digits":   # five training classes: a batch of 40 = 5 classes x 8 images
         raw["train"].update(batch_size=40, samples_per_class=8)
     for sec, upd in (("data", data), ("model", model), ("train", train), ("eval", eval)):
@@ -100,7 +109,7 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     raw = copy.deepcopy(dict(raw))
     if not (force or in_test()): return raw
     data = raw.setdefault("data", {})
-    if data.get("name", "shapes") == "shapes": data["images_per_class"] = 6
+    if data.get("name", "shapes") in ("shapes", "finegrained"): data["images_per_class"] = 6
     t = raw.setdefault("train", {})
     t["epochs"] = min(int(t.get("epochs", 2)), 2); t["batches_per_epoch"] = 2
     raw.setdefault("eval", {})["every"] = t["epochs"]
@@ -137,7 +146,7 @@ def availability(raw: Mapping) -> str | None:
     cfg = make_config(raw)
     if str(cfg.train.device).startswith("cuda") and not torch.cuda.is_available():
         return "needs a GPU (train.device is cuda) and none is available"
-    if cfg.data.name not in ("shapes", "digits"):
+    if cfg.data.name not in ("shapes", "digits", "finegrained"):
         try: root = data_root(cfg.data.name, cfg.data.root)
         except FileNotFoundError as e: return f"dataset {cfg.data.name} not on disk: {e}"
         if not root.is_dir(): return f"dataset {cfg.data.name} not on disk: {root} does not exist (the README's 'Data' section lists the expected files)"
@@ -290,50 +299,8 @@ def collect_runs(runs_dir: str | Path, rows: Sequence[Row] | None = None, base: 
     cols = ["run", "method", "dataset", "seed", "epochs", "wall_time_s"]
     return pd.DataFrame(recs, columns=cols + sorted({k for r in recs for k in r} - set(cols)))
 
-# %% ../nbs/10_repro.ipynb #990462ac
-class Claims:
-    "The paper's qualitative claims and whether they hold on our numbers."
-    def __init__(self, stem: str, figures_dir: str | Path | None = None):
-        "Claims of notebook `stem`, saved to `figures_dir` (default: `output_dirs`)."
-        self.stem, self.figures_dir, self.items = stem, figures_dir, []
-
-    def check(self, claim: str, holds, detail: str = "") -> bool | None:
-        "Record and print whether `claim` holds (`holds` is None when its rows did not run: not tested)."
-        if holds is not None and isinstance(holds, (float, np.floating)) and np.isnan(holds): holds = None
-        verdict = "not tested" if holds is None else ("holds" if bool(holds) else "does not hold")
-        self.items.append({"claim": claim, "verdict": verdict, "numbers": detail})
-        print(f"[{verdict.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
-        return None if holds is None else bool(holds)
-
-    def beats(self, claim: str, table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> bool | None:
-        "`check` the most common claim: row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`)."
-        return self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric))
-
-    def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
-
-    def save(self, figures_dir: str | Path | None = None) -> pd.DataFrame:
-        "Write the verdicts to `<figures>/<stem>_claims.md`; returns them as a frame."
-        fdir = output_dirs(figures_dir=figures_dir or self.figures_dir)[0]
-        atomic_write(fdir / f"{self.stem}_claims.md", markdown_table(self.frame(), index=False))
-        return self.frame()
-
-def better(table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> bool | None:
-    "Whether row `a` beats row `b` on `metric` (means); None when either did not run."
-    if a not in table.index or b not in table.index: return None
-    x, y = table.loc[a, metric], table.loc[b, metric]
-    return None if (pd.isna(x) or pd.isna(y)) else bool(x > y)
-
-def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
-    "'name metric value' for the given rows, for a claim's detail."
-    out = []
-    for n in names:
-        v = table[metric].get(n, np.nan)
-        s = table[f"{metric} std"].get(n, np.nan) if f"{metric} std" in table else np.nan
-        out.append(f"{n} {metric} {'n/a' if pd.isna(v) else f'{v:.1f}'}" + ("" if pd.isna(s) else f" ± {s:.1f}"))
-    return ", ".join(out)
-
 # %% ../nbs/10_repro.ipynb #3a902a03
-EMBEDDED = ("shapes", "digits")
+EMBEDDED = ("finegrained", "shapes", "digits")
 
 @dataclass
 class Reproduction:

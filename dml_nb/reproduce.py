@@ -15,7 +15,7 @@ from .experiment import RECIPES_VERSION
 from .repro import _source_hash, project_root
 
 # %% auto #0
-__all__ = ['notebook_hash', 'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
+__all__ = ['VERDICTS', 'notebook_hash', 'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
 
 # %% ../nbs/10a_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -31,23 +31,38 @@ def _provenance(state: Mapping, stem: str) -> str:
     if not e or "recipes" not in e: return "1 (before the fidelity fixes)"
     return f"{e['recipes']} ({e.get('date', '?')})"
 
+VERDICTS = ("holds", "fails", "unresolved", "not tested")
+
+def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
+    "The (claim, verdict, numbers) lines of a claims file, and whether it was judged by the rule of `dml_nb.claims`."
+    text = path.read_text()
+    lines = [l for l in text.splitlines()[2:] if l.startswith("|")]
+    cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
+    return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
+
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
-    """A Markdown table (notebook, recipes the figures come from, hold, do not hold, not tested, the claims that hold)
-    of `figures/*_claims.md`, and the totals."""
-    sp = Path(figures_dir) / ".reproduced.json"
-    state = json.loads(sp.read_text()) if sp.exists() else {}
-    rows, total = [], {"holds": 0, "does not hold": 0, "not tested": 0}
-    for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
-        lines = [l for l in f.read_text().splitlines()[2:] if l.startswith("|")]
-        cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
-        count = {k: sum(1 for c in cells if len(c) > 1 and c[1] == k) for k in total}
-        for k in total: total[k] += count[k]
-        held = "; ".join(c[0] for c in cells if len(c) > 1 and c[1] == "holds") or "-"
+    """A Markdown table of `figures/*_claims.md` (notebook, recipes and day its figures come from, minutes it took,
+    the verdicts by kind, the counts before the miniature regime from `figures/.claims_before.json`, the claims that
+    hold), and the totals by verdict."""
+    fdir = Path(figures_dir)
+    state = json.loads((fdir / ".reproduced.json").read_text()) if (fdir / ".reproduced.json").exists() else {}
+    before = json.loads((fdir / ".claims_before.json").read_text())["notebooks"] if (fdir / ".claims_before.json").exists() else {}
+    rows, total = [], dict.fromkeys(VERDICTS, 0)
+    for f in sorted(fdir.glob("repro_*_claims.md")):
+        cells, ruled = _verdicts(f)
+        count = {k: sum(1 for c in cells if c[1] == k) for k in VERDICTS}
+        for k in VERDICTS: total[k] += count[k]
         stem = f.name[:-len("_claims.md")]
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {count['holds']} | "
-                    f"{count['does not hold']} | {count['not tested']} | {held} |")
-    head = ("| notebook | recipes (run on) | hold | do not hold | not tested | claims that hold |\n"
-            "| --- | --- | --- | --- | --- | --- |\n")
+        held = "; ".join(c[0] for c in cells if c[1] == "holds") or "-"
+        secs = state.get(stem, {}).get("seconds")
+        b = before.get(stem)
+        was = "" if b is None else f"{b['holds']} / {b['does not hold']}"
+        rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {'' if secs is None else f'{secs / 60:.1f}'} | "
+                    f"{'2 SE over seeds' if ruled else 'plain comparison'} | "
+                    + " | ".join(str(count[k]) for k in VERDICTS)
+                    + f" | {was} | {held} |")
+    head = ("| notebook | recipes (run on) | minutes | judged by | holds | fails | unresolved | not tested | "
+            "before: hold / do not hold | claims that hold |\n" + "| --- " * 10 + "|\n")
     return head + "\n".join(rows) + "\n", total
 
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
@@ -58,9 +73,10 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     if start not in text or end not in text:
         raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
     table, total = claims_summary(figures_dir)
-    lead = (f"Total: {total['holds']} hold, {total['does not hold']} do not hold, {total['not tested']} not tested. "
-            f"Recipes: `RECIPES_VERSION` of the code that produced a notebook's figures (now {RECIPES_VERSION}); "
-            "`dml-reproduce` re-runs those made with older recipes.\n\n")
+    lead = (f"Total: {total['holds']} hold, {total['fails']} fail, {total['unresolved']} unresolved, "
+            f"{total['not tested']} not tested. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
+            f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. 'plain comparison': "
+            "a claims file written before the rule of `dml_nb.claims` (its 'fails' are the old 'does not hold').\n\n")
     atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
     return total
 

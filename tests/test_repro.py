@@ -8,7 +8,8 @@ import papermill
 import pytest
 import yaml
 
-from dml_nb.repro import Claims, better, collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke, setup
+from dml_nb.claims import Claims, Verdict, better
+from dml_nb.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke, setup
 from dml_nb.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def test_collect_runs_reads_finished_runs_only():
         collect_runs(ROOT / "tests" / "fixtures" / "missing")
 
 
-def test_collected_runs_make_a_table_with_the_paper_beside():
+def test_collected_runs_make_a_table_with_the_paper_beside(tmp_path):
     df = collect_runs(ROOT / "tests" / "fixtures" / "runs")
     per_seed = df.rename(columns=lambda c: c[len("test/"):] if c.startswith("test/") and c.count("/") == 1 else c)
     per_seed = per_seed.assign(row=df["method"], status="ok")
@@ -74,9 +75,10 @@ def test_collected_runs_make_a_table_with_the_paper_beside():
     paper = pd.DataFrame({"R@1": [63.6, 66.4]}, index=pd.Index(["baseline", "diva"], name="row"))
     out = compare(table, paper, ["R@1"])
     assert out.loc["baseline", "R@1 ours"] == "31.0 ± 1.4" and out.loc["diva", "R@1 paper"] == "66.4"
-    claims = Claims("fixture")
-    assert claims.check("diva beats baseline", better(table, "diva", "baseline")) is True
-    assert claims.frame()["verdict"].tolist() == ["holds"]
+    claims = Claims("fixture", tmp_path)
+    # diva ran one seed: 4 points above the baseline, but one seed has no spread to judge by
+    assert claims.check("diva beats baseline", better(table, "diva", "baseline")) == Verdict.UNRESOLVED
+    assert claims.frame()["verdict"].tolist() == ["unresolved"]
 
 
 def test_paper_numbers_of_the_flagship():
