@@ -6,12 +6,13 @@
 from __future__ import annotations
 import math, random
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 import torch
 
 from .core import atomic_torch_save
+if TYPE_CHECKING: from dml_nb.callbacks import Callback   # annotations only
 
 # %% auto #0
 __all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'NonFiniteLossError', 'DivergedError', 'rng_state', 'set_rng_state',

@@ -4,12 +4,13 @@
 
 # %% ../nbs/06a_context.ipynb #78528b65
 from __future__ import annotations
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from .core import stream_seed
+if TYPE_CHECKING: from dml_nb.callbacks import Callback   # annotations only
 
 # %% auto #0
 __all__ = ['MethodContext', 'Method']

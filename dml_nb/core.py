@@ -6,9 +6,10 @@
 from __future__ import annotations
 import datetime, errno, hashlib, json, os, random, shutil, socket, sys, tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+if TYPE_CHECKING: import torch   # annotations only: importing dml_nb.core does not import torch
 
 # %% auto #0
 __all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'DiskWriteError',

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #b565e5ea
 from __future__ import annotations
-import os, warnings
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -15,10 +15,9 @@ from torchvision.transforms import v2
 
 from .core import data_root
 from .registry import BACKBONES, unknown_name_error
-from .formats import (DATASETS, EXPECTED_FILES, READERS, REAL_DATASETS, SPLITS, DatasetNotFoundError,
-                            inshop_test_classes, read_cars196, read_cub200, read_index, read_inshop, read_sop,
-                            read_vehicleid)
-from .checks import UnreadableImagesError, check_images, write_fake_dataset
+from .formats import (DATASETS, EXPECTED_FILES, REAL_DATASETS, SPLITS, DatasetNotFoundError, inshop_test_classes,
+                            read_index)
+from .checks import UnreadableImagesError, check_images
 
 # %% auto #0
 __all__ = ['PRESET_ALIASES', 'SHAPES', 'TEXTURES', 'ON_UNREADABLE', 'make_transform', 'ImageListDataset', 'shapes_classes',

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .losses import zero_loss
 from .miners import check_batch
-from .heads import GradientReversal, grad_reverse
+from .heads import grad_reverse
 
 # %% auto #0
 __all__ = ['Decorrelation']

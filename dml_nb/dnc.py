@@ -5,7 +5,7 @@
 # %% ../nbs/07c_dnc.ipynb #bdad55f0
 from __future__ import annotations
 import copy, math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from .registry import METHODS, unknown_name_error
 from .callbacks import Callback
 from .context import Method
-from .learner import NoTuplesError
 from .clustering import kmeans_assign
 from .methods import build_loss, build_miner
-from .heads import EmbeddingModel, SlicedHead, slice_bounds
+from .heads import EmbeddingModel, SlicedHead
 from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 
 # %% auto #0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime, json, os, platform, sys, time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import yaml
 
@@ -17,6 +17,7 @@ from .registry import BACKBONES, METHODS
 from .formats import REAL_DATASETS, DatasetNotFoundError, read_index
 from .checks import UnreadableImagesError, check_images
 from .config import Config, ConfigError, config_to_dict, make_config
+if TYPE_CHECKING: from dml_nb.learner import Learner   # annotations only: the learner (torch) is imported when a run is built
 
 # %% auto #0
 __all__ = ['RECIPES_VERSION', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'run',

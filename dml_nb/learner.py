@@ -14,12 +14,12 @@ import torch
 from .core import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
 from .registry import unknown_name_error
 from .context import Method, MethodContext
-from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback, history_csv
+from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback
 from .schedule import Schedule
 from .cache import RawItems, pad_collate
 from .batches import BatchList, SeededViews, to_device
-from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights, load_checkpoint,
-                               rng_state, set_rng_state)
+from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights,
+                               load_checkpoint)
 from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
                                 mean_over_processes)
 from .evaluation import EvaluationMixin, check_metrics

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .registry import LOSSES
 from .distances import Distance, EuclideanDistance, as_distance
-from .miners import MultiSimilarityMiner, check_batch, negative_mask, positive_mask
+from .miners import check_batch, negative_mask, positive_mask
 
 # %% auto #0
 __all__ = ['zero_loss', 'all_triplets', 'as_triplets', 'as_pairs', 'pair_masks', 'reduce_losses', 'log1p_sum_exp', 'RankingLoss',

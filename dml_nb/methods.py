@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .registry import LOSSES, METHODS, MINERS, unknown_name_error
-from .callbacks import Callback
 from .context import Method
 from .heads import EmbeddingModel, MultiHead
 from .decorrelation import Decorrelation

@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .registry import MINERS
-from .distances import Distance, EuclideanDistance, as_distance, pairwise_distance
+from .distances import Distance, EuclideanDistance, as_distance
 
 # %% auto #0
 __all__ = ['POSITIVES', 'log_inverse_sphere_density', 'check_cutoffs', 'distance_weights', 'positive_mask', 'negative_mask',

@@ -5,12 +5,11 @@
 # %% ../nbs/07b_sharing.ipynb #49c35265
 from __future__ import annotations
 import inspect
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .registry import LOSSES, METHODS, MINERS, unknown_name_error
 from .core import stream_seed
@@ -18,186 +17,13 @@ from .callbacks import Callback
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
 from .dnc import cluster_statistics, match_clusters
-from .clustering import kmeans_assign
+from .grouping import early_features, group_samples, standardize_mode
+from .shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
 
 # %% auto #0
-__all__ = ['STANDARDIZE', 'DISCRIMINATIVE', 'SHARED', 'ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES',
-           'GROUP_ON', 'SHARED_BATCHES', 'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'standardize_per_class', 'standardize_mode',
-           'group_samples', 'assign_to_centroids', 'early_stage', 'early_features', 'GroupBatchSampler',
-           'SharingSampler', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingRecords', 'SharingMatters', 'MIC']
-
-# %% ../nbs/07b_sharing.ipynb #875fcb21
-STANDARDIZE = ("mean_std", "mean", "none")
-
-def standardize_per_class(features: torch.Tensor, labels: torch.Tensor, scale: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    "f - class mean, divided by the class standard deviation per dimension when `scale` (a zero deviation counts as 1)."
-    f, y = torch.as_tensor(features).float(), torch.as_tensor(labels).long().to(torch.as_tensor(features).device)
-    if f.dim() != 2 or y.shape != f.shape[:1]: raise ValueError(f"need features (N, D) and labels (N,), got {tuple(f.shape)}, {tuple(y.shape)}")
-    C = int(y.max()) + 1
-    count = torch.zeros(C, device=f.device).index_add_(0, y, torch.ones_like(y, dtype=f.dtype))[:, None]
-    mean = torch.zeros(C, f.shape[1], device=f.device).index_add_(0, y, f) / count.clamp_min(1)
-    centred = f - mean[y]
-    if not scale: return centred
-    std = (torch.zeros(C, f.shape[1], device=f.device).index_add_(0, y, centred ** 2) / count.clamp_min(1)).sqrt()
-    std = torch.where(std > eps, std, torch.ones_like(std))
-    return centred / std[y]
-
-def standardize_mode(standardize: bool | str | None) -> str:
-    "'mean_std', 'mean' or 'none' from a mode name or a bool (True: 'mean_std', False / None: 'none')."
-    if standardize is True: return "mean_std"
-    if standardize is False or standardize is None: return "none"
-    if standardize not in STANDARDIZE: raise unknown_name_error("standardize value", standardize, STANDARDIZE)
-    return standardize
-
-def group_samples(features: torch.Tensor, labels, num_groups: int, standardize: bool | str = True, seed: int = 0,
-                  niter: int = 20, nredo: int = 5) -> np.ndarray:
-    "Group ids (k-means into `num_groups`) after per-class standardisation: 'mean_std' (True), 'mean' or 'none' (False)."
-    mode = standardize_mode(standardize)
-    f = torch.as_tensor(features).float().cpu()
-    y = torch.as_tensor(np.asarray(labels)).long()
-    if mode != "none": f = standardize_per_class(f, y, scale=mode == "mean_std")
-    return kmeans_assign(f, num_groups, niter=niter, nredo=nredo, seed=seed, normalize=False)
-
-def assign_to_centroids(features: torch.Tensor, centroids: torch.Tensor) -> np.ndarray:
-    "Index of the nearest centroid (Euclidean) of every row: k-means' assignment step."
-    return torch.cdist(torch.as_tensor(features).float(), torch.as_tensor(centroids).float()).argmin(1).numpy()
-
-# %% ../nbs/07b_sharing.ipynb #5e1a0c22
-def early_stage(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The backbone's first stage at a quarter of the input resolution: ResNet50's stem + `layer1` (MIC's code);
-    dml_nb's analogues: GoogLeNet's and BN-Inception's stem up to the second pooling, the small CNN's first block."""
-    b = backbone
-    kind = next((c.__name__ for c in type(b).__mro__ if c.__name__ in ("ResNet50", "GoogLeNet", "BNInception", "SmallCNN")), None)
-    if kind == "ResNet50": return b.layer1(b.maxpool(b.relu(b.bn1(b.conv1(x)))))   # by name: also a class a notebook re-defined
-    if kind == "GoogLeNet": return b.conv3(b.conv2(b.maxpool1(b.conv1(x * b._in_scale + b._in_shift))))
-    if kind == "BNInception":
-        x = F.max_pool2d(b._cbr("conv1_7x7_s2", x), 3, stride=2, ceil_mode=True)
-        return b._cbr("conv2_3x3", b._cbr("conv2_3x3_reduce", x))
-    if kind == "SmallCNN": return b.body[:4](x)
-    raise ValueError(f"early features (MIC's first grouping) are defined for the resnet50, googlenet, bninception and "
-                     f"small_cnn backbones, not {type(b).__name__}: set first_group_on='features' (or 'phi_star')")
-
-def early_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """MIC's features for its first grouping: `early_stage`, average-pooled with MIC's window (18, stride 12 on
-    ResNet50's 56 x 56 map; scaled to other map sizes), flattened and L2-normalised."""
-    h = early_stage(backbone, x)
-    side = h.shape[-1]
-    kernel, stride = max(1, round(18 * side / 56)), max(1, round(12 * side / 56))
-    return F.normalize(F.avg_pool2d(h.float(), kernel, stride).flatten(1), dim=1)
-
-# %% ../nbs/07b_sharing.ipynb #6b2d0a02
-class GroupBatchSampler:
-    """MIC's shared batches: blocks of `samples_per_group` images labelled with one group; each block's group is drawn
-    uniformly from all groups except the two before it; each image is, with probability `swap_probability`, taken
-    from a uniformly drawn group instead (its label stays the block's). `batches(epoch)` gives this rank's
-    `(indices, labels)` pairs, deterministic per (seed, epoch)."""
-    def __init__(self, groups: Sequence[int], batch_size: int = 112, samples_per_group: int = 4,
-                 swap_probability: float = 0.2, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
-        groups = np.asarray(groups, dtype=np.int64)
-        if samples_per_group < 1 or batch_size % samples_per_group:
-            raise ValueError(f"batch_size ({batch_size}) must be a multiple of samples_per_group ({samples_per_group})")
-        if not 0 <= swap_probability <= 1: raise ValueError(f"swap_probability must be in [0, 1], got {swap_probability}")
-        if not 0 <= rank < world_size: raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.ids, self.sizes = np.unique(groups[groups >= 0], return_counts=True)
-        if len(self.ids) < 3:
-            raise ValueError(f"group batches need at least 3 non-empty groups (a block's group differs from the two "
-                             f"before it), got {len(self.ids)}: use more groups (num_groups)")
-        order = np.argsort(groups, kind="stable")
-        self.members = order[groups[order] >= 0]                         # sample indices, grouped by group id
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.batch_size, self.samples_per_group, self.swap_probability = batch_size, samples_per_group, float(swap_probability)
-        self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
-        total = batches_per_epoch * world_size if batches_per_epoch else len(groups) // batch_size
-        self.batches_per_epoch = max(1, total // world_size)
-
-    def set_epoch(self, epoch: int) -> None: self.epoch = epoch
-    def __len__(self) -> int: return self.batches_per_epoch
-
-    def block_groups(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        "A chain of `n` group positions (0..G-1): the first uniform, each next uniform over all but the previous two."
-        G, u = len(self.ids), rng.random(n)
-        chain = np.empty(n, dtype=np.int64)
-        chain[0] = int(u[0] * G)
-        for i in range(1, n):
-            excluded = sorted({int(chain[i - 1]), int(chain[max(i - 2, 0)])})
-            r = int(u[i] * (G - len(excluded)))
-            for e in excluded:                                          # the r-th group that is not excluded
-                if r >= e: r += 1
-            chain[i] = r
-        return chain
-
-    def batches(self, epoch: int | None = None) -> list[tuple[list[int], list[int]]]:
-        "This rank's batches of `epoch`: (dataset indices, the group label of each item)."
-        epoch = self.epoch if epoch is None else epoch
-        rng = np.random.default_rng([self.seed, epoch])
-        n_batches = self.batches_per_epoch * self.world_size
-        blocks = self.block_groups(n_batches * (self.batch_size // self.samples_per_group), rng)
-        label = np.repeat(blocks, self.samples_per_group)
-        swap = rng.random(len(label)) < self.swap_probability
-        source = np.where(swap, rng.integers(0, len(self.ids), size=len(label)), label)
-        pick = (rng.random(len(label)) * self.sizes[source]).astype(np.int64)
-        index = self.members[self.starts[source] + pick].reshape(n_batches, -1)
-        label = self.ids[label].reshape(n_batches, -1)
-        return [(i.tolist(), l.tolist()) for i, l in zip(index, label)][self.rank::self.world_size]
-
-    def __iter__(self): return (b for b, _ in self.batches())
-    def state_dict(self) -> dict: return {"seed": self.seed, "epoch": self.epoch}
-    def load_state_dict(self, state: dict) -> None: self.seed, self.epoch = state["seed"], state["epoch"]
-
-# %% ../nbs/07b_sharing.ipynb #7c3e0b02
-DISCRIMINATIVE, SHARED = 0, 1     # batch tags: which update of an iteration a batch is for
-
-class SharingSampler(torch.utils.data.Sampler):
-    """Algorithm 1's iterations: for each batch of the run's sampler (`base`) a discriminative update (tag 0), then,
-    with probability `shared_probability`, a shared update on a batch of its own from `shared` (tag 1). Without a
-    discriminative task (`discriminative=False`) every iteration is one shared update. The coin flips are seeded by
-    (`seed`, epoch), the same on every process."""
-    def __init__(self, base, shared=None, shared_probability: float = 1.0, seed: int = 0, discriminative: bool = True):
-        if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
-        self.base, self.shared, self.shared_probability = base, shared, float(shared_probability)
-        self.seed, self.discriminative, self.epoch = seed, bool(discriminative), getattr(base, "epoch", 0)
-        self._labels, self._labels_epoch = {}, None
-
-    def use_shared(self, shared) -> None:
-        "Draw the shared batches from `shared` from now on (e.g. group batches after a regrouping)."
-        self.shared = shared
-        if shared is not None and hasattr(shared, "set_epoch"): shared.set_epoch(self.epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch; self.base.set_epoch(epoch)
-        if self.shared is not None and hasattr(self.shared, "set_epoch"): self.shared.set_epoch(epoch)
-
-    def batches(self, epoch: int | None = None) -> list:
-        "`(tag, indices)` for every update of the epoch, in order."
-        epoch = self.epoch if epoch is None else epoch
-        base = self.base.batches(epoch)
-        if self.shared is None:
-            if not self.discriminative: raise RuntimeError("a SharingSampler without a discriminative task needs a shared stream (use_shared)")
-            return [(DISCRIMINATIVE, b) for b in base]
-        shared = self.shared.batches(epoch)
-        if len(shared) < len(base):
-            raise RuntimeError(f"the shared stream has {len(shared)} batches for the {len(base)} iterations of epoch {epoch}")
-        take = np.ones(len(base), dtype=bool)
-        if self.discriminative and self.shared_probability < 1:
-            take = np.random.default_rng([self.seed, epoch]).random(len(base)) < self.shared_probability
-        out, labels = [], {}
-        for b, s, t in zip(base, shared, take):
-            if self.discriminative: out.append((DISCRIMINATIVE, b))
-            if t:
-                if isinstance(s, tuple): s, labels[len(out)] = s    # group batches carry their items' labels
-                out.append((SHARED, s))
-        self._labels, self._labels_epoch = labels, epoch
-        return out
-
-    def labels(self, epoch: int, step: int) -> list[int] | None:
-        "The item labels that the shared stream gave the batch at position `step` of `epoch` (None: it gave none)."
-        return self._labels.get(step) if epoch == self._labels_epoch else None
-
-    def __len__(self) -> int: return len(self.batches())
-    def __iter__(self): return (b for _, b in self.batches())
-    def state_dict(self) -> dict: return self.base.state_dict()
-    def load_state_dict(self, state: dict) -> None: self.base.load_state_dict(state)
+__all__ = ['ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES', 'GROUP_ON', 'SHARED_BATCHES',
+           'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingRecords',
+           'SharingMatters', 'MIC']
 
 # %% ../nbs/07b_sharing.ipynb #daa7b70e
 ARCHITECTURES = ("discriminative", "shared", "one_head", "separate", "separate_decorrelated")

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb.bspml import (BSPML, SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor, projected_gradient_norm, sample_terms,
-                          solve_spl_weights, spl_gradient, spl_objective, spl_stochastic_gradient, terms_chunk_rows)
+from dml_nb.bspml import BSPML
+from dml_nb.balanced_spl import (SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor, projected_gradient_norm, sample_terms,
+                                 solve_spl_weights, spl_gradient, spl_objective, spl_stochastic_gradient, terms_chunk_rows)
 from dml_nb.losses import WeightedMultiSimilarityLoss
 from dml_nb.learner import eval_view
 from dml_nb.data import add_label_noise, load_dataset, make_transform

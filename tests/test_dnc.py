@@ -9,7 +9,6 @@ import torch
 
 from golden import load_golden, arr
 from dml_nb.registry import METHODS, Registry
-from dml_nb.data import load_dataset
 from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
                         label_grouping, match_clusters, random_partition)
 from dml_nb.callbacks import Callback
@@ -29,11 +28,7 @@ def backbone(seed=0, width=4):
 
 
 @pytest.fixture(scope="module")
-def shapes():
-    train = load_dataset("shapes", split="train", images_per_class=4)
-    train_eval = load_dataset("shapes", split="train", images_per_class=4, augment=False)
-    test = load_dataset("shapes", split="test", images_per_class=4)
-    return train, train_eval, test
+def shapes(shapes4): return shapes4     # train, train with test transforms, test (conftest.py)
 
 
 class Recording(DivideAndConquer):
@@ -383,14 +378,6 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     m.clustered_epoch.fill_(epochs[0])
     with pytest.raises(ClusterError, match="get no batch in epoch"):
         m.on_epoch_start(learn.context)
-
-
-@pytest.fixture(scope="module")
-def shapes8():
-    "8 images per class: k-means into 4 clusters of a 4-per-class set can leave a cluster of scattered singletons."
-    return (load_dataset("shapes", split="train", images_per_class=8),
-            load_dataset("shapes", split="train", images_per_class=8, augment=False),
-            load_dataset("shapes", split="test", images_per_class=4))
 
 
 def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes8):

@@ -28,11 +28,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="module")
-def sets():
-    "shapes with 4 images per class: train (augmented), train with test transforms, test."
-    return (load_dataset("shapes", split="train", images_per_class=4),
-            load_dataset("shapes", split="train", images_per_class=4, augment=False),
-            load_dataset("shapes", split="test", images_per_class=4))
+def sets(shapes4): return shapes4       # shapes, 4 images per class: train (augmented), train with test transforms, test
 
 
 def model(seed=0, width=8, dim=16):

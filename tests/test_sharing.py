@@ -19,8 +19,9 @@ from dml_nb.checkpoint import load_checkpoint
 from dml_nb.miners import check_triplets
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
-from dml_nb.sharing import (ARCHITECTURES, DISCRIMINATIVE, MIC, MIC_DEFAULTS, SHARED, TG_PAPER_TEXT, GroupBatchSampler, SharingMatters, SharingSampler,
-                             assign_to_centroids, group_samples, shared_miner, standardize_per_class)
+from dml_nb.sharing import ARCHITECTURES, MIC, MIC_DEFAULTS, TG_PAPER_TEXT, SharingMatters, shared_miner
+from dml_nb.shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
+from dml_nb.grouping import assign_to_centroids, group_samples, standardize_per_class
 from golden import arr, load_golden
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
