@@ -334,6 +334,9 @@ class Reproduction:
         b = self.base
         text = f"Ours: {self.dataset}, {b['model']['backbone']}, {b['train']['epochs']} epochs, {ours + ', ' if ours else ''}seeds {list(self.seeds)}"
         if per_seed is not None: text += f", {reported_as(per_seed)}"
+        if "nmi" in b["eval"].get("metrics", []):
+            n = b["eval"].get("nmi_seeds", 1)
+            text += f", NMI the mean over {n} k-means starts" if n > 1 else ", NMI from one k-means start"
         hint = f" Embedded-data results: compare {compare}, not the values." if compare and self.embedded else ""
         return f"{text}{'; ' + detail if detail else ''}; paper: {self.shown if paper is None else paper}.{hint}"
 

@@ -82,10 +82,12 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
 
 def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root: str | Path | None = None,
               progress: bool = True) -> dict:
-    "Run the reproduction notebooks (default: all, the flagship first), skipping those already run on this source; returns the state."
+    "Run the regime notebook and the reproduction notebooks (default: all, in dependency order), skipping those already run on this source; returns the state."
     import papermill
     root = Path(root) if root is not None else project_root()
-    nbs = sorted((root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
+    # dependency order: the regime's baseline-only sweep, then the flagship, then the rest
+    nbs = [p for p in [root / "nbs" / "10b_regime.ipynb"] if p.exists()] + sorted(
+        (root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
     if notebooks: nbs = [p for p in nbs if p.stem in set(notebooks)] or [root / "nbs" / f"{n}.ipynb" for n in notebooks]
     missing = [str(p) for p in nbs if not p.exists()]
     if missing: raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
