@@ -81,6 +81,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self._train_eval_ds = train_eval_ds
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
         check_metrics(self.metrics)
+        if not isinstance(nmi_seeds, int) or nmi_seeds < 1:
+            raise ValueError(f"Learner(nmi_seeds={nmi_seeds!r}): the number of k-means starts NMI is averaged over must be a positive integer")
         self.eval_batch_size, self.num_workers, self.nmi_seeds = eval_batch_size, num_workers, nmi_seeds
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume

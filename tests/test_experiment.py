@@ -84,3 +84,10 @@ def test_named_random_streams_move_run_folders_only_through_recipes_version(monk
     now = ex.run_dir_for(cfg, tmp_path).name
     monkeypatch.setattr(ex, "RECIPES_VERSION", 2)
     assert ex.run_dir_for(cfg, tmp_path).name == "baseline-shapes-1e2984cc9f75" != now   # the folder before the streams
+
+
+def test_nmi_seeds_is_checked_and_keeps_the_hash_at_its_default():
+    with pytest.raises(ConfigError, match="eval.nmi_seeds"):
+        make_config({**TINY, "eval": {**TINY["eval"], "nmi_seeds": 0}})
+    assert "nmi_seeds" not in config_to_dict(make_config(TINY))["eval"]           # default 1: existing run hashes unchanged
+    assert config_to_dict(make_config({**TINY, "eval": {**TINY["eval"], "nmi_seeds": 3}}))["eval"]["nmi_seeds"] == 3

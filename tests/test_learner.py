@@ -536,3 +536,10 @@ def test_compile_keeps_checkpoint_keys_and_trains(sets, tmp_path):
     assert np.isfinite(hist[-1]["loss"])
     with pytest.raises(TypeError, match="compile must be"):
         learner(sets, compile="yes")
+
+
+def test_learner_refuses_a_bad_nmi_seeds_at_construction(sets):
+    train, train_eval, test = sets
+    sampler = ClassBalancedBatchSampler(train.labels, 8, 2, seed=0)
+    with pytest.raises(ValueError, match="nmi_seeds=0"):
+        Learner(TwoHeads(), train, sampler, epochs=1, progress=False, eval_sets={"test": test}, nmi_seeds=0)

@@ -464,3 +464,14 @@ def test_a_backend_that_returns_ties_in_any_order_is_reranked(monkeypatch):
     for k in (1, 3, 6):
         assert torch.equal(knn(x, x, k, exclude_self=True, backend="faiss_cpu")[1], nn[:, :k])
     assert recall_at_k(x, y, ks=(1,), backend="faiss_cpu") == recall_at_k(x, y, ks=(1,), backend="torch")
+
+
+def test_nmi_averaged_over_kmeans_starts():
+    "eval.nmi_seeds: NMI is the mean over that many k-means starts; 1 is the single start of seed `seed`; 0 is refused."
+    g = torch.Generator().manual_seed(0)
+    emb, y = torch.randn(120, 8, generator=g), torch.arange(120) % 6
+    one = [evaluate(emb, y, ("nmi",), seed=s)["nmi"] for s in (3, 4, 5)]
+    assert evaluate(emb, y, ("nmi",), seed=3, nmi_seeds=1)["nmi"] == one[0]
+    assert evaluate(emb, y, ("nmi",), seed=3, nmi_seeds=3)["nmi"] == pytest.approx(np.mean(one))
+    with pytest.raises(ValueError, match="nmi_seeds must be at least 1"):
+        evaluate(emb, y, ("nmi",), nmi_seeds=0)

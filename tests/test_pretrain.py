@@ -48,3 +48,14 @@ def test_reproductions_see_the_shipped_weights():
     assert availability({"model": {"backbone": "small_cnn", "pretrained": True}}) is None
     why = availability({"model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 16}}})
     assert why is not None and "width: 32" in why
+
+
+def test_the_shipped_weights_checksum_is_part_of_the_run_hash(monkeypatch):
+    from dml_nb.config import make_config
+    from dml_nb.experiment import run_dir_for
+    raw = {"data": {"name": "finegrained", "images_per_class": 4}, "model": {"backbone": "small_cnn", "pretrained": True}}
+    scratch = {**raw, "model": {"backbone": "small_cnn"}}                                  # random init: no checksum
+    before, scratch_before = run_dir_for(make_config(raw)), run_dir_for(make_config(scratch))
+    monkeypatch.setattr("dml_nb.pretrain.shipped_checksum", lambda *a, **k: "0" * 64)   # regenerated weights
+    assert run_dir_for(make_config(raw)) != before
+    assert run_dir_for(make_config(scratch)) == scratch_before
