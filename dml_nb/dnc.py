@@ -15,33 +15,14 @@ import torch.nn.functional as F
 from .registry import METHODS, unknown_name_error
 from .callbacks import Callback
 from .context import Method
-from .clustering import kmeans_assign
+from .clustering import REMATCH_RULES, cluster_statistics, kmeans_assign, match_clusters
 from .methods import build_loss, build_miner
 from .heads import EmbeddingModel, SlicedHead
 from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 
 # %% auto #0
-__all__ = ['REMATCH_RULES', 'GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'match_clusters',
-           'random_partition', 'label_grouping', 'cluster_statistics', 'ClusterError', 'cluster_batch_sampler',
-           'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
-
-# %% ../nbs/07c_dnc.ipynb #a4a054c1
-REMATCH_RULES = ("hungarian", "official")
-
-def match_clusters(previous: np.ndarray, current: np.ndarray, k: int, rule: str = "hungarian") -> np.ndarray:
-    "Rename the ids of `current` (0..k-1) to maximise the overlap with `previous`; `rule='official'`: the code's inverse."
-    from scipy.optimize import linear_sum_assignment
-    if rule not in REMATCH_RULES: raise unknown_name_error("rematch rule", rule, REMATCH_RULES)
-    previous, current = np.asarray(previous, dtype=np.int64), np.asarray(current, dtype=np.int64)
-    if previous.shape != current.shape: raise ValueError(f"assignments differ in length: {previous.shape} vs {current.shape}")
-    for name, a in (("previous", previous), ("current", current)):
-        if len(a) and (a.min() < 0 or a.max() >= k): raise ValueError(f"{name} cluster ids must lie in 0..{k - 1}")
-    overlap = np.bincount(current * k + previous, minlength=k * k).reshape(k, k)   # [new, old]
-    new, old = linear_sum_assignment(overlap, maximize=True)
-    rename = np.empty(k, dtype=np.int64)
-    if rule == "hungarian": rename[new] = old
-    else: rename[old] = new          # lib/data/loader/reassignment.py: samples of new cluster pi(i) get id i
-    return rename[current]
+__all__ = ['GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'random_partition', 'label_grouping', 'ClusterError',
+           'cluster_batch_sampler', 'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
 
 # %% ../nbs/07c_dnc.ipynb #fe0fabde
 def random_partition(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -62,13 +43,6 @@ def label_grouping(labels: np.ndarray, k: int, class_groups: Sequence[int] | Non
         raise ValueError(f"class_groups must give every class 0..{num_classes - 1} a group in 0..{k - 1}; "
                          f"got {len(class_groups)} entries with values in [{class_groups.min()}, {class_groups.max()}]")
     return class_groups[labels]
-
-def cluster_statistics(assignments: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    "(size of each cluster, number of distinct classes in each cluster), both of length `k`."
-    assignments, labels = np.asarray(assignments, dtype=np.int64), np.asarray(labels, dtype=np.int64)
-    sizes = np.bincount(assignments, minlength=k)
-    pairs = np.unique(assignments * (int(labels.max()) + 1) + labels)
-    return sizes, np.bincount(pairs // (int(labels.max()) + 1), minlength=k)
 
 # %% ../nbs/07c_dnc.ipynb #c804ac27
 class ClusterError(ValueError):

@@ -71,19 +71,43 @@ class EvaluationMixin:
     def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
         "Metrics of every set (a dataset, or a (query, gallery) pair) and every embedding of `method.embed`."
         sets, metrics = (self.eval_sets if sets is None else sets), (self.metrics if metrics is None else metrics)
-        out = {}
-        for name, ds in sets.items():
+        out, embedded = {}, {}
+        for name, ds in sets.items():     # each set's metrics right after its feature pass (the RNG order of every run)
+            embedded.update(self._embed_sets({name: ds}))
             if isinstance(ds, (tuple, list)):
-                (q, ql), (g, gl) = self.embed(ds[0]), self.embed(ds[1])
+                (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
                 res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed,
                                    nmi_seeds=self.nmi_seeds) for k in q}
             else:
-                emb, y = self.embed(ds)
+                emb, y = embedded[name]
                 res = {k: evaluate(v, y, metrics, seed=self.seed, nmi_seeds=self.nmi_seeds) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
-        if sets is self.eval_sets: self.latest_metrics = out
+        if sets is self.eval_sets: self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
         return out
+
+    def _embed_sets(self, sets: Mapping[str, Any]) -> dict[str, tuple[dict, torch.Tensor]]:
+        "{name (a pair: name_query, name_gallery): (embeddings, labels)} of every set."
+        embedded = {}
+        for name, ds in sets.items():
+            if isinstance(ds, (tuple, list)): embedded.update({f"{name}_{p}": self.embed(d) for p, d in zip(("query", "gallery"), ds)})
+            else: embedded[name] = self.embed(ds)
+        return embedded
+
+    def _weights_stamp(self) -> tuple:
+        """Changes whenever the method's weights or buffers may have changed: the step counter and the in-place version
+        counter of every tensor of its state (an optimizer step, a BatchNorm update or a checkpoint load bumps it).
+        Non-tensor state (counters, records) does not enter: a method's embedding is a function of its tensors."""
+        state = self.method.state_dict(keep_vars=True)
+        return (self.global_step, tuple((k, t._version) for k, t in state.items() if isinstance(t, torch.Tensor)))
+
+    def eval_embeddings(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{set name (a pair: name_query, name_gallery): {'labels', embedding name: (N, D)}} on the CPU, of every eval set
+        under the current weights: the last `evaluate()`'s feature pass when the weights have not changed since (the
+        tensors its metrics came from, not recomputed), else a new pass."""
+        stamp, embedded = getattr(self, "_eval_pass", (None, None))
+        if stamp != self._weights_stamp(): embedded = self._embed_sets(self.eval_sets)
+        return {k: {"labels": y.cpu(), **{n: v.cpu() for n, v in emb.items()}} for k, (emb, y) in embedded.items()}
 
     def reported_metrics(self) -> dict:
         """What the run reports: {'reported', 'metrics', 'last_epoch', 'best_epoch', 'best_metrics'}. `report='best'`

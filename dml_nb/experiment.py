@@ -259,15 +259,8 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
                     "device_name": torch.cuda.get_device_name(0) if learner.device.type == "cuda" else platform.processor() or platform.machine(),
                     "wall_time_s": round(time.time() - t0, 2),
                     "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            if cfg.eval.save_embeddings:
-                out = {}
-                for name, ds in learner.eval_sets.items():
-                    if isinstance(ds, (tuple, list)):
-                        for part, sub in zip(("query", "gallery"), ds):
-                            emb, y = learner.embed(sub); out[f"{name}_{part}"] = {"labels": y.cpu(), **{k: v.cpu() for k, v in emb.items()}}
-                    else:
-                        emb, y = learner.embed(ds); out[name] = {"labels": y.cpu(), **{k: v.cpu() for k, v in emb.items()}}
-                atomic_torch_save(out, run_dir / "embeddings.pt")
+            if cfg.eval.save_embeddings:    # the last evaluation's feature pass, reused when the weights did not change
+                atomic_torch_save(learner.eval_embeddings(), run_dir / "embeddings.pt")
             atomic_json(info, run_dir / "metrics.json")
             atomic_write(run_dir / "done", info["finished"] + "\n")
     except Exception as e:

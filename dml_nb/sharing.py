@@ -16,7 +16,7 @@ from .core import stream_seed
 from .callbacks import Callback
 from .methods import MultiTaskMethod, Task
 from .samplers import ClassBalancedBatchSampler
-from .dnc import cluster_statistics, match_clusters
+from .clustering import cluster_statistics, match_clusters
 from .grouping import early_features, group_samples, standardize_mode
 from .shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
 

@@ -9,8 +9,8 @@ import torch
 
 from golden import load_golden, arr
 from dml_nb.registry import METHODS, Registry
-from dml_nb.dnc import (ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, cluster_statistics,
-                        label_grouping, match_clusters, random_partition)
+from dml_nb.clustering import cluster_statistics, match_clusters
+from dml_nb.dnc import ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, label_grouping, random_partition
 from dml_nb.callbacks import Callback
 from dml_nb.learner import Learner, NoTuplesError
 from dml_nb.checkpoint import load_checkpoint

@@ -91,3 +91,33 @@ def test_nmi_seeds_is_checked_and_keeps_the_hash_at_its_default():
         make_config({**TINY, "eval": {**TINY["eval"], "nmi_seeds": 0}})
     assert "nmi_seeds" not in config_to_dict(make_config(TINY))["eval"]           # default 1: existing run hashes unchanged
     assert config_to_dict(make_config({**TINY, "eval": {**TINY["eval"], "nmi_seeds": 3}}))["eval"]["nmi_seeds"] == 3
+
+
+@pytest.mark.parametrize("method", [
+    {"name": "baseline", "embedding_dim": 8, "loss": "triplet", "miner": "semihard"},
+    {"name": "diva", "embedding_dim": 16, "tasks": ["discriminative", "shared", "intra", "dance"]},
+    {"name": "dnc", "embedding_dim": 8, "num_learners": 2, "recluster_every": 1},
+    {"name": "mic", "embedding_dim": 8},
+    {"name": "bspml", "embedding_dim": 8}])
+def test_saved_embeddings_are_those_of_the_final_weights(tmp_path, method, monkeypatch):
+    """`embeddings.pt` reuses the last evaluation's feature pass instead of a second one: it must hold exactly what a
+    fresh pass of the restored final weights gives, for every method and every head, and take no extra pass."""
+    import torch
+    from dml_nb.learner import Learner
+    from dml_nb.repro import load_learner, smoke
+    raw = smoke({**TINY, "method": method, "train": {**TINY["train"], "epochs": 2},
+                 "eval": {**TINY["eval"], "every": 2, "save_embeddings": True}}, force=True)
+    passes, during_save = [], []
+    embed, eval_embeddings = Learner.embed, Learner.eval_embeddings
+    def counted(self):
+        n = len(passes); out = eval_embeddings(self); during_save.append(len(passes) - n); return out
+    monkeypatch.setattr(Learner, "embed", lambda self, *a, **k: passes.append(1) or embed(self, *a, **k))
+    monkeypatch.setattr(Learner, "eval_embeddings", counted)
+    result = run(raw, runs_dir=tmp_path, progress=False)
+    assert during_save == [0]        # the saved embeddings reuse the last evaluation's pass
+    stored = torch.load(result.run_dir / "embeddings.pt", weights_only=True)
+    fresh = load_learner(result).eval_embeddings()      # a new learner: nothing to reuse, a new pass of each set
+    assert during_save == [0, 2] and stored.keys() == fresh.keys() == {"test", "train"}
+    for name in stored:
+        assert stored[name].keys() == fresh[name].keys()
+        for k in stored[name]: assert torch.equal(stored[name][k], fresh[name][k]), (name, k)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dml_nb.data import load_dataset
+from dml_nb.data import ArrayDataset, load_dataset
 from dml_nb.core import stream_seed
 from dml_nb.callbacks import Callback, ProgressCallback, history_csv
 from dml_nb.registry import LOSSES
@@ -77,21 +77,21 @@ class KillAt(Callback):
 # learning ------------------------------------------------------------------------------------------------------
 
 def test_short_run_learns():
-    # One torch thread: this tiny from-scratch CNN stays near chance on the unseen test classes (60 classes, R@1 2-4 %),
-    # so whether its 1.5-point test-set gain shows depended on the thread count's float order (it failed with 2
-    # threads). The training set, where the model can learn, is checked too: train R@1 2.1 % -> 4.8 % measured.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train = load_dataset("shapes", split="train", images_per_class=8)
-        test = load_dataset("shapes", split="test", images_per_class=8)
-        method = baseline(train.num_classes, width=8, dim=32)
-        learn = Learner(method, train, sampler_for(train, steps=15, batch=32), epochs=3, lr=3e-3, weight_decay=0,
-                        eval_sets={"test": test, "train": train}, metrics=("recall@1",), progress=False)
-        before = learn.evaluate()
-        hist = learn.fit()
-    finally:
-        torch.set_num_threads(threads)
+    # 12 of the 60 shapes classes: on all 60, 45 steps of a width-8 CNN from scratch left the unseen test classes near
+    # chance (R@1 2-5 %), so a 1.5-point gain came and went with the machine and the thread count. On 12 classes,
+    # 4 epochs of 15 steps, measured over seeds 0-2 with 1 and 2 threads: test R@1 +8.3 to +25 points, training-set
+    # R@1 (test transforms) +25 to +33, final/first epoch loss 0.59-0.74.
+    def classes(ds, n=12):
+        keep = ds.labels < n
+        return ArrayDataset(ds.images[keep], ds.labels[keep], ds.transform, name=ds.name, split=ds.split)
+    train = classes(load_dataset("shapes", split="train", images_per_class=8))
+    train_eval = classes(load_dataset("shapes", split="train", images_per_class=8, augment=False))
+    test = classes(load_dataset("shapes", split="test", images_per_class=8))
+    method = baseline(train.num_classes, width=8, dim=32)
+    learn = Learner(method, train, sampler_for(train, steps=15, batch=32), epochs=4, lr=3e-3, weight_decay=0,
+                    eval_sets={"test": test, "train": train_eval}, metrics=("recall@1",), progress=False)
+    before = learn.evaluate()
+    hist = learn.fit()
     assert hist[-1]["loss"] < 0.85 * hist[0]["loss"]
     assert hist[-1]["test/recall@1"] > before["test/recall@1"] + 0.015, (before, hist)
     assert hist[-1]["train/recall@1"] > before["train/recall@1"] + 0.015, (before, hist)
@@ -551,3 +551,17 @@ def test_learner_refuses_a_bad_nmi_seeds_at_construction(sets):
     sampler = ClassBalancedBatchSampler(train.labels, 8, 2, seed=0)
     with pytest.raises(ValueError, match="nmi_seeds=0"):
         Learner(TwoHeads(), train, sampler, epochs=1, progress=False, eval_sets={"test": test}, nmi_seeds=0)
+
+
+def test_eval_embeddings_reuse_the_last_evaluation_until_the_weights_change(sets, monkeypatch):
+    learn = learner(sets, epochs=1, steps=2)
+    learn.fit()                                     # evaluates the test set after its one epoch
+    passes = []
+    embed = Learner.embed
+    monkeypatch.setattr(Learner, "embed", lambda self, *a, **k: passes.append(1) or embed(self, *a, **k))
+    first = learn.eval_embeddings()
+    assert passes == [] and set(first) == {"test"}
+    with torch.no_grad(): next(learn.method.parameters()).mul_(2.0)     # an in-place change, as an optimizer makes
+    second = learn.eval_embeddings()
+    assert passes == [1] and not torch.equal(first["test"]["embedding"], second["test"]["embedding"])
+    assert torch.equal(second["test"]["embedding"], learn.eval_embeddings()["test"]["embedding"]) and passes == [1, 1]

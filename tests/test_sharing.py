@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dml_nb.registry import METHODS, Registry
 from dml_nb.data import load_dataset
-from dml_nb.dnc import cluster_statistics, match_clusters
+from dml_nb.clustering import cluster_statistics, match_clusters
 from dml_nb.callbacks import Callback
 from dml_nb.learner import Learner
 from dml_nb.checkpoint import load_checkpoint
