@@ -7,7 +7,7 @@ k = "max_bin_count" (the setting MAP@R needs) and NMI from its faiss k-means (ni
 Data: synthetic L2-normalised 512-d embeddings with class structure (class centre + Gaussian noise) at
 CUB scale (5,924 x 512, 100 classes) and SOP scale (60,502 x 512, 11,316 classes of 2 or more images).
 
-    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml] [--device cpu|cuda]
+    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml] [--device cpu|cuda] [--bf16]
 
 Every table comes with the machine: CPU model, the SIMD flags that matter here (AVX2/FMA, AVX-512, AVX512-BF16,
 AMX), cores, torch's and faiss's thread settings, the sustained float32 and bfloat16 GEMM rates (torch.mm), the
@@ -27,7 +27,7 @@ from sklearn.metrics import normalized_mutual_info_score
 
 from dml_nb.metrics import evaluate
 from dml_nb.clustering import _auto_nredo, kmeans
-from dml_nb.neighbours import _cache_bytes, lowp_supported, set_num_threads
+from dml_nb.neighbours import _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),
@@ -79,7 +79,7 @@ def machine(device) -> dict:
     m = dict(cpu=model.group(1) if model else platform.processor(), flags=[f for f in FLAGS if f in flags],
              cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads(),
              faiss_threads=faiss.omp_get_max_threads(), torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-             cache_MiB=_cache_bytes() >> 20, bf16_candidates=lowp_supported(device),
+             cache_MiB=_cache_bytes() >> 20, bf16_units=lowp_supported(device),
              versions=f"torch {torch.__version__}, faiss {faiss.__version__}")
     if device.type == "cuda": m["gpu"] = torch.cuda.get_device_name(device)
     m["fp32_GFLOPs"] = round(gemm_rate(torch.float32, device), 1)
@@ -98,7 +98,18 @@ def timed(fn, repeats: int = 1):
     return out, best
 
 
-def run_scale(name: str, pml: bool, repeats: int, device, rate: float) -> list[tuple]:
+def bf16_search(emb, labels, repeats: int):
+    """The self-search alone at the k the retrieval metrics use, in float32 (what `"torch"` runs) and with bfloat16
+    candidates (`"torch_bf16"`), with the share of rows the bf16 certificate accepts (the rest are searched again)."""
+    k = int(labels.bincount().max()) + 1
+    _, t32 = timed(lambda: _knn_self(emb, k), repeats)
+    st = {}
+    _, t16 = timed(lambda: _knn_self_lowp(emb, k, stats=st), repeats)
+    print(f"self-search, k = {k}: float32 {t32:.2f} s, bf16 candidates {t16:.2f} s "
+          f"({st.get('certified', 0) / max(1, st.get('rows', 0)):.1%} of the rows certified)", flush=True)
+
+
+def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: bool = False) -> list[tuple]:
     emb, labels = synthetic(**SCALES[name])
     emb, labels = emb.to(device), labels.to(device)
     n, d, k = len(emb), emb.shape[1], len(labels.unique())
@@ -114,6 +125,7 @@ def run_scale(name: str, pml: bool, repeats: int, device, rate: float) -> list[t
     (ours_n, ours_obj), t_n = timed(ours_nmi, repeats)
     if _auto_nredo(n, k) == 1: one, t_1 = (None, None, ours_obj), t_n   # the default already is one run
     else: one, t_1 = timed(lambda: kmeans(emb, k, nredo=1), repeats)    # one Lloyd run, as PML's single faiss run
+    if bf16: bf16_search(emb, labels, repeats)
     l1 = load()
     print(f"ours: retrieval {t_r:.2f} s {ours_r}\nours: nmi {t_n:.2f} s nmi={ours_n:.4f} objective={ours_obj:.1f}"
           f" (load {l0:.2f} -> {l1:.2f})", flush=True)
@@ -148,16 +160,20 @@ def main():
     ap.add_argument("--repeats", type=int, default=None, help="best of this many runs (default: 3 at CUB scale, 1 at SOP)")
     ap.add_argument("--no-pml", action="store_true", help="time only dml_nb.metrics")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (embeddings, our torch back end and PML there)")
+    ap.add_argument("--bf16", action="store_true", help="also time the self-search with bf16 candidates (opt-in "
+                    "backend 'torch_bf16') against float32, with its certified share of rows")
     args = ap.parse_args()
     set_num_threads(args.threads)
     device = torch.device(args.device)
     m = machine(device)
     rows = []
     for name in (("cub", "sop") if args.scale == "all" else (args.scale,)):
-        rows += run_scale(name, not args.no_pml, args.repeats or (3 if name == "cub" else 1), device, m["fp32_GFLOPs"])
+        rows += run_scale(name, not args.no_pml, args.repeats or (3 if name == "cub" else 1), device, m["fp32_GFLOPs"],
+                          args.bf16)
     print(f"\nmachine: {m['cpu']}, flags {' '.join(m['flags'])}, {m['usable_cores']} cores, torch/faiss threads "
           f"{m['torch_threads']}/{m['faiss_threads']}, fp32 {m['fp32_GFLOPs']} / bf16 {m['bf16_GFLOPs']} GFLOP/s, "
-          f"bf16 candidates {'used' if m['bf16_candidates'] else 'not used'}{', ' + m['gpu'] if 'gpu' in m else ''}")
+          f"fast bf16 units {'yes' if m['bf16_units'] else 'no'} (bf16 candidates: opt-in, --bf16)"
+          f"{', ' + m['gpu'] if 'gpu' in m else ''}")
     print(f"| scale | metrics | ours s | PML s | ours/PML | k-means objective ours / PML | load |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for name, what, ours, theirs, obj, ld in rows:

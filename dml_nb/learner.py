@@ -242,6 +242,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         e = self.epoch
         self.set_lr(e)
         if self.step == 0:
+            self._eval_pass = (None, None)     # the last evaluation's embeddings: this epoch changes the weights, free them
             seed_everything(stream_seed(self.seed, "epoch", e, self.rank), cuda=self.device.type == "cuda")
             self._sums, self._counts = {}, {}
             self.method.on_epoch_start(self.context)

@@ -192,11 +192,12 @@ def _lowp_margin(x: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
     top = sq.max()
     return 2 * c * (sq * top).sqrt() + 2.0**-20 * (sq + top)
 
-def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None):
+def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None, stats: dict | None = None):
     """`_knn_self(x, k)` with the candidate search in bfloat16 and exact float32 re-ranking. The bf16 search keeps
     k2 = 2k + 8 candidates and the (k2+1)-th; a row is certified when its (k2+1)-th approximate distance minus the
     margin exceeds its k-th plus the margin (then every row within the exact k-th distance is a candidate, ties
-    included); certified rows are re-ranked in float32, the others searched again in float32."""
+    included); certified rows are re-ranked in float32, the others searched again in float32. `stats`, a dict,
+    receives the number of rows and of certified rows."""
     n = len(x)
     k2 = 2 * k + 8 if extra is None else k + extra
     if k2 + 1 > n: return _knn_self(x, k)
@@ -216,6 +217,7 @@ def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None):
         d = (sq[s:s + step, None] + sq[c] - 2 * torch.bmm(x[c], x[s:s + step, :, None])[..., 0]).clamp_min_(0)
         v, o = d.topk(k, dim=1, largest=False)
         vals[s:s + step], idx[s:s + step] = v, c.gather(1, o)
+    if stats is not None: stats.update(rows=n, certified=int(ok.sum()))
     bad = (~ok).nonzero().flatten()
     if len(bad):
         v, i = _knn_torch(x[bad], x, k, False)
@@ -292,13 +294,13 @@ def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
 
 KNN_BACKENDS: dict[str, Callable] = {
     "torch": _knn_torch,                                                           # on the embeddings' device
-    "torch_fp32": _knn_torch,                   # self-retrieval: float32 blocks only (`torch`: bf16 where fast)
-    "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking everywhere
+    "torch_fp32": _knn_torch,                   # the same as "torch" (its self-search is float32 blocks)
+    "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking (opt-in)
     "faiss": _knn_faiss,                                                           # faiss-gpu if present, else CPU
     "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
     "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
 
-_SELF_LOWP = {"torch": None, "torch_fp32": False, "torch_bf16": True}   # None: `lowp_supported(device)`
+_SELF_LOWP = {"torch": False, "torch_fp32": False, "torch_bf16": True}   # bf16 candidates only when asked for (below)
 
 def set_num_threads(n: int):
     "Set torch's and faiss's (its own OpenMP runtime) thread counts together; the faiss back ends also follow torch's."
@@ -360,9 +362,7 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
                          f"itself, +1 to see ties at the cut): use backend='torch'")
     if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
         # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
-        if backend in _SELF_LOWP:
-            lowp = lowp_supported(q.device) if _SELF_LOWP[backend] is None else _SELF_LOWP[backend]
-            du, iu = (_knn_self_lowp if lowp else _knn_self)(u, K)
+        if backend in _SELF_LOWP: du, iu = (_knn_self_lowp if _SELF_LOWP[backend] else _knn_self)(u, K)
         else: du, iu = KNN_BACKENDS[backend](u, u, K, False)
         du, iu = du.to(q.device)[inv], iu.to(q.device)[inv]
     else:

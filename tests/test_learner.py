@@ -565,3 +565,17 @@ def test_eval_embeddings_reuse_the_last_evaluation_until_the_weights_change(sets
     second = learn.eval_embeddings()
     assert passes == [1] and not torch.equal(first["test"]["embedding"], second["test"]["embedding"])
     assert torch.equal(second["test"]["embedding"], learn.eval_embeddings()["test"]["embedding"]) and passes == [1, 1]
+
+
+def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
+    """`evaluate()` keeps its feature pass for `eval_embeddings()`; the next epoch changes the weights, so it lets go of
+    those tensors before its first step (at SOP scale about 250 MB on the training device) and reuses nothing stale."""
+    held = []
+    class Probe(Callback):
+        order = 15                                   # after the evaluation (10), before the logging callbacks
+        def before_epoch(self, learner): held.append(getattr(learner, "_eval_pass", (None, None))[1] is not None)
+        def after_epoch(self, learner): held.append(learner._eval_pass[1] is not None)
+    learn = learner(sets, epochs=2, steps=2, callbacks=[Probe()])
+    learn.fit()                                      # evaluates after each epoch
+    assert held == [False, True, False, True]
+    assert torch.equal(learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"])
