@@ -27,8 +27,8 @@ def skipped(cell, flags) -> bool:
         any(re.match(r"#\|\s*eval:\s*false", l) for l in heads)
 
 def shrink_pictures(nb, limit: int = 100 << 10, quality: int = 80) -> int:
-    """Store a PNG output larger than `limit` bytes as a JPEG when that is at most half its size (photo grids: a tenth;
-    line plots stay PNG, sharp and small already). Returns the bytes saved."""
+    """Store a PNG output larger than `limit` bytes as a JPEG when that is at most half its size (photo grids: a
+    third to a sixth; line plots stay PNG, sharp and small already). Returns the bytes saved."""
     import base64, io
     from PIL import Image
     saved = 0
