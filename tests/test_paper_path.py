@@ -7,7 +7,7 @@ D&C's K; see MAX_LEARNERS); metrics are written and every task
 gets tuples (a task without tuples stops the run). Without the data, every reproduction notebook lists each row
 as not run with the reason and still writes its table and claims, never crashing."""
 from __future__ import annotations
-import json, os, subprocess, sys
+import json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -97,14 +97,27 @@ def _papermill(nb: Path, params: dict, out: Path) -> None:
                                kernel_name="python3")
 
 
-@pytest.mark.parametrize("path", REPRO_FILES, ids=[f"{p.parent.name}/{p.name}" for p in REPRO_FILES])
-def test_repro_notebook_runs_every_paper_file(path, data_root, tmp_path, monkeypatch):
-    "The notebook with its real parameter file (size keys shrunk), smoke-sized by IN_TEST, on real-format data."
+@pytest.fixture
+def smoke_scratch(tmp_path, monkeypatch):
+    """A folder inside the smoke folder (the only place a notebook under IN_TEST may write its runs and figures),
+    removed afterwards: each of these runs leaves ResNet50 checkpoints of 100-300 MB, and the whole test used to leave
+    about 60 GB in the smoke folder until the disk was full."""
     for k, v in _env(IN_TEST="1").items(): monkeypatch.setenv(k, v)
-    params = {**_shrunk_params(path, data_root), "progress": False}
+    from dml_nb.repro import output_dirs
+    scratch = output_dirs()[1].parent / "paper_path" / tmp_path.name
+    yield scratch
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.parametrize("path", REPRO_FILES, ids=[f"{p.parent.name}/{p.name}" for p in REPRO_FILES])
+def test_repro_notebook_runs_every_paper_file(path, data_root, tmp_path, smoke_scratch):
+    "The notebook with its real parameter file (size keys shrunk), smoke-sized by IN_TEST, on real-format data."
+    params = {**_shrunk_params(path, data_root), "progress": False,
+              "runs_dir": str(smoke_scratch / "runs"), "figures_dir": str(smoke_scratch / "figures")}
     _papermill(ROOT / "nbs" / f"{path.parent.name}.ipynb", params, tmp_path / "out.ipynb")
     text = (tmp_path / "out.ipynb").read_text()
     assert "not run: dataset" not in text, "a row did not find the real-format data"
+    assert any((smoke_scratch / "runs").iterdir()), "the runs were not written where the test asked"
 
 
 @pytest.mark.parametrize("path", REPRO_FILES, ids=[f"{p.parent.name}/{p.name}" for p in REPRO_FILES])
