@@ -7,7 +7,7 @@ k = "max_bin_count" (the setting MAP@R needs) and NMI from its faiss k-means (ni
 Data: synthetic L2-normalised 512-d embeddings with class structure (class centre + Gaussian noise) at
 CUB scale (5,924 x 512, 100 classes) and SOP scale (60,502 x 512, 11,316 classes of 2 or more images).
 
-    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml] [--device cpu|cuda] [--bf16]
+    python benchmarks/eval.py --scale cub|sop|all [--threads 2] [--no-pml] [--device cpu|cuda] [--bf16] [--breakdown]
 
 Every table comes with the machine: CPU model, the SIMD flags that matter here (AVX2/FMA, AVX-512, AVX512-BF16,
 AMX), cores, torch's and faiss's thread settings, the sustained float32 and bfloat16 GEMM rates (torch.mm), the
@@ -26,8 +26,8 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from dml_nb.metrics import evaluate
-from dml_nb.clustering import _auto_nredo, kmeans
-from dml_nb.neighbours import _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
+from dml_nb.clustering import _assign, _auto_nredo, kmeans
+from dml_nb.neighbours import _block_rows, _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),
@@ -109,7 +109,34 @@ def bf16_search(emb, labels, repeats: int):
           f"({st.get('certified', 0) / max(1, st.get('rows', 0)):.1%} of the rows certified)", flush=True)
 
 
-def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: bool = False) -> list[tuple]:
+def breakdown(emb, labels, repeats: int):
+    """Where the time goes. The self-search at the k the retrieval metrics use, against its block products alone
+    (the same blocks, nothing else); one k-means assignment pass (k = classes, centroids a fixed sample of the rows)
+    against faiss's flat search of the same size (what `faiss.Kmeans` runs each iteration)."""
+    x, n, d = emb, len(emb), emb.shape[1]
+    K, B, sq = int(labels.bincount().max()) + 1, _block_rows(len(emb), emb.device), emb.pow(2).sum(1)
+    blocks = [(s, t) for s in range(0, n, B) for t in range(s, n, B)]
+    def products():
+        for s, t in blocks: torch.addmm(sq[t:t + B], x[s:s + B], x[t:t + B].T, alpha=-2)
+        if x.device.type == "cuda": torch.cuda.synchronize()
+    _, t_all = timed(lambda: _knn_self(x, K), repeats)
+    _, t_p = timed(products, repeats)
+    flop = 2 * d * sum(min(B, n - s) * min(B, n - t) for s, t in blocks)
+    print(f"self-search, k = {K}: {t_all:.2f} s; its {len(blocks)} block products alone {t_p:.2f} s "
+          f"({flop / t_p / 1e9:.0f} GFLOP/s); the rest (screening, merging, diagonal top-k) {t_all - t_p:.2f} s", flush=True)
+    k = len(labels.unique())
+    c = x[torch.randperm(n, generator=torch.Generator().manual_seed(0))[:k].to(x.device)]
+    _, t_a = timed(lambda: _assign(x, sq, c), repeats)
+    index = faiss.IndexFlatL2(d)
+    index.add(c.cpu().numpy())
+    xn = x.cpu().numpy()
+    _, t_f = timed(lambda: index.search(xn, 1), repeats)
+    print(f"one k-means assignment, {n} points x {k} centroids ({2 * n * k * d / 1e12:.2f} TFLOP): ours {t_a:.2f} s, "
+          f"faiss's flat search (CPU) {t_f:.2f} s", flush=True)
+
+
+def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: bool = False,
+              profile: bool = False) -> list[tuple]:
     emb, labels = synthetic(**SCALES[name])
     emb, labels = emb.to(device), labels.to(device)
     n, d, k = len(emb), emb.shape[1], len(labels.unique())
@@ -126,6 +153,7 @@ def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: boo
     if _auto_nredo(n, k) == 1: one, t_1 = (None, None, ours_obj), t_n   # the default already is one run
     else: one, t_1 = timed(lambda: kmeans(emb, k, nredo=1), repeats)    # one Lloyd run, as PML's single faiss run
     if bf16: bf16_search(emb, labels, repeats)
+    if profile: breakdown(emb, labels, repeats)
     l1 = load()
     print(f"ours: retrieval {t_r:.2f} s {ours_r}\nours: nmi {t_n:.2f} s nmi={ours_n:.4f} objective={ours_obj:.1f}"
           f" (load {l0:.2f} -> {l1:.2f})", flush=True)
@@ -162,6 +190,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (embeddings, our torch back end and PML there)")
     ap.add_argument("--bf16", action="store_true", help="also time the self-search with bf16 candidates (opt-in "
                     "backend 'torch_bf16') against float32, with its certified share of rows")
+    ap.add_argument("--breakdown", action="store_true", help="also time the self-search's block products alone and "
+                    "one k-means assignment pass against faiss's flat search of the same size")
     args = ap.parse_args()
     set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -169,7 +199,7 @@ def main():
     rows = []
     for name in (("cub", "sop") if args.scale == "all" else (args.scale,)):
         rows += run_scale(name, not args.no_pml, args.repeats or (3 if name == "cub" else 1), device, m["fp32_GFLOPs"],
-                          args.bf16)
+                          args.bf16, args.breakdown)
     print(f"\nmachine: {m['cpu']}, flags {' '.join(m['flags'])}, {m['usable_cores']} cores, torch/faiss threads "
           f"{m['torch_threads']}/{m['faiss_threads']}, fp32 {m['fp32_GFLOPs']} / bf16 {m['bf16_GFLOPs']} GFLOP/s, "
           f"fast bf16 units {'yes' if m['bf16_units'] else 'no'} (bf16 candidates: opt-in, --bf16)"
