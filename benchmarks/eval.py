@@ -136,7 +136,7 @@ def breakdown(emb, labels, repeats: int):
 
 
 def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: bool = False,
-              profile: bool = False) -> list[tuple]:
+              show_breakdown: bool = False) -> list[tuple]:
     emb, labels = synthetic(**SCALES[name])
     emb, labels = emb.to(device), labels.to(device)
     n, d, k = len(emb), emb.shape[1], len(labels.unique())
@@ -153,7 +153,7 @@ def run_scale(name: str, pml: bool, repeats: int, device, rate: float, bf16: boo
     if _auto_nredo(n, k) == 1: one, t_1 = (None, None, ours_obj), t_n   # the default already is one run
     else: one, t_1 = timed(lambda: kmeans(emb, k, nredo=1), repeats)    # one Lloyd run, as PML's single faiss run
     if bf16: bf16_search(emb, labels, repeats)
-    if profile: breakdown(emb, labels, repeats)
+    if show_breakdown: breakdown(emb, labels, repeats)
     l1 = load()
     print(f"ours: retrieval {t_r:.2f} s {ours_r}\nours: nmi {t_n:.2f} s nmi={ours_n:.4f} objective={ours_obj:.1f}"
           f" (load {l0:.2f} -> {l1:.2f})", flush=True)
