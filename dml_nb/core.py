@@ -14,7 +14,7 @@ if TYPE_CHECKING: import torch   # annotations only: importing dml_nb.core does 
 # %% auto #0
 __all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'DiskWriteError',
            'disk_write_error', 'atomic_write', 'atomic_torch_save', 'atomic_json', 'remove_temp_files', 'config_hash',
-           'data_root', 'RunLockedError', 'describe_holder', 'lock_dir']
+           'data_root', 'project_root', 'RunLockedError', 'describe_holder', 'lock_dir']
 
 # %% ../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -178,6 +178,22 @@ def data_root(name: str, root: str | Path | None = None) -> Path:
                                 f"root=... or export DML_DATA=/path/to/datasets (the data then lives in "
                                 f"$DML_DATA/{name})")
     return Path(base).expanduser() / name
+
+# %% ../nbs/00_core.ipynb #89f4a3bb
+def project_root(start: str | Path | None = None) -> Path:
+    "The nearest folder at or above `start` (default: the working directory) holding this project's settings.ini."
+    here = Path(start or os.getcwd()).resolve()
+    for d in (here, *here.parents):
+        ini = d / "settings.ini"
+        if ini.exists() and "lib_name = dml_nb" in ini.read_text(): return d
+    return here
+
+def _source_hash() -> str:
+    "A hash of the installed library's source files: what decides whether smoke runs and reproductions are stale."
+    import dml_nb
+    h = hashlib.sha1()
+    for p in sorted(Path(dml_nb.__file__).parent.glob("*.py")): h.update(p.read_bytes())
+    return h.hexdigest()[:10]
 
 # %% ../nbs/00_core.ipynb #dfdb4d20
 class RunLockedError(RuntimeError):

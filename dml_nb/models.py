@@ -42,7 +42,7 @@ class Backbone(nn.Module):
     feature_dim: int
     preprocessing: Preprocessing
     weight_files: tuple[str, ...] = ()      # file names torchvision / pretrainedmodels would cache
-    weight_urls: tuple[str, ...] = ()       # where to fetch them by hand (never fetched here)
+    weight_urls: tuple[str, ...] | None = None  # where to fetch them by hand (never fetched); None: torchvision's folder
     ignore_weight_prefixes: tuple[str, ...] = ()  # classifier layers in the ImageNet file that we drop
 
     def __init__(self, pooling: str = "avg", frozen_bn: bool = False, frozen_bn_affine: bool = False):
@@ -57,7 +57,13 @@ class Backbone(nn.Module):
     def weights_for(cls, pretrained, name: str, **options) -> Path | None:
         """The weights file a backbone built with `pretrained` and `options` would load (None: random init), or the
         clear error its constructor would raise; `experiment`/`repro` ask this before a run starts."""
-        return resolve_pretrained(pretrained, name, cls.weight_files, cls.weight_urls)
+        return resolve_pretrained(pretrained, name, cls.weight_files, cls.urls())
+
+    @classmethod
+    def urls(cls) -> tuple[str, ...]:
+        "Where each weights file can be fetched by hand: `weight_urls`, else torchvision's download folder."
+        if cls.weight_urls is not None: return tuple(cls.weight_urls)
+        return tuple(f"https://download.pytorch.org/models/{f}" for f in cls.weight_files)
 
     @classmethod
     def weights_checksum(cls, pretrained, **options) -> str | None:
@@ -66,7 +72,7 @@ class Backbone(nn.Module):
 
     def _finish(self, pretrained, name: str):
         "Load weights if asked, then apply the BatchNorm freezing. Call at the end of `__init__`."
-        path = resolve_pretrained(pretrained, name, self.weight_files, self.weight_urls)
+        path = resolve_pretrained(pretrained, name, self.weight_files, self.urls())
         if path is not None: load_weights(self, path, ignore_prefixes=self.ignore_weight_prefixes, name=name)
         if self.frozen_bn_affine:
             for bn in batchnorm_modules(self):
@@ -171,8 +177,8 @@ def load_weights(module: nn.Module, path: str | Path, ignore_prefixes=(), name: 
 class ResNet50(Backbone):
     "ResNet50 (torchvision) → pooled 2048-d features. `frozen_bn=True` keeps BatchNorm in eval mode."
     weight_files = ("resnet50-0676ba61.pth",)
-    weight_urls = ("https://download.pytorch.org/models/resnet50-0676ba61.pth",)
     ignore_weight_prefixes = ("fc.",)
+    feature_dim = 2048
 
     def __init__(self, pretrained=None, frozen_bn: bool = True, frozen_bn_affine: bool = False,
                  pooling: str = "avg", input_size: int = 224):
@@ -181,7 +187,6 @@ class ResNet50(Backbone):
         net = resnet50(weights=None)
         for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"):
             setattr(self, n, getattr(net, n))
-        self.feature_dim = 2048
         self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "resnet50")
 
@@ -213,6 +218,7 @@ class BNInception(Backbone):
     weight_files = ("bn_inception-52deb4733.pth", "bn_inception-239d2248.pth", "bn_inception-9f5701afb96c8044.pth")
     weight_urls = ("http://data.lip6.fr/cadene/pretrainedmodels/bn_inception-52deb4733.pth",)
     ignore_weight_prefixes = ("last_linear.",)
+    feature_dim = 1024
 
     def __init__(self, pretrained=None, frozen_bn: bool = False, frozen_bn_affine: bool = False,
                  pooling: str = "avg", input_size: int = 224, bn_momentum: float = 0.1):
@@ -231,7 +237,6 @@ class BNInception(Backbone):
             self._conv_bn(p + "double_3x3_2", cd, cd, 3, stride=s, padding=1)
             if cp: self._conv_bn(p + "pool_proj", cin, cp, 1)
         del self._bn_momentum
-        self.feature_dim = 1024
         self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "bninception")
 
@@ -272,8 +277,8 @@ class BNInception(Backbone):
 class GoogLeNet(Backbone):
     "GoogLeNet (torchvision, no auxiliary classifiers) → pooled 1024-d features."
     weight_files = ("googlenet-1378be20.pth",)
-    weight_urls = ("https://download.pytorch.org/models/googlenet-1378be20.pth",)
     ignore_weight_prefixes = ("fc.", "aux1.", "aux2.")
+    feature_dim = 1024
     _blocks = ("conv1", "maxpool1", "conv2", "conv3", "maxpool2", "inception3a", "inception3b", "maxpool3",
                "inception4a", "inception4b", "inception4c", "inception4d", "inception4e", "maxpool4",
                "inception5a", "inception5b")
@@ -286,7 +291,6 @@ class GoogLeNet(Backbone):
         for n in self._blocks: setattr(self, n, getattr(net, n))
         self.register_buffer("_in_scale", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) / 0.5, persistent=False)
         self.register_buffer("_in_shift", (torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) - 0.5) / 0.5, persistent=False)
-        self.feature_dim = 1024
         self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "googlenet")
 

@@ -16,7 +16,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .claims import Claims
-from .core import atomic_write, data_root, in_test
+from .core import _source_hash, atomic_write, data_root, in_test, project_root
 from .registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
 from .learner import NoTuplesError
@@ -25,30 +25,18 @@ from .config import ConfigError, make_config, merge_layers
 from .viz import markdown_table, save_figure, set_style
 
 # %% auto #0
-__all__ = ['SHAPES_BASE', 'FINEGRAINED_BASE', 'SECTIONS', 'EMBEDDED', 'project_root', 'paper_variant', 'output_dirs',
-           'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner', 'portable',
-           'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table',
-           'collect_runs', 'Reproduction', 'setup']
+__all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'SECTIONS', 'CONFIG_SECTIONS', 'OUTPUT_KEYS', 'paper_variant',
+           'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner',
+           'portable', 'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table',
+           'collect_runs', 'Reproduction', 'params_base', 'setup']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
-def project_root(start: str | Path | None = None) -> Path:
-    "The nearest folder at or above `start` (default: the working directory) holding this project's settings.ini."
-    here = Path(start or os.getcwd()).resolve()
-    for d in (here, *here.parents):
-        ini = d / "settings.ini"
-        if ini.exists() and "lib_name = dml_nb" in ini.read_text(): return d
-    return here
-
-def _source_hash() -> str:
-    import dml_nb
-    h = hashlib.sha1()
-    for p in sorted(Path(dml_nb.__file__).parent.glob("*.py")): h.update(p.read_bytes())
-    return h.hexdigest()[:10]
+EMBEDDED = ("finegrained", "shapes", "digits")   # the data sets made here: every notebook's default run
 
 def paper_variant(raw: Mapping) -> str | None:
     "None for a run on embedded data; else '<dataset>-<backbone>': the folder a paper-scale run's figures go to."
     name = raw.get("data", {}).get("name", "shapes")
-    if name in ("shapes", "digits", "finegrained"): return None
+    if name in EMBEDDED: return None
     return f"{name}-{raw.get('model', {}).get('backbone', 'small_cnn')}"
 
 def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None,
@@ -146,7 +134,7 @@ def availability(raw: Mapping) -> str | None:
     cfg = make_config(raw)
     if str(cfg.train.device).startswith("cuda") and not torch.cuda.is_available():
         return "needs a GPU (train.device is cuda) and none is available"
-    if cfg.data.name not in ("shapes", "digits", "finegrained"):
+    if cfg.data.name not in EMBEDDED:
         try: root = data_root(cfg.data.name, cfg.data.root)
         except FileNotFoundError as e: return f"dataset {cfg.data.name} not on disk: {e}"
         if not root.is_dir(): return f"dataset {cfg.data.name} not on disk: {root} does not exist (the README's 'Data' section lists the expected files)"
@@ -300,8 +288,6 @@ def collect_runs(runs_dir: str | Path, rows: Sequence[Row] | None = None, base: 
     return pd.DataFrame(recs, columns=cols + sorted({k for r in recs for k in r} - set(cols)))
 
 # %% ../nbs/10_repro.ipynb #3a902a03
-EMBEDDED = ("finegrained", "shapes", "digits")
-
 @dataclass
 class Reproduction:
     "A reproduction notebook's setting after `setup`: base config, seeds, folders, and the steps every notebook takes."
@@ -376,19 +362,39 @@ def _small(value, n):
     if isinstance(value, (list, tuple)): return value[:n]
     return min(value, n)
 
-def setup(stem: str, params: dict, shrink: Mapping | None = None) -> Reproduction:
-    """Start reproduction notebook `stem` from `params`, its namespace after the parameters cell (`globals()`): reads
-    `dataset`, `data`, `model`, `train`, `eval`, `seeds` and, where the notebook has them, `paper_dataset`, `runs_dir`,
-    `figures_dir`, `progress`. Under nbdev_test it shrinks in place `seeds` to one seed and each parameter named in
-    `shrink` ({name: n or function}, see `_small`; `{"seeds": 2}` keeps two), so the notebook's variables are the
-    smoke-size ones; the configs themselves shrink in `run_rows`. Sets the figure style."""
+CONFIG_SECTIONS = ("data", "model", "train", "eval")      # the `config` parameter: overrides by section
+OUTPUT_KEYS = ("runs_dir", "figures_dir", "progress")    # the `output` parameter: where runs and figures go, bars
+
+def _parameter_dict(value, name: str, keys: Sequence[str], stem: str) -> dict:
+    "`value` of the notebook parameter `name`: a dict with keys among `keys` (None: empty), checked."
+    if not isinstance(value := {} if value is None else value, Mapping) or set(value) - set(keys):
+        raise ValueError(f"{stem}: the parameter {name!r} must be a dict with keys among {list(keys)}; got {value!r}")
+    return dict(value)
+
+def params_base(params: Mapping, defaults: Mapping | None = None, stem: str = "the parameters") -> dict:
+    "The base config of a notebook's parameters (a `-f` file, or its namespace): `dataset`'s, then `config` over `defaults`."
+    if flat := [k for k in (*CONFIG_SECTIONS, *OUTPUT_KEYS) if k in params]:   # a file written for the old flat form
+        moves = ", ".join(f"{k} -> {'config' if k in CONFIG_SECTIONS else 'output'}.{k}" for k in flat)
+        raise ValueError(f"{stem}: {', '.join(flat)} are no longer parameters of their own; move them ({moves}): in a papermill "
+                         "-f file, indent them under `config:` or `output:`, e.g. config: {train: {epochs: 5}}")
+    config = {**_parameter_dict(defaults, "defaults", CONFIG_SECTIONS, stem),
+              **_parameter_dict(params.get("config"), "config", CONFIG_SECTIONS, stem)}
+    return base_config(params.get("dataset", "shapes"), *(config.get(k) for k in CONFIG_SECTIONS))
+
+def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapping | None = None) -> Reproduction:
+    """Start reproduction notebook `stem` from `params`, its namespace after the parameters cell (`globals()`): the
+    base config (`params_base`: `dataset`, `config` over the notebook's `defaults`), `seeds`, `paper_dataset` and
+    `output` (`OUTPUT_KEYS`). Under nbdev_test it shrinks in place `seeds` to one seed and each parameter named in
+    `shrink` ({name: n or function}, see `_small`; `{"seeds": 2}` keeps two); the configs shrink in `run_rows`.
+    Sets the figure style."""
+    base = params_base(params, defaults, stem)        # first: a wrong parameter stops before anything is shrunk
+    output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
     if in_test():
         for k, n in {"seeds": 1, **(shrink or {})}.items():
             if k not in params: raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
             params[k] = _small(params[k], n)
     dataset = params.get("dataset", "shapes")
-    base = base_config(dataset, *(params.get(k) for k in ("data", "model", "train", "eval")))
-    figures, runs = output_dirs(params.get("figures_dir"), params.get("runs_dir"), paper_variant(base))
+    figures, runs = output_dirs(output.get("figures_dir"), output.get("runs_dir"), paper_variant(base))
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
     set_style()
-    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, params.get("progress", True))
+    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, output.get("progress", True))

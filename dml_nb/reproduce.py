@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .core import atomic_write
 from .experiment import RECIPES_VERSION
-from .repro import _source_hash, project_root
+from .core import _source_hash, project_root
 
 # %% auto #0
 __all__ = ['VERDICTS', 'notebook_hash', 'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
@@ -101,7 +101,7 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
         bar.set_postfix_str(nb.stem)
         t0 = time.time()
         papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
-                                   parameters={"progress": False})
+                                   parameters={"output": {"progress": False}})
         state[nb.stem] = {"hash": h, "seconds": round(time.time() - t0, 1), "recipes": RECIPES_VERSION,
                           "date": time.strftime("%Y-%m-%d")}
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")

@@ -10,7 +10,7 @@ import yaml
 
 from dml_nb.registry import METHODS
 from dml_nb.config import config_to_dict, make_config, read_yaml
-from dml_nb.repro import Row, base_config
+from dml_nb.repro import Row, params_base
 
 ROOT = Path(__file__).resolve().parents[1]
 HPARAMS = ROOT / "params" / "hparams"
@@ -84,7 +84,7 @@ def resolved_configs():
         if cfg["data"]["name"] not in EMBEDDED: out.append((f, "", cfg, set()))
     for f in sorted((ROOT / "params").glob("repro_*/*.yaml")):
         raw = yaml.safe_load(f.read_text()) or {}
-        base = base_config(raw.get("dataset", "shapes"), raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval"))
+        base = params_base(raw)
         if base["data"]["name"] in EMBEDDED: continue
         for name, spec in (raw.get("rows") or {}).items():
             row = Row(name, spec)

@@ -77,12 +77,13 @@ def _too_large(metric: str) -> bool:
 def _shrunk_params(path: Path, data_root: Path) -> dict:
     raw = yaml.safe_load(path.read_text())
     name = raw.get("dataset", "shapes")
-    raw["data"] = {**(raw.get("data") or {}), "root": str(data_root / FORMAT.get(name, name)), "size": 32}
-    raw["model"] = {**(raw.get("model") or {}), "pretrained": False}
-    raw["train"] = {**_shrink_train(raw.get("train")), "num_workers": 0}
-    ev = raw.get("eval") or {}
+    config = raw.setdefault("config", {})
+    config["data"] = {**(config.get("data") or {}), "root": str(data_root / FORMAT.get(name, name)), "size": 32}
+    config["model"] = {**(config.get("model") or {}), "pretrained": False}
+    config["train"] = {**_shrink_train(config.get("train")), "num_workers": 0}
+    ev = config.get("eval") or {}
     if ev.get("metrics"):                   # a size key too: R@k needs k < the split (D&C's R@1000 on SOP)
-        raw["eval"] = {**ev, "metrics": [m for m in ev["metrics"] if not _too_large(m)]}
+        config["eval"] = {**ev, "metrics": [m for m in ev["metrics"] if not _too_large(m)]}
     for spec in (raw.get("rows") or {}).values():
         if not isinstance(spec, dict): continue
         if isinstance(spec.get("train"), dict): spec["train"] = _shrink_train(spec["train"])
@@ -112,8 +113,8 @@ def smoke_scratch(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", REPRO_FILES, ids=[f"{p.parent.name}/{p.name}" for p in REPRO_FILES])
 def test_repro_notebook_runs_every_paper_file(path, data_root, tmp_path, smoke_scratch):
     "The notebook with its real parameter file (size keys shrunk), smoke-sized by IN_TEST, on real-format data."
-    params = {**_shrunk_params(path, data_root), "progress": False,
-              "runs_dir": str(smoke_scratch / "runs"), "figures_dir": str(smoke_scratch / "figures")}
+    params = {**_shrunk_params(path, data_root),
+              "output": {"progress": False, "runs_dir": str(smoke_scratch / "runs"), "figures_dir": str(smoke_scratch / "figures")}}
     _papermill(ROOT / "nbs" / f"{path.parent.name}.ipynb", params, tmp_path / "out.ipynb")
     text = (tmp_path / "out.ipynb").read_text()
     assert "not run: dataset" not in text, "a row did not find the real-format data"
@@ -124,7 +125,7 @@ def test_repro_notebook_runs_every_paper_file(path, data_root, tmp_path, smoke_s
 def test_repro_notebook_without_data_lists_rows_and_does_not_crash(path, tmp_path, monkeypatch):
     for k, v in _env(IN_TEST="1", DML_DATA=str(tmp_path / "no_data_here")).items(): monkeypatch.setenv(k, v)
     raw = yaml.safe_load(path.read_text())
-    params = {**raw, "progress": False, "figures_dir": str(tmp_path / "figures"), "runs_dir": str(tmp_path / "runs")}
+    params = {**raw, "output": {"progress": False, "figures_dir": str(tmp_path / "figures"), "runs_dir": str(tmp_path / "runs")}}
     _papermill(ROOT / "nbs" / f"{path.parent.name}.ipynb", params, tmp_path / "out.ipynb")
     text = (tmp_path / "out.ipynb").read_text()
     assert "not run: " in text, "rows without their data must be listed as not run, with the reason"

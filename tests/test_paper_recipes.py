@@ -11,7 +11,7 @@ import yaml
 from dml_nb.checks import write_fake_dataset
 from dml_nb.experiment import run
 from dml_nb.config import config_to_dict, make_config, merge_layers, read_yaml
-from dml_nb.repro import Row, base_config
+from dml_nb.repro import Row, params_base
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES_PER_BATCH = 6
@@ -20,7 +20,7 @@ CLASSES_PER_BATCH = 6
 def paper_configs():
     out = [(f"train/{f.name}", read_yaml(f)) for f in sorted((ROOT / "params" / "train").glob("cub200_*.yaml"))]
     raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
-    base = base_config(raw["dataset"], raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval"))
+    base = params_base(raw)
     out += [(f"repro_table3/{name}", Row(name, spec).config(base)) for name, spec in raw["rows"].items()]
     return out
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dml_nb.claims import Claims, Verdict, better
-from dml_nb.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke, setup
+from dml_nb.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, params_base, smoke, setup
 from dml_nb.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_params_keys_are_notebook_parameters(path):
 def test_params_rows_build_valid_configs(path):
     "Every row of a parameter file layers into a config that passes validation (method options included)."
     raw = yaml.safe_load(path.read_text())
-    base = base_config(raw.get("dataset", "shapes"), raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval"))
+    base = params_base(raw)
     make_config(base)
     for name, spec in (raw.get("rows") or {}).items():
         make_config(Row(name, spec).config(base))
@@ -131,7 +131,7 @@ def test_paper_scale_runs_write_their_own_figure_folder(tmp_path, monkeypatch):
     from dml_nb.repro import output_dirs, paper_variant
     assert paper_variant(base_config("shapes")) is None and paper_variant(base_config("digits")) is None
     raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
-    variant = paper_variant(base_config(raw["dataset"], raw.get("data"), raw.get("model"), raw.get("train"), raw.get("eval")))
+    variant = paper_variant(params_base(raw))
     assert variant == "cub200-resnet50"
     monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
@@ -178,6 +178,17 @@ def test_collector_fixture_is_small_and_real():
     assert per_seed.count(",ok,") == len(COLLECTOR_ROWS) * len(COLLECTOR_SEEDS), "every fixture row must find its run folder"
 
 
+def _setup_defaults(nb: Path) -> dict | None:
+    "The `defaults=` a reproduction notebook passes to `setup` (its own config sections), read from its code."
+    import ast, json
+    for c in json.loads(nb.read_text())["cells"]:
+        if c["cell_type"] != "code" or "setup(" not in "".join(c["source"]): continue
+        for node in ast.walk(ast.parse("".join(c["source"]))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup":
+                return next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "defaults"), None)
+    raise AssertionError(f"{nb.name}: no setup(...) call")
+
+
 def _smoke_cases():
     "Every method spec of the parameter files and of the notebooks' parameters cells, on its base: {case id: config}."
     import json
@@ -192,11 +203,11 @@ def _smoke_cases():
     for nb in NOTEBOOKS:
         cell = next(c for c in json.loads(nb.read_text())["cells"] if "parameters" in c["metadata"].get("tags", []))
         ns = {}; exec("".join(cell["source"]), ns)
-        sources.append((nb.stem, {k: v for k, v in ns.items() if not k.startswith("__")}))
+        sources.append((nb.stem, {k: v for k, v in ns.items() if not k.startswith("__")}, _setup_defaults(nb)))
     out = {}
-    for cid, p in sources:
-        base = base_config(p.get("dataset", "shapes"), p.get("data"), p.get("model"), p.get("train"), p.get("eval"))
-        for path, spec in specs({k: v for k, v in p.items() if k not in ("data", "model", "train", "eval")}):
+    for cid, p, *defaults in sources:
+        base = params_base(p, *defaults)
+        for path, spec in specs({k: v for k, v in p.items() if k not in ("config", "output")}):
             out[f"{cid}:{path}"] = Row(path, {"method": spec}).config(base)
         out[f"{cid}:base"] = base
     return out
@@ -225,8 +236,9 @@ def test_smoke_queue_alternatives_and_phase_epochs():
 
 
 def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
-    params = {"dataset": "cars196", "data": {}, "model": {"backbone": "resnet50"}, "train": {}, "eval": {},
-              "seeds": [0, 1, 2], "paper_dataset": "cub200", "gammas": [1.0, 2.0, 3.0], "steps": 300, "progress": False}
+    params = {"dataset": "cars196", "config": {"model": {"backbone": "resnet50"}},
+              "seeds": [0, 1, 2], "paper_dataset": "cub200", "gammas": [1.0, 2.0, 3.0], "steps": 300,
+              "output": {"progress": False}}
     nb = setup("repro_sharing_table7", params, shrink={"gammas": 2, "steps": 5})
     assert params["seeds"] == [0] and params["gammas"] == [1.0, 2.0] and params["steps"] == 5   # pytest: in_test()
     assert nb.shown == "cars196" and not nb.embedded and nb.figures.name == "cars196-resnet50"
@@ -234,7 +246,8 @@ def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
     with pytest.raises(KeyError, match="not a parameter"):
         setup("repro_sharing_table7", dict(params), shrink={"gamma": 1})
     monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
-    params = {"dataset": "shapes", "seeds": [0, 1], "paper_dataset": "cars196", "figures_dir": tmp_path, "runs_dir": tmp_path}
+    params = {"dataset": "shapes", "seeds": [0, 1], "paper_dataset": "cars196",
+              "output": {"figures_dir": tmp_path, "runs_dir": tmp_path}}
     nb = setup("repro_sharing_table7", params, shrink={"seeds": 1})
     assert nb.seeds == [0, 1] and nb.shown == "cars196" and nb.embedded
 
