@@ -105,7 +105,7 @@ class EvaluationMixin:
         """{set name (a pair: name_query, name_gallery): {'labels', embedding name: (N, D)}} on the CPU, of every eval set
         under the current weights: the last `evaluate()`'s feature pass when the weights have not changed since (the
         tensors its metrics came from, not recomputed), else a new pass."""
-        stamp, embedded = getattr(self, "_eval_pass", (None, None))
+        stamp, embedded = self._eval_pass
         if stamp != self._weights_stamp(): embedded = self._embed_sets(self.eval_sets)
         return {k: {"labels": y.cpu(), **{n: v.cpu() for n, v in emb.items()}} for k, (emb, y) in embedded.items()}
 

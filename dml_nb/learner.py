@@ -104,6 +104,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self.epoch = self.step = self.global_step = 0
         self.history: list[dict] = []
         self.latest_metrics: dict[str, float] = {}
+        self._eval_pass: tuple = (None, None)   # (weights stamp, embedded sets) of the last evaluate()
         self.row: dict = {}
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._parallel = None   # the training step under DistributedDataParallel when world_size > 1
