@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_repro.ipynb #84ec5f37
 from __future__ import annotations
-import copy, hashlib, os, tempfile
+import copy, os, tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
