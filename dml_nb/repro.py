@@ -362,13 +362,18 @@ def _small(value, n):
     if isinstance(value, (list, tuple)): return value[:n]
     return min(value, n)
 
-CONFIG_SECTIONS = ("data", "model", "train", "eval")      # the `config` parameter: overrides by section
-OUTPUT_KEYS = ("runs_dir", "figures_dir", "progress")    # the `output` parameter: where runs and figures go, bars
+_DIR, _SECTION = (str, Path, type(None)), (Mapping, type(None))
+CONFIG_SECTIONS = dict.fromkeys(("data", "model", "train", "eval"), _SECTION)   # `config`: overrides by section
+OUTPUT_KEYS = {"runs_dir": _DIR, "figures_dir": _DIR, "progress": (bool,)}     # `output`: folders, progress bars
 
-def _parameter_dict(value, name: str, keys: Sequence[str], stem: str) -> dict:
-    "`value` of the notebook parameter `name`: a dict with keys among `keys` (None: empty), checked."
-    if not isinstance(value := {} if value is None else value, Mapping) or set(value) - set(keys):
-        raise ValueError(f"{stem}: the parameter {name!r} must be a dict with keys among {list(keys)}; got {value!r}")
+def _parameter_dict(value, name: str, keys: Mapping[str, tuple], stem: str) -> dict:
+    "`value` of the notebook parameter `name`: a dict with keys among `keys`, each value of its types (None: empty)."
+    if not isinstance(value := {} if value is None else value, Mapping) or any(
+            k not in keys or not isinstance(v, keys[k]) for k, v in value.items()):
+        want = ", ".join(f"{k}: {' or '.join({Mapping: 'dict', type(None): 'None'}.get(t, t.__name__) for t in ts)}"
+                         for k, ts in keys.items())
+        raise ValueError(f"{stem}: the parameter {name!r} must be a dict with keys among {list(keys)}; got {value!r} "
+                         f"(each value: {want})")
     return dict(value)
 
 def params_base(params: Mapping, defaults: Mapping | None = None, stem: str = "the parameters") -> dict:
@@ -379,7 +384,9 @@ def params_base(params: Mapping, defaults: Mapping | None = None, stem: str = "t
                          "-f file, indent them under `config:` or `output:`, e.g. config: {train: {epochs: 5}}")
     config = {**_parameter_dict(defaults, "defaults", CONFIG_SECTIONS, stem),
               **_parameter_dict(params.get("config"), "config", CONFIG_SECTIONS, stem)}
-    return base_config(params.get("dataset", "shapes"), *(config.get(k) for k in CONFIG_SECTIONS))
+    base = base_config(params.get("dataset", "shapes"), *(config.get(k) for k in CONFIG_SECTIONS))
+    make_config(base)                                # a wrong value in a section stops here, not at the first run
+    return base
 
 def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapping | None = None) -> Reproduction:
     """Start reproduction notebook `stem` from `params`, its namespace after the parameters cell (`globals()`): the
