@@ -14,7 +14,8 @@ from .registry import unknown_name_error
 from .neighbours import _as_embeddings, _as_labels, _block_rows, _faiss_gpu_device, _single_thread
 
 # %% auto #0
-__all__ = ['REMATCH_RULES', 'kmeans', 'kmeans_assign', 'nmi', 'match_clusters', 'cluster_statistics']
+__all__ = ['NMI_AVERAGES', 'NMI_KMEANS', 'REMATCH_RULES', 'kmeans', 'kmeans_assign', 'nmi', 'check_nmi_reading',
+           'nmi_kmeans_args', 'match_clusters', 'cluster_statistics']
 
 # %% ../nbs/05b_clustering.ipynb #6869a874
 def _column_tiles(k: int, n_runs: int, width: int) -> list[tuple[int, int, int, int]]:
@@ -164,16 +165,45 @@ def kmeans_assign(x, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234,
     "Each row's cluster id (NumPy) by faiss `kmeans` on the CPU of the L2-normalised rows: D&C's and Sharing's clustering."
     return kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend="faiss_cpu", normalize=normalize)[0].cpu().numpy()
 
+NMI_AVERAGES = ("arithmetic", "geometric")
+
 def nmi(emb, labels, n_clusters: int | None = None, seed: int = 0, niter: int = 20, nredo: int | None = None,
-        backend: str = "torch") -> float:
-    "NMI between k-means clusters of `emb` (k = number of classes by default) and `labels`."
+        backend: str = "torch", average: str = "arithmetic") -> float:
+    """NMI between k-means clusters of `emb` (k = number of classes by default) and `labels`, normalised by the
+    `average` of the two entropies (`NMI_AVERAGES`)."""
+    check_nmi_reading(average=average)
     x = _as_embeddings(emb, "emb")
     y = _as_labels(labels, len(x), "labels", x.device)
     n_classes = len(torch.unique(y))
     if n_classes < 2: raise ValueError(f"NMI needs at least 2 classes in labels; got {n_classes}")
     k = n_classes if n_clusters is None else n_clusters
     clusters, _, _ = kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend=backend)
-    return float(normalized_mutual_info_score(y.cpu().numpy(), clusters.cpu().numpy()))
+    return float(normalized_mutual_info_score(y.cpu().numpy(), clusters.cpu().numpy(), average_method=average))
+
+# NMI's k-means as each codebase runs it: dml_nb's default keeps `nmi`'s arguments; the authors' code runs faiss once
+# from faiss's seed, with no subsampling (max_points_per_centroid = n) and min_points_per_centroid = 1
+NMI_KMEANS = {
+    "dml_nb": None,                                                            # torch Lloyd, 20 rounds, 3 restarts where cheap
+    "faiss": {"backend": "faiss", "niter": 20, "nredo": 1, "seed": 1234},      # DiVA metrics/__init__.py, MIC auxiliaries.py
+    "faiss_100": {"backend": "faiss", "niter": 100, "nredo": 1, "seed": 1234}, # D&C lib/faissext.py train_kmeans's defaults
+}
+
+def check_nmi_reading(kmeans: str = "dml_nb", average: str = "arithmetic") -> None:
+    "An NMI k-means reading not in `NMI_KMEANS` or an average not in `NMI_AVERAGES` is an error naming the valid ones."
+    if kmeans not in NMI_KMEANS: raise unknown_name_error("NMI k-means reading", kmeans, tuple(NMI_KMEANS))
+    if average not in NMI_AVERAGES: raise unknown_name_error("NMI average", average, NMI_AVERAGES)
+
+def nmi_kmeans_args(reading: str, run: int = 0, seed: int = 0, niter: int = 20, nredo: int | None = None,
+                    backend: str = "torch") -> dict:
+    """`nmi`'s k-means arguments for the `run`-th of several NMI runs under a `NMI_KMEANS` reading: `dml_nb` takes the
+    given ones with seed `seed + run`; a code reading fixes them (seed 1234 + run) and refuses others."""
+    check_nmi_reading(reading)
+    fixed = NMI_KMEANS[reading]
+    if fixed is None: return {"seed": seed + run, "niter": niter, "nredo": nredo, "backend": backend}
+    if (niter, nredo, backend) != (20, None, "torch"):
+        raise ValueError(f"NMI k-means reading {reading!r} fixes the k-means (faiss, {fixed['niter']} rounds, one run): "
+                         f"leave niter/nredo/backend at their defaults, or use the 'dml_nb' reading to set them")
+    return {**fixed, "seed": fixed["seed"] + run}
 
 # %% ../nbs/05b_clustering.ipynb #b3e8f017
 REMATCH_RULES = ("hungarian", "official")

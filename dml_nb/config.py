@@ -76,6 +76,8 @@ class EvalConfig:
     save_embeddings: bool = True
     report: Literal["last", "best"] = "last"   # the epoch whose metrics the run reports (best: highest test R@1)
     nmi_seeds: int = 1                          # NMI: the mean over this many k-means starts
+    nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = "dml_nb"  # NMI's k-means: dml_nb's, or the authors' code's faiss run
+    nmi_average: Literal["arithmetic", "geometric"] = "arithmetic"  # NMI's normalisation (scikit-learn < 0.22: geometric)
 
 @dataclass
 class Config:
@@ -242,7 +244,8 @@ def _check_names(cfg: Config) -> None:
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
 _OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
-                       "train": {"compile": False, "stop_on_empty_tuples": True}, "eval": {"report": "last", "nmi_seeds": 1}}
+                       "train": {"compile": False, "stop_on_empty_tuples": True},
+                       "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic"}}
 
 def config_to_dict(cfg: Config) -> dict:
     "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."

@@ -77,10 +77,10 @@ class EvaluationMixin:
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
                 res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed,
-                                   nmi_seeds=self.nmi_seeds) for k in q}
+                                   **self.nmi_options) for k in q}
             else:
                 emb, y = embedded[name]
-                res = {k: evaluate(v, y, metrics, seed=self.seed, nmi_seeds=self.nmi_seeds) for k, v in emb.items()}
+                res = {k: evaluate(v, y, metrics, seed=self.seed, **self.nmi_options) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
         if sets is self.eval_sets: self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)

@@ -128,6 +128,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
                    optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, eval_sets=evals,
                    train_eval_ds=evals.get("train"),
                    eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size, nmi_seeds=cfg.eval.nmi_seeds,
+                   nmi_kmeans=cfg.eval.nmi_kmeans, nmi_average=cfg.eval.nmi_average,
                    run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
                    device=t.device, amp=None if t.amp == "none" else t.amp,
                    channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],

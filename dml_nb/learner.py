@@ -22,6 +22,7 @@ from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, ins
                                load_checkpoint)
 from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
                                 mean_over_processes)
+from .clustering import check_nmi_reading
 from .evaluation import EvaluationMixin, check_metrics
 
 # %% auto #0
@@ -63,7 +64,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
                  checkpoint_every_steps: int | None = None, callbacks: Sequence[Callback] = (),
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
                  num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
-                 stop_on_empty_tuples: bool = True, nmi_seeds: int = 1):
+                 stop_on_empty_tuples: bool = True, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
+                 nmi_average: str = "arithmetic"):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -83,7 +85,9 @@ class Learner(EvaluationMixin, CheckpointMixin):
         check_metrics(self.metrics)
         if not isinstance(nmi_seeds, int) or nmi_seeds < 1:
             raise ValueError(f"Learner(nmi_seeds={nmi_seeds!r}): the number of k-means starts NMI is averaged over must be a positive integer")
-        self.eval_batch_size, self.num_workers, self.nmi_seeds = eval_batch_size, num_workers, nmi_seeds
+        check_nmi_reading(nmi_kmeans, nmi_average)
+        self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
+        self.nmi_options = {"nmi_seeds": nmi_seeds, "nmi_kmeans": nmi_kmeans, "nmi_average": nmi_average}
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
         self.device = get_device(device)

@@ -11,7 +11,7 @@ import torch
 
 from .registry import RETRIEVAL_METRICS, parse_metric
 from .neighbours import _as_embeddings, _as_labels, _query_reference, knn
-from .clustering import nmi
+from .clustering import check_nmi_reading, nmi, nmi_kmeans_args
 
 # %% auto #0
 __all__ = ['recall_at_k', 'map_at_r', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
@@ -114,10 +114,15 @@ def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
 def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"),
              gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
              knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20,
-             nmi_nredo: int | None = None, nmi_seeds: int = 1) -> dict[str, float]:
+             nmi_nredo: int | None = None, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
+             nmi_average: str = "arithmetic") -> dict[str, float]:
     """Compute the named `metrics` (see `METRICS`) with one shared neighbour search; {name: value}. NMI is the mean
-    over `nmi_seeds` k-means runs (seeds `seed`, `seed + 1`, ...): its k-means start alone moves it by several points."""
+    over `nmi_seeds` k-means runs (seeds `seed`, `seed + 1`, ...): its k-means start alone moves it by several points.
+    `nmi_kmeans` names how k-means runs (`NMI_KMEANS`: dml_nb's, or the authors' code's single faiss run), `nmi_average`
+    the normalisation (`NMI_AVERAGES`)."""
     if nmi_seeds < 1: raise ValueError(f"nmi_seeds must be at least 1 (the k-means runs NMI is averaged over), got {nmi_seeds}")
+    check_nmi_reading(nmi_kmeans, nmi_average)
+    runs = [nmi_kmeans_args(nmi_kmeans, i, seed, nmi_niter, nmi_nredo, kmeans_backend) for i in range(nmi_seeds)]
     if isinstance(metrics, str): metrics = (metrics,)
     parsed = {name: parse_metric(name) for name in metrics}
     q, ql, r, rl, self_ = _query_reference(emb, labels, gallery_emb, gallery_labels)
@@ -134,7 +139,6 @@ def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8
         if isinstance(p, int): out[name] = _recall_from_hits(hits, p)
         elif p == "map@r": out[name] = map_r
         elif p == "r_precision": out[name] = r_prec
-        elif p == "nmi": out[name] = float(np.mean([nmi(q, ql, seed=seed + i, niter=nmi_niter, nredo=nmi_nredo, backend=kmeans_backend)
-                                                   for i in range(nmi_seeds)]))
+        elif p == "nmi": out[name] = float(np.mean([nmi(q, ql, average=nmi_average, **r) for r in runs]))
         elif p == "spectral_decay": out[name] = spectral_decay(q)
     return out

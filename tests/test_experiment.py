@@ -121,3 +121,26 @@ def test_saved_embeddings_are_those_of_the_final_weights(tmp_path, method, monke
     for name in stored:
         assert stored[name].keys() == fresh[name].keys()
         for k in stored[name]: assert torch.equal(stored[name][k], fresh[name][k]), (name, k)
+
+
+def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
+    "eval.nmi_kmeans / nmi_average: checked by the schema, passed to every evaluation, left out of the hash at the default."
+    from dml_nb.experiment import build_learner
+    assert not {"nmi_kmeans", "nmi_average"} & set(config_to_dict(make_config(TINY))["eval"])
+    for bad in ({"nmi_kmeans": "faiss20"}, {"nmi_average": "max"}):
+        with pytest.raises(ConfigError, match=f"eval.{next(iter(bad))}"):
+            make_config({**TINY, "eval": {**TINY["eval"], **bad}})
+    cfg = make_config({**TINY, "eval": {**TINY["eval"], "nmi_kmeans": "faiss_100", "nmi_average": "geometric"}})
+    assert config_to_dict(cfg)["eval"]["nmi_kmeans"] == "faiss_100"
+    learner = build_learner(cfg, progress=False)
+    assert learner.nmi_options == {"nmi_seeds": 1, "nmi_kmeans": "faiss_100", "nmi_average": "geometric"}
+
+
+def test_config_nmi_names_are_the_library_readings():
+    "The schema's allowed values for eval.nmi_kmeans / nmi_average are exactly the readings `clustering` defines."
+    import typing
+    from dml_nb.config import EvalConfig
+    from dml_nb.clustering import NMI_AVERAGES, NMI_KMEANS
+    hints = typing.get_type_hints(EvalConfig)
+    assert typing.get_args(hints["nmi_kmeans"]) == tuple(NMI_KMEANS)
+    assert typing.get_args(hints["nmi_average"]) == NMI_AVERAGES

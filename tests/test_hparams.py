@@ -1,7 +1,7 @@
 """One source of truth for the papers' settings: every paper-scale parameter file (params/train/*.yaml and every
 row of params/repro_*/*.yaml) agrees with the paper's table in params/hparams/<paper>.csv."""
 from __future__ import annotations
-import inspect, math
+import dataclasses, inspect, math
 from pathlib import Path
 
 import pandas as pd
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dml_nb.registry import METHODS
-from dml_nb.config import config_to_dict, make_config, read_yaml
+from dml_nb.config import make_config, read_yaml
 from dml_nb.repro import Row, params_base
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def resolved_configs():
     "(file, row name, resolved config dict, keys the row sets itself) for every paper-scale config."
     out = []
     for f in sorted((ROOT / "params" / "train").glob("*.yaml")):
-        cfg = config_to_dict(make_config(read_yaml(f)))
+        cfg = dataclasses.asdict(make_config(read_yaml(f)))
         if cfg["data"]["name"] not in EMBEDDED: out.append((f, "", cfg, set()))
     for f in sorted((ROOT / "params").glob("repro_*/*.yaml")):
         raw = yaml.safe_load(f.read_text()) or {}
@@ -88,7 +88,7 @@ def resolved_configs():
         if base["data"]["name"] in EMBEDDED: continue
         for name, spec in (raw.get("rows") or {}).items():
             row = Row(name, spec)
-            cfg = config_to_dict(make_config(row.config(base)))
+            cfg = dataclasses.asdict(make_config(row.config(base)))
             out.append((f, name, cfg, _flat_keys(spec if set(spec) & {"method", "train", "model", "data", "eval"}
                                                   else {"method": spec})))
     return out

@@ -7,6 +7,7 @@ Intended differences from PML, checked below:
   clusters, restarts); PML calls faiss.Kmeans(niter=20, seed=1234). With backend="faiss", seed=1234, niter=20,
   nredo=1 we call the same faiss routine and reproduce PML's NMI exactly; the torch back end agrees closely.
 """
+import hashlib
 import re
 import warnings
 
@@ -17,8 +18,9 @@ from sklearn.metrics import normalized_mutual_info_score
 
 from dml_nb.metrics import (evaluate, generalization_gap, map_at_r, maw_sdaw, recall_at_k, singular_value_spectrum,
                             spectral_decay)
-from dml_nb.clustering import kmeans, nmi
+from dml_nb.clustering import NMI_KMEANS, kmeans, nmi, nmi_kmeans_args
 from dml_nb.neighbours import knn
+from golden import load_golden
 
 BACKENDS = ("torch", "faiss")
 
@@ -475,3 +477,63 @@ def test_nmi_averaged_over_kmeans_starts():
     assert evaluate(emb, y, ("nmi",), seed=3, nmi_seeds=3)["nmi"] == pytest.approx(np.mean(one))
     with pytest.raises(ValueError, match="nmi_seeds must be at least 1"):
         evaluate(emb, y, ("nmi",), nmi_seeds=0)
+
+
+# NMI as the authors' code computes it (golden fixtures nmi_diva, nmi_mic, nmi_dnc) ----------------------------------
+NMI_CODE = {"nmi_diva": "faiss", "nmi_mic": "faiss", "nmi_dnc": "faiss_100"}
+
+
+def golden_nmi_input(spec: dict) -> tuple[np.ndarray, np.ndarray]:
+    "A fixture's input set, rebuilt from its recipe and checked against the stored digests."
+    rs = np.random.RandomState(spec["seed"])
+    y = np.arange(spec["n"]) % spec["classes"]
+    x = rs.randn(spec["classes"], spec["d"])[y] + spec["noise"] * rs.randn(spec["n"], spec["d"])
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    assert hashlib.sha256(x.tobytes()).hexdigest() == spec["sha256_x"], "the recipe no longer gives the stored input"
+    assert hashlib.sha256(y.astype(np.int64).tobytes()).hexdigest() == spec["sha256_labels"]
+    return x, y
+
+
+@pytest.mark.parametrize("name", sorted(NMI_CODE))
+def test_nmi_reading_matches_authors_code(name):
+    "eval.nmi_kmeans = the code's reading gives the clusters and the NMI their evaluation code computed, on every set."
+    g = load_golden(name)
+    sets = [s for s in g["inputs"] if s != "recipe"]
+    assert sets, f"{name}: no input sets"
+    for s in sets:
+        x, y = golden_nmi_input(g["inputs"][s])
+        want = g["outputs"][s]
+        args = nmi_kmeans_args(NMI_CODE[name])
+        clusters = kmeans(torch.from_numpy(x), g["inputs"][s]["classes"], **args)[0].numpy()
+        np.testing.assert_array_equal(clusters, want["clusters"], err_msg=f"{name} set {s}: cluster ids")
+        got = evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=NMI_CODE[name])["nmi"]
+        assert got == pytest.approx(want["nmi"], abs=1e-12), f"{name} set {s}"
+        # the geometric reading (scikit-learn < 0.22's default) is the same clusters under the other normalisation
+        geo = evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=NMI_CODE[name], nmi_average="geometric")
+        assert geo["nmi"] == pytest.approx(normalized_mutual_info_score(want["clusters"], y, average_method="geometric"), abs=1e-12)
+
+
+def test_nmi_readings_differ_where_they_should():
+    "The 20- and 100-round code readings part on a set that has not converged by round 20; dml_nb's is another k-means."
+    g = load_golden("nmi_dnc")
+    slow = [s for s in g["inputs"] if s != "recipe" and g["outputs"][s]["clusters"] != load_golden("nmi_diva")["outputs"][s]["clusters"]]
+    assert slow, "no fixture set tells 20 rounds from 100"
+    for s in slow:
+        x, y = golden_nmi_input(g["inputs"][s])
+        a, b = (evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=r)["nmi"] for r in ("faiss", "faiss_100"))
+        assert a != b
+
+
+def test_nmi_reading_errors():
+    "Unknown readings and averages name the valid ones; a code reading refuses k-means arguments it fixes."
+    x, y = torch.randn(60, 4, generator=torch.Generator().manual_seed(0)), torch.arange(60) % 3
+    with pytest.raises(ValueError, match="Valid NMI k-means readings: dml_nb, faiss, faiss_100"):
+        evaluate(x, y, ("nmi",), nmi_kmeans="sklearn")
+    with pytest.raises(ValueError, match="NMI average"):
+        evaluate(x, y, ("nmi",), nmi_average="max")
+    with pytest.raises(ValueError, match="fixes the k-means"):
+        evaluate(x, y, ("nmi",), nmi_kmeans="faiss_100", nmi_niter=30)
+    assert set(NMI_KMEANS) == {"dml_nb", "faiss", "faiss_100"}
+    # dml_nb's reading keeps evaluate's own k-means arguments; the default stays what it was
+    assert nmi_kmeans_args("dml_nb", 2, seed=5, niter=7) == {"seed": 7, "niter": 7, "nredo": None, "backend": "torch"}
+    assert evaluate(x, y, ("nmi",), seed=4)["nmi"] == nmi(x, y, seed=4)
