@@ -139,6 +139,6 @@ def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8
         if isinstance(p, int): out[name] = _recall_from_hits(hits, p)
         elif p == "map@r": out[name] = map_r
         elif p == "r_precision": out[name] = r_prec
-        elif p == "nmi": out[name] = float(np.mean([nmi(q, ql, average=nmi_average, **r) for r in runs]))
+        elif p == "nmi": out[name] = float(np.mean([nmi(q, ql, average=nmi_average, **args) for args in runs]))
         elif p == "spectral_decay": out[name] = spectral_decay(q)
     return out
