@@ -74,10 +74,13 @@ class EvalConfig:
     metrics: list = field(default_factory=lambda: ["recall@1", "recall@2", "recall@4", "recall@8", "nmi"])
     batch_size: int = 256
     save_embeddings: bool = True
-    report: Literal["last", "best"] = "last"   # the epoch whose metrics the run reports (best: highest test R@1)
+    report: Literal["last", "best", "best_each"] = "last"   # what the run reports: the last epoch, the epoch of the best
+                                                            # test R@1, or each metric's own best epoch
     nmi_seeds: int = 1                          # NMI: the mean over this many k-means starts
     nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = "dml_nb"  # NMI's k-means: dml_nb's, or the authors' code's faiss run
     nmi_average: Literal["arithmetic", "geometric"] = "arithmetic"  # NMI's normalisation (scikit-learn < 0.22: geometric)
+    nmi_on: Literal["query", "query_gallery"] = "query"            # NMI of a query/gallery pair: the queries, or both
+    self_match: Literal["index", "first"] = "index"                # a query leaves its own neighbours: by index, or first
 
 @dataclass
 class Config:
@@ -245,7 +248,8 @@ def _check_names(cfg: Config) -> None:
 # the hash), so that every earlier config keeps its run directory
 _OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
                        "train": {"compile": False, "stop_on_empty_tuples": True},
-                       "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic"}}
+                       "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic",
+                                "nmi_on": "query", "self_match": "index"}}
 
 def config_to_dict(cfg: Config) -> dict:
     "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."

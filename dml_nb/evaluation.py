@@ -77,10 +77,10 @@ class EvaluationMixin:
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
                 res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed,
-                                   **self.nmi_options) for k in q}
+                                   **self.eval_options) for k in q}
             else:
                 emb, y = embedded[name]
-                res = {k: evaluate(v, y, metrics, seed=self.seed, **self.nmi_options) for k, v in emb.items()}
+                res = {k: evaluate(v, y, metrics, seed=self.seed, **self.eval_options) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
         if sets is self.eval_sets: self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
@@ -111,14 +111,19 @@ class EvaluationMixin:
 
     def reported_metrics(self) -> dict:
         """What the run reports: {'reported', 'metrics', 'last_epoch', 'best_epoch', 'best_metrics'}. `report='best'`
-        reports the evaluated epoch with the highest test Recall@1 (the authors' code), 'last' the final epoch."""
+        reports the evaluated epoch with the highest test Recall@1 (D&C's code), 'best_each' every metric's own maximum
+        over the evaluated epochs (the summaries of DiVA's and MIC's code: each may come from another epoch), 'last'
+        the final epoch."""
         last = dict(self.latest_metrics)
         key = f"{next(iter(self.eval_sets))}/recall@1" if self.eval_sets else None
         evaluated = [r for r in self.history if key is not None and key in r and r[key] == r[key]]
         best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None     # ties: the earliest epoch
         best = {k: float(v) for k, v in best_row.items() if k in last} if best_row else last
-        out = {"reported": "last epoch" if self.report == "last" else f"best epoch by {key}",
-               "metrics": last if self.report == "last" or best_row is None else best,
+        each = {k: max((float(r[k]) for r in self.history if k in r and r[k] == r[k]), default=v)
+                for k, v in last.items()}
+        reported = {"last": "last epoch", "best": f"best epoch by {key}", "best_each": "each metric's best epoch"}
+        out = {"reported": reported[self.report],
+               "metrics": {"last": last, "best": best, "best_each": each}[self.report],
                "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
                "best_metrics": best}
         return out

@@ -129,6 +129,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
                    train_eval_ds=evals.get("train"),
                    eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size, nmi_seeds=cfg.eval.nmi_seeds,
                    nmi_kmeans=cfg.eval.nmi_kmeans, nmi_average=cfg.eval.nmi_average,
+                   nmi_on=cfg.eval.nmi_on, self_match=cfg.eval.self_match,
                    run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
                    device=t.device, amp=None if t.amp == "none" else t.amp,
                    channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],

@@ -22,8 +22,8 @@ from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, ins
                                load_checkpoint)
 from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
                                 mean_over_processes)
-from .clustering import check_nmi_reading
 from .evaluation import EvaluationMixin, check_metrics
+from .metrics import check_eval_readings
 
 # %% auto #0
 __all__ = ['REPORTS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
@@ -32,7 +32,7 @@ __all__ = ['REPORTS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
-REPORTS = ("last", "best")
+REPORTS = ("last", "best", "best_each")   # the final epoch; the epoch of the best test R@1; each metric's own best
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 # %% ../nbs/06_learner.ipynb #b621f8e6
@@ -65,7 +65,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
                  num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
                  stop_on_empty_tuples: bool = True, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
-                 nmi_average: str = "arithmetic"):
+                 nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index"):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -85,9 +85,10 @@ class Learner(EvaluationMixin, CheckpointMixin):
         check_metrics(self.metrics)
         if not isinstance(nmi_seeds, int) or nmi_seeds < 1:
             raise ValueError(f"Learner(nmi_seeds={nmi_seeds!r}): the number of k-means starts NMI is averaged over must be a positive integer")
-        check_nmi_reading(nmi_kmeans, nmi_average)
+        check_eval_readings(nmi_kmeans, nmi_average, nmi_on, self_match)
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
-        self.nmi_options = {"nmi_seeds": nmi_seeds, "nmi_kmeans": nmi_kmeans, "nmi_average": nmi_average}
+        self.eval_options = {"nmi_seeds": nmi_seeds, "nmi_kmeans": nmi_kmeans, "nmi_average": nmi_average,
+                             "nmi_on": nmi_on, "self_match": self_match}
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
         self.device = get_device(device)

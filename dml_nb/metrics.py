@@ -9,17 +9,21 @@ import warnings
 import numpy as np
 import torch
 
-from .registry import RETRIEVAL_METRICS, parse_metric
+from .registry import RETRIEVAL_METRICS, parse_metric, unknown_name_error
 from .neighbours import _as_embeddings, _as_labels, _query_reference, knn
 from .clustering import check_nmi_reading, nmi, nmi_kmeans_args
 
 # %% auto #0
-__all__ = ['recall_at_k', 'map_at_r', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw', 'generalization_gap', 'evaluate']
+__all__ = ['SELF_MATCH', 'NMI_ON', 'recall_at_k', 'map_at_r', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw',
+           'generalization_gap', 'check_eval_readings', 'evaluate']
 
 # %% ../nbs/05_metrics.ipynb #115e8d83
-def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch") -> torch.Tensor:
-    "(n_query, k) bool: does the j-th nearest reference share the query's label? The one search all retrieval metrics read."
-    _, idx = knn(q, r, k, exclude_self, backend)
+def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch", self_match="index") -> torch.Tensor:
+    """(n_query, k) bool: does the j-th nearest reference share the query's label? The one search all retrieval metrics
+    read. `self_match='first'` (query set = reference set): k + 1 neighbours with the first dropped, as DiVA's and MIC's
+    code do; with ties by index that is the query itself or an earlier exact duplicate of it."""
+    if exclude_self and self_match == "first": idx = knn(q, r, k + 1, False, backend)[1][:, 1:]
+    else: _, idx = knn(q, r, k, exclude_self, backend)
     return rl[idx] == ql[:, None]
 
 def _recall_from_hits(hits: torch.Tensor, k: int) -> float:
@@ -111,17 +115,29 @@ def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
     return get(test_metrics, "test_metrics") - get(train_metrics, "train_metrics")
 
 # %% ../nbs/05_metrics.ipynb #27b18a62
+SELF_MATCH = ("index", "first")            # dml_nb (and D&C's code): the query's own row by index; DiVA's, MIC's: the first neighbour
+NMI_ON = ("query", "query_gallery")        # NMI of a query/gallery pair: the queries, or both sets (D&C's In-Shop code)
+
+def check_eval_readings(nmi_kmeans: str = "dml_nb", nmi_average: str = "arithmetic", nmi_on: str = "query",
+                        self_match: str = "index") -> None:
+    "An evaluation reading that is not one of its named values is an error naming the valid ones."
+    check_nmi_reading(nmi_kmeans, nmi_average)
+    if nmi_on not in NMI_ON: raise unknown_name_error("NMI point set (nmi_on)", nmi_on, NMI_ON)
+    if self_match not in SELF_MATCH: raise unknown_name_error("self-match rule", self_match, SELF_MATCH)
+
 def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"),
              gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
              knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20,
              nmi_nredo: int | None = None, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
-             nmi_average: str = "arithmetic") -> dict[str, float]:
+             nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index") -> dict[str, float]:
     """Compute the named `metrics` (see `METRICS`) with one shared neighbour search; {name: value}. NMI is the mean
     over `nmi_seeds` k-means runs (seeds `seed`, `seed + 1`, ...): its k-means start alone moves it by several points.
-    `nmi_kmeans` names how k-means runs (`NMI_KMEANS`: dml_nb's, or the authors' code's single faiss run), `nmi_average`
-    the normalisation (`NMI_AVERAGES`)."""
+    The authors' codes' readings (`check_eval_readings`): `nmi_kmeans` names how k-means runs (`NMI_KMEANS`: dml_nb's,
+    or a single faiss run), `nmi_average` the normalisation (`NMI_AVERAGES`), `nmi_on` whether a query/gallery pair
+    clusters the queries or both sets (`NMI_ON`), `self_match` how a query leaves its own neighbour list (`SELF_MATCH`:
+    by index, or the first of k + 1 neighbours)."""
     if nmi_seeds < 1: raise ValueError(f"nmi_seeds must be at least 1 (the k-means runs NMI is averaged over), got {nmi_seeds}")
-    check_nmi_reading(nmi_kmeans, nmi_average)
+    check_eval_readings(nmi_kmeans, nmi_average, nmi_on, self_match)
     runs = [nmi_kmeans_args(nmi_kmeans, i, seed, nmi_niter, nmi_nredo, kmeans_backend) for i in range(nmi_seeds)]
     if isinstance(metrics, str): metrics = (metrics,)
     parsed = {name: parse_metric(name) for name in metrics}
@@ -133,12 +149,15 @@ def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8
         R = _relevant_counts(ql, rl, self_)
         if needs_r and not (R > 0).any():
             raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
-        hits = _neighbour_hits(q, ql, r, rl, max(ks + ([_cap_r(R, max_r)] if needs_r else [])), self_, knn_backend)
+        hits = _neighbour_hits(q, ql, r, rl, max(ks + ([_cap_r(R, max_r)] if needs_r else [])), self_, knn_backend,
+                               self_match)
         if needs_r: map_r, r_prec = _map_at_r_from_hits(hits, R)
     for name, p in parsed.items():
         if isinstance(p, int): out[name] = _recall_from_hits(hits, p)
         elif p == "map@r": out[name] = map_r
         elif p == "r_precision": out[name] = r_prec
-        elif p == "nmi": out[name] = float(np.mean([nmi(q, ql, average=nmi_average, **args) for args in runs]))
+        elif p == "nmi":
+            x, y = (q, ql) if self_ or nmi_on == "query" else (torch.cat([q, r]), torch.cat([ql, rl]))
+            out[name] = float(np.mean([nmi(x, y, average=nmi_average, **args) for args in runs]))
         elif p == "spectral_decay": out[name] = spectral_decay(q)
     return out

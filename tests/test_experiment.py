@@ -133,14 +133,33 @@ def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
     cfg = make_config({**TINY, "eval": {**TINY["eval"], "nmi_kmeans": "faiss_100", "nmi_average": "geometric"}})
     assert config_to_dict(cfg)["eval"]["nmi_kmeans"] == "faiss_100"
     learner = build_learner(cfg, progress=False)
-    assert learner.nmi_options == {"nmi_seeds": 1, "nmi_kmeans": "faiss_100", "nmi_average": "geometric"}
+    assert learner.eval_options == {"nmi_seeds": 1, "nmi_kmeans": "faiss_100", "nmi_average": "geometric",
+                                    "nmi_on": "query", "self_match": "index"}
 
 
-def test_config_nmi_names_are_the_library_readings():
-    "The schema's allowed values for eval.nmi_kmeans / nmi_average are exactly the readings `clustering` defines."
+def test_config_eval_names_are_the_library_readings():
+    "The schema's allowed values for the eval readings and reports are exactly those the library defines."
     import typing
     from dml_nb.config import EvalConfig
     from dml_nb.clustering import NMI_AVERAGES, NMI_KMEANS
+    from dml_nb.metrics import NMI_ON, SELF_MATCH
+    from dml_nb.learner import REPORTS
     hints = typing.get_type_hints(EvalConfig)
-    assert typing.get_args(hints["nmi_kmeans"]) == tuple(NMI_KMEANS)
-    assert typing.get_args(hints["nmi_average"]) == NMI_AVERAGES
+    for key, names in (("nmi_kmeans", tuple(NMI_KMEANS)), ("nmi_average", NMI_AVERAGES), ("nmi_on", NMI_ON),
+                       ("self_match", SELF_MATCH), ("report", REPORTS)):
+        assert typing.get_args(hints[key]) == names, key
+
+
+def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
+    "report='best_each' (DiVA's and MIC's summaries): each metric's maximum over the evaluated epochs, NaN rows skipped."
+    from types import SimpleNamespace
+    from dml_nb.evaluation import EvaluationMixin
+    history = [{"epoch": 0, "test/recall@1": 0.50, "test/nmi": 0.70}, {"epoch": 1, "test/recall@1": float("nan")},
+               {"epoch": 2, "test/recall@1": 0.60, "test/nmi": 0.65}, {"epoch": 3, "test/recall@1": 0.55, "test/nmi": 0.66}]
+    fake = SimpleNamespace(latest_metrics={"test/recall@1": 0.55, "test/nmi": 0.66}, eval_sets={"test": None},
+                           history=history, epoch=3)
+    got = {r: EvaluationMixin.reported_metrics(SimpleNamespace(**vars(fake), report=r)) for r in ("last", "best", "best_each")}
+    assert got["last"]["metrics"] == {"test/recall@1": 0.55, "test/nmi": 0.66}
+    assert got["best"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.65} and got["best"]["best_epoch"] == 2
+    assert got["best_each"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.70}
+    assert got["best_each"]["reported"] == "each metric's best epoch" and got["best_each"]["best_epoch"] == 2

@@ -486,11 +486,13 @@ NMI_CODE = {"nmi_diva": "faiss", "nmi_mic": "faiss", "nmi_dnc": "faiss_100"}
 
 
 def golden_nmi_input(spec: dict) -> tuple[np.ndarray, np.ndarray]:
-    "A fixture's input set, rebuilt from its recipe and checked against the stored digests."
+    "A fixture's input set, rebuilt from its recipe (exact copies every `duplicate_step` rows) and checked against its digests."
     rs = np.random.RandomState(spec["seed"])
     y = np.arange(spec["n"]) % spec["classes"]
     x = rs.randn(spec["classes"], spec["d"])[y] + spec["noise"] * rs.randn(spec["n"], spec["d"])
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    if "duplicate_step" in spec:
+        for i in range(0, spec["n"], spec["duplicate_step"]): x[i + 1] = x[i]
     assert hashlib.sha256(x.tobytes()).hexdigest() == spec["sha256_x"], "the recipe no longer gives the stored input"
     assert hashlib.sha256(y.astype(np.int64).tobytes()).hexdigest() == spec["sha256_labels"]
     return x, y
@@ -539,3 +541,54 @@ def test_nmi_reading_errors():
     # dml_nb's reading keeps evaluate's own k-means arguments; the default stays what it was
     assert nmi_kmeans_args("dml_nb", 2, seed=5, niter=7) == {"seed": 7, "niter": 7, "nredo": None, "backend": "torch"}
     assert evaluate(x, y, ("nmi",), seed=4)["nmi"] == nmi(x, y, seed=4)
+
+
+def test_self_match_first_drops_the_first_neighbour():
+    "self_match='first' (DiVA's, MIC's code): k + 1 neighbours, ties by index, the first dropped; without duplicates = 'index'."
+    rs = np.random.RandomState(11)
+    y = np.arange(200) % 10
+    x = rs.randn(10, 8)[y] + 0.9 * rs.randn(200, 8)
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    metrics = ("recall@1", "recall@2", "recall@4")
+    X, Y = torch.from_numpy(x), torch.from_numpy(y)
+    assert evaluate(X, Y, metrics, self_match="first") == evaluate(X, Y, metrics)
+    for i in range(0, 200, 10): x[i + 1] = x[i]                     # 20 exact copies under another label
+    X = torch.from_numpy(x)
+    d = ((x[:, None].astype(np.float64) - x[None]) ** 2).sum(-1)
+    order = np.argsort(d, axis=1, kind="stable")                       # ties by index
+    for k in (1, 2, 4):
+        first = (y[order[:, 1:k + 1]] == y[:, None]).any(1).mean()
+        by_index = (y[np.array([[j for j in row if j != i][:k] for i, row in enumerate(order)])] == y[:, None]).any(1).mean()
+        got_first, got_index = (evaluate(X, Y, (f"recall@{k}",), self_match=s)[f"recall@{k}"] for s in ("first", "index"))
+        assert got_first == pytest.approx(first) and got_index == pytest.approx(by_index)
+    # each copy (the later index) now finds itself: R@1 rises by the 20 copies whose twin has another label
+    assert evaluate(X, Y, ("recall@1",), self_match="first")["recall@1"] - evaluate(X, Y, ("recall@1",))["recall@1"] \
+        == pytest.approx(20 / 200)
+    with pytest.raises(ValueError, match="self-match rule"):
+        evaluate(X, Y, ("recall@1",), self_match="last")
+
+
+def test_nmi_on_query_gallery_clusters_both_sets():
+    "nmi_on='query_gallery' (D&C's In-Shop code) is the NMI of the queries and the gallery stacked; 'query' the queries'."
+    g = torch.Generator().manual_seed(1)
+    q, r = torch.randn(90, 6, generator=g), torch.randn(60, 6, generator=g)
+    ql, rl = torch.arange(90) % 5, torch.arange(60) % 5
+    kw = dict(gallery_emb=r, gallery_labels=rl, nmi_kmeans="faiss")
+    assert evaluate(q, ql, ("nmi",), **kw)["nmi"] == nmi(q, ql, **nmi_kmeans_args("faiss"))
+    both = evaluate(q, ql, ("nmi",), nmi_on="query_gallery", **kw)["nmi"]
+    assert both == nmi(torch.cat([q, r]), torch.cat([ql, rl]), **nmi_kmeans_args("faiss"))
+    with pytest.raises(ValueError, match="nmi_on"):
+        evaluate(q, ql, ("nmi",), nmi_on="gallery", **kw)
+
+
+@pytest.mark.parametrize("name", ["recall_diva", "recall_mic"])
+def test_self_match_first_matches_authors_recall(name):
+    "self_match='first' gives the Recall@k of DiVA's and MIC's code exactly, also with cross-class exact duplicates."
+    g = load_golden(name)
+    for s in (s for s in g["inputs"] if s != "recipe"):
+        x, y = golden_nmi_input(g["inputs"][s])
+        want = g["outputs"][s]
+        got = evaluate(torch.from_numpy(x), torch.from_numpy(y), tuple(want), self_match="first")
+        assert got == want, f"{name} set {s}"
+        by_index = evaluate(torch.from_numpy(x), torch.from_numpy(y), tuple(want))
+        assert (by_index == want) == ("duplicate_step" not in g["inputs"][s]), f"{name} set {s}: 'index' should differ only with duplicates"
