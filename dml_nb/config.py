@@ -60,6 +60,7 @@ class TrainConfig:
     schedule: Optional[dict] = None         # {"kind": "multistep", "milestones": [...], "gamma": 0.2} or {"kind": "cosine"}
     grad_clip: Optional[float] = None
     amp: Literal["auto", "bf16", "none"] = "auto"
+    sampler: Literal["balanced", "class_random"] = "balanced"  # distinct classes per batch, or DiVA's draws with replacement
     channels_last: Literal["auto", "on", "off"] = "auto"
     num_workers: int = 0
     device: str = "auto"
@@ -247,7 +248,7 @@ def _check_names(cfg: Config) -> None:
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
 _OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
-                       "train": {"compile": False, "stop_on_empty_tuples": True},
+                       "train": {"compile": False, "stop_on_empty_tuples": True, "sampler": "balanced"},
                        "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic",
                                 "nmi_on": "query", "self_match": "index"}}
 

@@ -79,6 +79,9 @@ class PhaseSampler(torch.utils.data.Sampler):
         if not isinstance(base, ClassBalancedBatchSampler):
             raise TypeError(f"Divide and Conquer needs the run's sampler to be a ClassBalancedBatchSampler (its batch "
                             f"size and samples per class shape the cluster batches), got {type(base).__name__}")
+        if base.draw != "balanced":
+            raise ValueError(f"Divide and Conquer draws its cluster batches as its code does (distinct classes); the run's "
+                             f"sampler draws {base.draw!r}: set train.sampler: balanced")
         self.base, self.clusters, self.cluster_ids, self.epoch = base, None, [], base.epoch
 
     def use_clusters(self, sampler: RoundRobinBatchSampler, cluster_ids: Sequence[int]) -> None:

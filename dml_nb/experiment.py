@@ -122,7 +122,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     t = cfg.train
     sampler = _built("train", lambda: ClassBalancedBatchSampler(
         train.labels, t.batch_size, t.samples_per_class, batches_per_epoch=t.batches_per_epoch, seed=cfg.seed,
-        rank=rank, world_size=world))
+        rank=rank, world_size=world, draw=t.sampler))
     schedule = None if t.schedule is None else dict(t.schedule)
     return Learner(method, train, sampler, epochs=t.epochs, lr=t.lr, weight_decay=t.weight_decay,
                    optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, eval_sets=evals,

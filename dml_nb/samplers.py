@@ -9,15 +9,23 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .registry import unknown_name_error
+
 # %% auto #0
-__all__ = ['CLUSTER_SCHEDULES', 'ClassBalancedBatchSampler', 'usable_members', 'RoundRobinBatchSampler']
+__all__ = ['SAMPLER_DRAWS', 'CLUSTER_SCHEDULES', 'ClassBalancedBatchSampler', 'usable_members', 'RoundRobinBatchSampler']
 
 # %% ../nbs/02_samplers.ipynb #24db63e9
+SAMPLER_DRAWS = ("balanced", "class_random")
+
 class ClassBalancedBatchSampler(torch.utils.data.Sampler):
-    "Batches of `batch_size // samples_per_class` classes x `samples_per_class` samples; deterministic per epoch."
+    """Batches of `batch_size // samples_per_class` classes x `samples_per_class` samples; deterministic per epoch.
+    `draw='balanced'`: distinct classes per batch, each class's samples in turn from a shuffled pool;
+    `draw='class_random'`: DiVA's `class_random` sampler, every class slot and every sample drawn with replacement."""
     def __init__(self, labels: Sequence[int], batch_size: int = 112, samples_per_class: int = 2,
                  indices: Sequence[int] | None = None, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, min_samples_per_class: int = 1):
+                 rank: int = 0, world_size: int = 1, min_samples_per_class: int = 1, draw: str = "balanced"):
+        if draw not in SAMPLER_DRAWS: raise unknown_name_error("sampler draw", draw, SAMPLER_DRAWS)
+        self.draw = draw
         labels = np.asarray(labels)
         indices = np.arange(len(labels)) if indices is None else np.asarray(indices, dtype=np.int64)
         if batch_size % samples_per_class:
@@ -50,6 +58,11 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         pools = [rng.permutation(p) for p in self.pools]
         ptr = np.zeros(len(pools), dtype=np.int64)
         out = []
+        if self.draw == "class_random":     # datasampler/class_random_sampler.py: random.choice for every slot
+            for _ in range(num_batches * self.world_size):
+                out.append([int(i) for c in rng.integers(len(pools), size=self.num_per_batch)
+                            for i in rng.choice(self.pools[c], K, replace=True)])
+            return out[self.rank::self.world_size]
         for _ in range(num_batches * self.world_size):
             batch = []
             for c in rng.choice(len(pools), self.num_per_batch, replace=False):

@@ -163,3 +163,15 @@ def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
     assert got["best"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.65} and got["best"]["best_epoch"] == 2
     assert got["best_each"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.70}
     assert got["best_each"]["reported"] == "each metric's best epoch" and got["best_each"]["best_epoch"] == 2
+
+
+def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path):
+    "train.sampler: class_random builds DiVA's draw; D&C, whose cluster batches follow its own code, refuses it."
+    from dml_nb.experiment import build_learner
+    assert "sampler" not in config_to_dict(make_config(TINY))["train"]              # default: the hash is unchanged
+    cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": "class_random"}})
+    assert build_learner(cfg, progress=False).sampler.draw == "class_random"
+    dnc = {**TINY, "train": {**TINY.get("train", {}), "sampler": "class_random"},
+           "method": {"name": "dnc", "embedding_dim": 8, "num_learners": 2, "recluster_every": 1}}
+    with pytest.raises(ValueError, match="train.sampler: balanced"):
+        run(make_config(dnc), runs_dir=tmp_path, progress=False)

@@ -79,3 +79,25 @@ def test_usable_members_and_bad_schedules():
     with pytest.raises(ValueError, match="Valid schedules: round_robin, uniform, proportional"):
         RoundRobinBatchSampler(rr.samplers, schedule="roundrobin")
     assert CLUSTER_SCHEDULES[0] == "round_robin"
+
+
+def test_class_random_draw_is_divas_sampler():
+    "draw='class_random' (DiVA's class_random sampler): class slots and samples with replacement, reproducible per epoch."
+    labels = np.repeat(np.arange(100), 30)                        # CUB-like: 100 training classes
+    s = ClassBalancedBatchSampler(labels, 112, 2, draw="class_random", seed=3)
+    batches = s.batches(0, num_batches=400)
+    assert batches == s.batches(0, num_batches=400) and batches != s.batches(1, num_batches=400)
+    assert all(len(b) == 112 for b in batches)
+    slots = [labels[np.asarray(b)].reshape(56, 2) for b in batches]
+    assert all((sl[:, 0] == sl[:, 1]).all() for sl in slots)      # each slot is one class
+    distinct = np.mean([len(np.unique(sl[:, 0])) for sl in slots])
+    assert abs(distinct - 100 * (1 - 0.99 ** 56)) < 0.5              # 43.0 distinct classes of 56 slots on average
+    same = np.mean([(np.asarray(b).reshape(56, 2)[:, 0] == np.asarray(b).reshape(56, 2)[:, 1]).mean() for b in batches])
+    assert abs(same - 1 / 30) < 0.01                                 # a slot's two samples coincide 1 time in 30
+    balanced = ClassBalancedBatchSampler(labels, 112, 2, seed=3).batches(0, num_batches=50)
+    assert all(len(np.unique(labels[np.asarray(b)])) == 56 for b in balanced)
+    two = [ClassBalancedBatchSampler(labels, 112, 2, draw="class_random", seed=3, rank=r, world_size=2).batches(0, 200)
+           for r in (0, 1)]
+    assert sorted(map(tuple, two[0] + two[1])) == sorted(map(tuple, batches))   # two ranks split the same draws
+    with pytest.raises(ValueError, match="sampler draw"):
+        ClassBalancedBatchSampler(labels, 112, 2, draw="random")
