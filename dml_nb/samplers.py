@@ -55,14 +55,13 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         num_batches = self.batches_per_epoch if num_batches is None else int(num_batches)
         rng = np.random.default_rng([self.seed, epoch])
         K = self.samples_per_class
+        if self.draw == "class_random":     # datasampler/class_random_sampler.py: random.choice for every slot
+            out = [[int(i) for c in rng.integers(len(self.pools), size=self.num_per_batch)
+                    for i in rng.choice(self.pools[c], K, replace=True)] for _ in range(num_batches * self.world_size)]
+            return out[self.rank::self.world_size]
         pools = [rng.permutation(p) for p in self.pools]
         ptr = np.zeros(len(pools), dtype=np.int64)
         out = []
-        if self.draw == "class_random":     # datasampler/class_random_sampler.py: random.choice for every slot
-            for _ in range(num_batches * self.world_size):
-                out.append([int(i) for c in rng.integers(len(pools), size=self.num_per_batch)
-                            for i in rng.choice(self.pools[c], K, replace=True)])
-            return out[self.rank::self.world_size]
         for _ in range(num_batches * self.world_size):
             batch = []
             for c in rng.choice(len(pools), self.num_per_batch, replace=False):

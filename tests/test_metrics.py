@@ -485,7 +485,7 @@ def test_nmi_averaged_over_kmeans_starts():
 NMI_CODE = {"nmi_diva": "faiss", "nmi_mic": "faiss", "nmi_dnc": "faiss_100"}
 
 
-def golden_nmi_input(spec: dict) -> tuple[np.ndarray, np.ndarray]:
+def golden_input(spec: dict) -> tuple[np.ndarray, np.ndarray]:
     "A fixture's input set, rebuilt from its recipe (exact copies every `duplicate_step` rows) and checked against its digests."
     rs = np.random.RandomState(spec["seed"])
     y = np.arange(spec["n"]) % spec["classes"]
@@ -505,7 +505,7 @@ def test_nmi_reading_matches_authors_code(name):
     sets = [s for s in g["inputs"] if s != "recipe"]
     assert sets, f"{name}: no input sets"
     for s in sets:
-        x, y = golden_nmi_input(g["inputs"][s])
+        x, y = golden_input(g["inputs"][s])
         want = g["outputs"][s]
         args = nmi_kmeans_args(NMI_CODE[name])
         clusters = kmeans(torch.from_numpy(x), g["inputs"][s]["classes"], **args)[0].numpy()
@@ -523,7 +523,7 @@ def test_nmi_readings_differ_where_they_should():
     slow = [s for s in g["inputs"] if s != "recipe" and g["outputs"][s]["clusters"] != load_golden("nmi_diva")["outputs"][s]["clusters"]]
     assert slow, "no fixture set tells 20 rounds from 100"
     for s in slow:
-        x, y = golden_nmi_input(g["inputs"][s])
+        x, y = golden_input(g["inputs"][s])
         a, b = (evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=r)["nmi"] for r in ("faiss", "faiss_100"))
         assert a != b
 
@@ -586,7 +586,7 @@ def test_self_match_first_matches_authors_recall(name):
     "self_match='first' gives the Recall@k of DiVA's and MIC's code exactly, also with cross-class exact duplicates."
     g = load_golden(name)
     for s in (s for s in g["inputs"] if s != "recipe"):
-        x, y = golden_nmi_input(g["inputs"][s])
+        x, y = golden_input(g["inputs"][s])
         want = g["outputs"][s]
         got = evaluate(torch.from_numpy(x), torch.from_numpy(y), tuple(want), self_match="first")
         assert got == want, f"{name} set {s}"
