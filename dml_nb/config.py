@@ -60,7 +60,7 @@ class TrainConfig:
     schedule: Optional[dict] = None         # {"kind": "multistep", "milestones": [...], "gamma": 0.2} or {"kind": "cosine"}
     grad_clip: Optional[float] = None
     amp: Literal["auto", "bf16", "none"] = "auto"
-    sampler: Literal["balanced", "class_random"] = "balanced"  # distinct classes per batch, or DiVA's draws with replacement
+    sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = "balanced"  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
     channels_last: Literal["auto", "on", "off"] = "auto"
     num_workers: int = 0
     device: str = "auto"

@@ -50,7 +50,7 @@ class ClusterError(ValueError):
 
 def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, batch_size: int,
                           samples_per_class: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                          schedule: str = "round_robin") -> tuple[RoundRobinBatchSampler, list[int], list[int]]:
+                          schedule: str = "round_robin", draw: str = "balanced") -> tuple[RoundRobinBatchSampler, list[int], list[int]]:
     "The cluster batches of one clustering: (sampler over the clusters 0..k-1, their ids, each one's batch size)."
     labels, assignments = np.asarray(labels), np.asarray(assignments)
     samplers, sizes, bad = [], [], []
@@ -62,7 +62,7 @@ def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, b
             continue
         bs = min(batch_size, usable * samples_per_class)
         samplers.append(ClassBalancedBatchSampler(labels, bs, samples_per_class, indices=idx, seed=seed * 1000 + c,
-                                                  rank=rank, world_size=world_size, min_samples_per_class=2))
+                                                  rank=rank, world_size=world_size, min_samples_per_class=2, draw=draw))
         sizes.append(bs)
     if bad:
         raise ClusterError(f"{len(bad)} of {k} clusters cannot form a batch with negatives, so their learners could not "
@@ -79,9 +79,9 @@ class PhaseSampler(torch.utils.data.Sampler):
         if not isinstance(base, ClassBalancedBatchSampler):
             raise TypeError(f"Divide and Conquer needs the run's sampler to be a ClassBalancedBatchSampler (its batch "
                             f"size and samples per class shape the cluster batches), got {type(base).__name__}")
-        if base.draw != "balanced":
-            raise ValueError(f"Divide and Conquer draws its cluster batches as its code does (distinct classes); the run's "
-                             f"sampler draws {base.draw!r}: set train.sampler: balanced")
+        if base.draw not in ("balanced", "reshuffle"):
+            raise ValueError(f"Divide and Conquer draws its cluster batches with distinct classes, as its code does; the "
+                             f"run's sampler draws {base.draw!r}: set train.sampler: reshuffle (its code's draw) or balanced")
         self.base, self.clusters, self.cluster_ids, self.epoch = base, None, [], base.epoch
 
     def use_clusters(self, sampler: RoundRobinBatchSampler, cluster_ids: Sequence[int]) -> None:
@@ -256,7 +256,7 @@ class DivideAndConquer(Method):
         base = self._sampler.base
         rr, ids, sizes = cluster_batch_sampler(base.labels, self.assignments.cpu().numpy(), self.num_learners,
                                                base.batch_size, base.samples_per_class, base.seed, base.rank,
-                                               base.world_size, schedule=self.cluster_batches)
+                                               base.world_size, schedule=self.cluster_batches, draw=base.draw)
         self._sampler.use_clusters(rr, ids)
         self._batch_sizes = dict(zip(ids, sizes))
 

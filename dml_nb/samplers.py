@@ -12,20 +12,57 @@ import torch
 from .registry import unknown_name_error
 
 # %% auto #0
-__all__ = ['SAMPLER_DRAWS', 'CLUSTER_SCHEDULES', 'ClassBalancedBatchSampler', 'usable_members', 'RoundRobinBatchSampler']
+__all__ = ['SAMPLER_DRAWS', 'MIC_WORKERS', 'CLUSTER_SCHEDULES', 'mic_blocks', 'ClassBalancedBatchSampler', 'usable_members',
+           'RoundRobinBatchSampler']
 
 # %% ../nbs/02_samplers.ipynb #24db63e9
-SAMPLER_DRAWS = ("balanced", "class_random")
+SAMPLER_DRAWS = ("balanced", "class_random", "reshuffle", "mic")
+MIC_WORKERS = 8   # MIC's `--kernels` default: its DataLoader's worker processes, each drawing its own chain of classes
+
+def mic_blocks(order: Sequence[int], pools: Sequence[np.ndarray], samples_per_class: int, batch_size: int,
+               workers: int = MIC_WORKERS, first_visited: int = 0) -> list[list[int]]:
+    """One epoch of MIC's class stream (`BaseTripletDataset.__getitem__`, `datasets.py:352-377`), replayed exactly.
+    `order`: the positions its shuffled DataLoader hands out, in batches of `batch_size` (drop_last); batch `b` goes to
+    worker `b % workers`, and every worker starts the epoch from the dataset as built (a new process per epoch):
+    its first block takes class `order[i] % C`, each later block a class `counter[i % len(counter)]` of the classes
+    without the worker's last two (`first_visited`, the class drawn at construction, stands for both at the start);
+    the image is `pool[i % len(pool)]`. With one sample per class (ProxyNCA) it returns `image_list[i]`, the images in
+    class order, as the code does. Returns batches of pool entries (dataset indices)."""
+    order, K, C = np.asarray(order, dtype=np.int64), samples_per_class, len(pools)
+    if workers < 1: raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
+    if K == 1:
+        images = np.concatenate(pools)
+        return [images[order[b * batch_size:(b + 1) * batch_size]].tolist() for b in range(len(order) // batch_size)]
+    chains = [{"first": True, "visited": [first_visited] * 2, "cls": first_visited, "drawn": 0} for _ in range(workers)]
+    out = []
+    for b in range(len(order) // batch_size):
+        w = chains[b % len(chains)]
+        batch = []
+        for i in order[b * batch_size:(b + 1) * batch_size].tolist():
+            if w["first"]: w["cls"], w["first"] = i % C, False
+            if w["drawn"] == K:
+                skip = sorted(set(w["visited"]))
+                c = i % (C - len(skip))
+                for v in skip: c += c >= v                    # the c-th class of the sorted list without `skip`
+                w["cls"], w["visited"], w["drawn"] = c, w["visited"][1:] + [c], 0
+            pool = pools[w["cls"]]
+            batch.append(int(pool[i % len(pool)])); w["drawn"] += 1
+        out.append(batch)
+    return out
 
 class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     """Batches of `batch_size // samples_per_class` classes x `samples_per_class` samples; deterministic per epoch.
     `draw='balanced'`: distinct classes per batch, each class's samples in turn from a shuffled pool;
-    `draw='class_random'`: DiVA's `class_random` sampler, every class slot and every sample drawn with replacement."""
+    `draw='class_random'`: DiVA's `class_random` sampler, every class slot and every sample drawn with replacement;
+    `draw='reshuffle'`: D&C's sampler, distinct classes, a class's next `K` of a pool reshuffled once fewer than `K` remain;
+    `draw='mic'`: MIC's class stream (`mic_blocks`, `workers` worker chains)."""
     def __init__(self, labels: Sequence[int], batch_size: int = 112, samples_per_class: int = 2,
                  indices: Sequence[int] | None = None, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, min_samples_per_class: int = 1, draw: str = "balanced"):
+                 rank: int = 0, world_size: int = 1, min_samples_per_class: int = 1, draw: str = "balanced",
+                 workers: int = MIC_WORKERS):
         if draw not in SAMPLER_DRAWS: raise unknown_name_error("sampler draw", draw, SAMPLER_DRAWS)
-        self.draw = draw
+        if workers < 1: raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
+        self.draw, self.workers = draw, int(workers)
         labels = np.asarray(labels)
         indices = np.arange(len(labels)) if indices is None else np.asarray(indices, dtype=np.int64)
         if batch_size % samples_per_class:
@@ -36,7 +73,10 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         self.pools = [indices[inverse == c] for c in np.flatnonzero(keep)]
         self.classes = classes[keep]
         self.num_per_batch = batch_size // samples_per_class
-        if len(self.pools) < self.num_per_batch:
+        if draw == "mic" and samples_per_class > 1 and len(self.pools) < 3:
+            raise ValueError(f"MIC's draw takes each block's class from the classes other than the last two, so it needs "
+                             f"at least 3 classes; only {len(self.pools)} have at least {min_samples_per_class} sample(s)")
+        if draw != "mic" and len(self.pools) < self.num_per_batch:   # MIC's blocks may repeat a class in a batch
             raise ValueError(f"a batch of {batch_size} with samples_per_class={samples_per_class} needs "
                              f"{self.num_per_batch} classes but only {len(self.pools)} have at least "
                              f"{min_samples_per_class} sample(s); lower batch_size or raise samples_per_class")
@@ -59,6 +99,12 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
             out = [[int(i) for c in rng.integers(len(self.pools), size=self.num_per_batch)
                     for i in rng.choice(self.pools[c], K, replace=True)] for _ in range(num_batches * self.world_size)]
             return out[self.rank::self.world_size]
+        if self.draw == "mic":              # its DataLoader's shuffled positions, one permutation per pass (drop_last)
+            n, total = len(self.indices), num_batches * self.world_size * self.batch_size
+            order = np.concatenate([rng.permutation(n) for _ in range(-(-total // n))])[:total]
+            first = int(np.random.default_rng([self.seed, 2**32 - 1]).integers(len(self.pools)))  # drawn at construction
+            out = mic_blocks(order, self.pools, K, self.batch_size, self.workers, first)
+            return out[self.rank::self.world_size]
         pools = [rng.permutation(p) for p in self.pools]
         ptr = np.zeros(len(pools), dtype=np.int64)
         out = []
@@ -68,6 +114,10 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
                 pool = pools[c]
                 if len(pool) < K:
                     batch.extend(rng.choice(pool, K, replace=True).tolist()); continue
+                if self.draw == "reshuffle":    # lib/data/loader/sampler.py:52-66: the rest of the pass is dropped
+                    batch.extend(pool[ptr[c]:ptr[c] + K].tolist()); ptr[c] += K
+                    if ptr[c] + K > len(pool): pools[c] = rng.permutation(pool); ptr[c] = 0
+                    continue
                 if ptr[c] + K > len(pool):
                     pools[c] = pool = np.concatenate([pool[ptr[c]:], rng.permutation(pool)]); ptr[c] = 0
                 batch.extend(pool[ptr[c]:ptr[c] + K].tolist()); ptr[c] += K

@@ -165,13 +165,25 @@ def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
     assert got["best_each"]["reported"] == "each metric's best epoch" and got["best_each"]["best_epoch"] == 2
 
 
-def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path):
-    "train.sampler: class_random builds DiVA's draw; D&C, whose cluster batches follow its own code, refuses it."
+def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, monkeypatch):
+    """train.sampler builds the named draw; D&C, whose cluster batches follow its own code (distinct classes), refuses
+    class_random and mic, and passes reshuffle on to every cluster's sampler."""
+    import typing
+    import dml_nb.dnc as dnc_module
+    from dml_nb.config import TrainConfig
     from dml_nb.experiment import build_learner
+    from dml_nb.samplers import SAMPLER_DRAWS
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["sampler"]) == SAMPLER_DRAWS
     assert "sampler" not in config_to_dict(make_config(TINY))["train"]              # default: the hash is unchanged
-    cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": "class_random"}})
-    assert build_learner(cfg, progress=False).sampler.draw == "class_random"
-    dnc = {**TINY, "train": {**TINY.get("train", {}), "sampler": "class_random"},
-           "method": {"name": "dnc", "embedding_dim": 8, "num_learners": 2, "recluster_every": 1}}
-    with pytest.raises(ValueError, match="train.sampler: balanced"):
-        run(make_config(dnc), runs_dir=tmp_path, progress=False)
+    for draw in ("class_random", "reshuffle", "mic"):
+        cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": draw}})
+        assert build_learner(cfg, progress=False).sampler.draw == draw
+    dnc = lambda draw: make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": draw},
+                                    "method": {"name": "dnc", "embedding_dim": 8, "num_learners": 2, "recluster_every": 1}})
+    for draw in ("class_random", "mic"):
+        with pytest.raises(ValueError, match="train.sampler: reshuffle"):
+            run(dnc(draw), runs_dir=tmp_path, progress=False)
+    seen, original = [], dnc_module.cluster_batch_sampler
+    monkeypatch.setattr(dnc_module, "cluster_batch_sampler", lambda *a, **k: (seen.append(k["draw"]), original(*a, **k))[1])
+    run(dnc("reshuffle"), runs_dir=tmp_path, progress=False)
+    assert seen and set(seen) == {"reshuffle"}

@@ -164,3 +164,28 @@ def test_every_paper_file_agrees_with_its_paper_table():
     if all(t.empty for t in tables.values()): pytest.skip("no params/hparams/*.csv yet")
     assert checked > 0, "no parameter file matched any row of the hyperparameter tables"
     assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems)
+
+
+def test_every_reproduction_file_base_agrees_on_paper_wide_settings():
+    """The check above reads rows of `rows:` files only; the other reproduction files (DiVA's task combinations, a
+    single `row:`, Sharing's loss tables, ...) build their runs in the notebook. Their shared `config` (the base every
+    run starts from) must still agree with each setting the paper's table gives every method alike, on every dataset
+    and backbone (the samplers, the evaluation readings, the precision)."""
+    problems, checked = [], 0
+    for paper in PAPERS:
+        df = table(paper)
+        if df.empty: continue
+        wide = {key: g["value"].iloc[0] for key, g in df.groupby("key")
+                if (g["dataset"] == "*").all() and (g["backbone"] == "*").all() and g["value"].nunique() == 1
+                and key.split(".")[0] in ("train", "eval", "data")}
+        for f in sorted((ROOT / "params").glob(f"repro_{paper}_*/*.yaml")):
+            base = params_base(yaml.safe_load(f.read_text()) or {})
+            if base["data"]["name"] in EMBEDDED: continue
+            cfg = dataclasses.asdict(make_config(base))
+            for key, value in wide.items():
+                if exempt(f, "*", key): continue
+                checked += 1
+                if not same(lookup(cfg, key), yaml.safe_load(value)):
+                    problems.append(f"{f.relative_to(ROOT)} (config): {key} = {lookup(cfg, key)!r}, params/hparams/{paper}.csv says {value!r}")
+    assert checked > 0
+    assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems)

@@ -1,10 +1,12 @@
-"""Batch samplers (dml_nb.samplers): the class-balanced sampler's extra length, and the cluster schedules of Divide
-and Conquer, pinned against the authors' data loaders (golden fixture `dnc_round_robin`)."""
+"""Batch samplers (dml_nb.samplers): the class-balanced sampler's extra length, the cluster schedules of Divide
+and Conquer, and the code draws (`class_random`, `reshuffle`, `mic`), pinned against the authors' data loaders
+(golden fixtures `dnc_round_robin`, `sampler_dnc`, `sampler_mic`)."""
 import numpy as np
 import pytest
 
 from golden import load_golden, arr
-from dml_nb.samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
+from dml_nb.samplers import (CLUSTER_SCHEDULES, MIC_WORKERS, SAMPLER_DRAWS, ClassBalancedBatchSampler,
+                             RoundRobinBatchSampler, mic_blocks, usable_members)
 
 
 def golden_sampler(case, schedule="round_robin", seed=0):
@@ -101,3 +103,88 @@ def test_class_random_draw_is_divas_sampler():
     assert sorted(map(tuple, two[0] + two[1])) == sorted(map(tuple, batches))   # two ranks split the same draws
     with pytest.raises(ValueError, match="sampler draw"):
         ClassBalancedBatchSampler(labels, 112, 2, draw="random")
+
+
+def test_golden_mic_draw_replays_mics_class_stream():
+    """mic_blocks against MIC's BaseTripletDataset read by a real DataLoader (3 and 8 workers, 3 epochs; the main
+    process for its first epoch): every batch's labels and images equal, in order."""
+    g = load_golden("sampler_mic")
+    x = g["inputs"]
+    labels = arr(x["labels"], np.int64)
+    pools = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    checked = 0
+    for workers, epochs in g["outputs"]["batches"].items():
+        for e, (order, want) in enumerate(zip(x["orders"], epochs)):
+            if workers == "0" and e > 0: continue    # the main process carries its chain over epochs; MIC runs 8 workers
+            got = mic_blocks(order, pools, x["samples_per_class"], x["batch_size"], workers=max(1, int(workers)),
+                             first_visited=x["initial_class"])
+            assert [[[int(labels[i]), i] for i in b] for b in got] == want, (workers, e)
+            checked += 1
+    assert checked == 7 and MIC_WORKERS == 8
+    with pytest.raises(ValueError, match="at least 1"):
+        mic_blocks(x["orders"][0], pools, 4, 16, workers=0)
+
+
+def test_mic_draw_in_the_sampler():
+    "draw='mic': MIC's blocks from the sampler's own shuffled positions; one class per block, classes may repeat."
+    labels = np.repeat(np.arange(100), 59)                          # CUB-like
+    s = ClassBalancedBatchSampler(labels, 112, 4, draw="mic", seed=3)
+    b = s.batches(0)
+    assert b == ClassBalancedBatchSampler(labels, 112, 4, draw="mic", seed=3).batches(0) and b != s.batches(1)
+    assert len(b) == len(labels) // 112 and all(len(x) == 112 for x in b)
+    blocks = labels[np.asarray(b)].reshape(len(b), 28, 4)
+    assert (blocks == blocks[..., :1]).all()                        # a block is one class
+    distinct = np.mean([len(np.unique(x)) for x in blocks[..., 0]])
+    assert 24 < distinct < 27                                       # 28 blocks, classes repeat (25.1 measured)
+    long = s.batches(0, num_batches=3 * len(b))                     # longer than a pass over the data: more permutations
+    assert long[:len(b)] == b and len(long) == 3 * len(b)
+    two = [ClassBalancedBatchSampler(labels, 112, 4, draw="mic", seed=3, rank=r, world_size=2).batches(0, 20) for r in (0, 1)]
+    assert two[0] + two[1] != [] and sorted(map(tuple, two[0] + two[1])) == sorted(map(tuple, s.batches(0, 40)))
+    one = ClassBalancedBatchSampler(labels, 112, 1, draw="mic", seed=3).batches(0)   # ProxyNCA: the images at the positions
+    assert len({i for x in one for i in x}) == 112 * len(one)
+    with pytest.raises(ValueError, match="at least 1"):
+        ClassBalancedBatchSampler(labels, 112, 4, draw="mic", workers=0)
+    with pytest.raises(ValueError, match="at least 3 classes"):
+        ClassBalancedBatchSampler(np.repeat([0, 1], 8), 8, 4, draw="mic")
+
+
+def _block_statistics(labels, blocks):
+    "D&C fixture statistics of a sequence of blocks (each the K indices of one class, in drawing order)."
+    size = np.bincount(labels)
+    cls = labels[blocks[:, 0]]
+    out = {"repeat": {}, "consecutive": {}, "share": {}}
+    for n in np.unique(size[cls]):
+        mine = size[cls] == n
+        out["repeat"][int(n)] = float(np.mean([len(set(b)) < blocks.shape[1] for b in blocks[mine].tolist()]))
+        pairs, shares = [], []
+        for c in np.flatnonzero(size == n):
+            bc = blocks[cls == c]
+            pairs += [len(set(a) | set(b)) for a, b in zip(bc[:-1].tolist(), bc[1:].tolist())]
+            use = np.bincount(bc.ravel(), minlength=labels.size)[labels == c]
+            shares.append(use.max() / use.min())
+        out["consecutive"][int(n)], out["share"][int(n)] = float(np.mean(pairs)), float(np.mean(shares))
+    return out
+
+
+def test_golden_reshuffle_draw_matches_dncs_sampler():
+    """draw='reshuffle' against D&C's ClassBalancedSampler (20,000 batches of their code): no image twice in a block
+    of a class of at least K, the same overlap of a class's consecutive blocks, the same even use of its images.
+    One long epoch here: every dml_nb epoch starts from new pools, their sampler carries them over (02_samplers)."""
+    g = load_golden("sampler_dnc")
+    x, ref = g["inputs"], g["outputs"]
+    labels, K = arr(x["labels"], np.int64), x["samples_per_class"]
+    s = ClassBalancedBatchSampler(labels, x["batch_size"], K, draw="reshuffle", seed=0, batches_per_epoch=ref["batches"])
+    batches = np.asarray(s.batches(0))
+    assert {len(np.unique(labels[b])) for b in batches} == set(ref["classes_per_batch"]) == {x["batch_size"] // K}
+    ours = _block_statistics(labels, batches.reshape(-1, K))
+    for n, want in ref["block_repeat_rate_by_size"].items():
+        assert ours["repeat"][int(n)] == want, n                     # 1 below K (drawn with replacement), else 0
+    for n, want in ref["distinct_in_consecutive_blocks_by_size"].items():
+        assert ours["consecutive"][int(n)] == pytest.approx(want, abs=0.03), n
+    for n, want in ref["image_share_by_size"].items():   # max / min use of a class's images: binomial noise of 1-2%
+        assert ours["share"][int(n)] == pytest.approx(want, abs=0.05), n
+    assert ours["share"][4] < 1.001 and ours["share"][8] < 1.001        # whole passes: every image equally often
+    assert len(ClassBalancedBatchSampler(labels, x["batch_size"], K, draw="reshuffle")) == ref["len"]
+    balanced = _block_statistics(labels, np.asarray(ClassBalancedBatchSampler(labels, x["batch_size"], K, seed=0,
+                                 batches_per_epoch=ref["batches"]).batches(0)).reshape(-1, K))
+    assert balanced["repeat"][5] > 0.3 and ref["block_repeat_rate_by_size"]["5"] == 0   # what the option changes
