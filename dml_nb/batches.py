@@ -4,26 +4,47 @@
 
 # %% ../nbs/06d_batches.ipynb #e7db089c
 from __future__ import annotations
+import copy
+
 import torch
+from torchvision import transforms as T
+from torchvision.transforms import v2
 
 from .core import seed_everything
 
 # %% auto #0
-__all__ = ['SeededViews', 'BatchList', 'to_device']
+__all__ = ['without_flips', 'SeededViews', 'BatchList', 'to_device']
 
 # %% ../nbs/06d_batches.ipynb #444d8707
+def without_flips(dataset):
+    """A shallow copy of `dataset` whose `transform` (a torchvision `Compose`, as `make_transform` builds) leaves out
+    its random horizontal flips; the other steps draw the same random numbers, so a seed gives the same crop."""
+    t = getattr(dataset, "transform", None)
+    if not isinstance(t, (v2.Compose, T.Compose)):
+        raise TypeError(f"unflipped batches need a dataset whose transform is a torchvision Compose (as "
+                        f"dml_nb.data.make_transform builds); {type(dataset).__name__} has {type(t).__name__}: build the "
+                        "dataset with load_dataset, or turn the recipe's unflipped batches off (e.g. shared_flip=True)")
+    out = copy.copy(dataset)
+    out.transform = type(t)([s for s in t.transforms if not isinstance(s, (v2.RandomHorizontalFlip, T.RandomHorizontalFlip))])
+    return out
+
 class SeededViews(torch.utils.data.Dataset):
-    "`ds[(index, seed)]`: seed the RNGs with `seed`, then `{'x', 'y', 'index'}` (+ `'extra_views'` when `views > 1`)."
+    """`ds[(index, seed)]`: seed the RNGs with `seed`, then `{'x', 'y', 'index'}` (+ `'extra_views'` when `views > 1`);
+    `ds[(index, seed, False)]`: the same without horizontal flips (`without_flips`)."""
     def __init__(self, dataset, views: int = 1):
         if views < 1: raise ValueError(f"views must be >= 1, got {views}")
-        self.dataset, self.views = dataset, views
+        self.dataset, self.views, self._unflipped = dataset, views, None
     def __len__(self): return len(self.dataset)
     def __getitem__(self, key):
-        index, seed = key
+        index, seed, *flip = key
+        ds = self.dataset
+        if flip and not flip[0]:
+            if self._unflipped is None: self._unflipped = without_flips(self.dataset)
+            ds = self._unflipped
         seed_everything(seed, cuda=False)
-        x, y = self.dataset[index]
+        x, y = ds[index]
         item = {"x": x, "y": int(y), "index": int(index)}
-        if self.views > 1: item["extra_views"] = [self.dataset[index][0] for _ in range(self.views - 1)]
+        if self.views > 1: item["extra_views"] = [ds[index][0] for _ in range(self.views - 1)]
         return item
 
 class BatchList(torch.utils.data.Sampler):
@@ -33,9 +54,11 @@ class BatchList(torch.utils.data.Sampler):
     def __len__(self): return len(self.batches)
 
 # %% ../nbs/06d_batches.ipynb #94e3f8e3
-def to_device(batch: dict, device, channels_last: bool = False, transform=None, views: int = 1, generator=None) -> dict:
+def to_device(batch: dict, device, channels_last: bool = False, transform=None, views: int = 1, generator=None,
+              flip: bool = True) -> dict:
     """Move `batch` to `device`. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
-    it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device."""
+    it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device
+    (`flip=False`: without horizontal flips, the same crops)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     def move(v):
         if isinstance(v, torch.Tensor):
@@ -46,7 +69,8 @@ def to_device(batch: dict, device, channels_last: bool = False, transform=None, 
     batch = {k: move(v) for k, v in batch.items()}
     if transform is not None:
         raw, sizes = batch.pop("x"), batch.pop("sizes")
-        xs = [transform(raw, sizes, generator).contiguous(memory_format=fmt) for _ in range(views)]
+        kw = {} if flip else {"flip": False}
+        xs = [transform(raw, sizes, generator, **kw).contiguous(memory_format=fmt) for _ in range(views)]
         batch["x"] = xs[0]
         if views > 1: batch["extra_views"] = xs[1:]
     return batch

@@ -131,7 +131,9 @@ class BatchAugment(torch.nn.Module):
         boxes = random_resized_crop_boxes(sizes[:, 0], sizes[:, 1], self.scale, self.ratio, generator)
         return boxes, torch.rand(len(sizes), generator=generator) < self.flip
 
-    def forward(self, images: torch.Tensor, sizes: torch.Tensor | None = None, generator=None) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, sizes: torch.Tensor | None = None, generator=None,
+                flip: bool = True) -> torch.Tensor:
+        "`flip=False`: no horizontal flips (the flip draws are still made, so the crops are those of `flip=True`)."
         single = images.dim() == 3
         if single: images = images[None]
         if images.dim() != 4 or images.shape[1] != len(self.mean):
@@ -140,9 +142,10 @@ class BatchAugment(torch.nn.Module):
         if images.dtype != torch.uint8:
             raise TypeError(f"BatchAugment expects uint8 images (0-255), got {images.dtype}")
         if sizes is None: sizes = torch.tensor([images.shape[-2:]] * len(images))
-        boxes, flip = self.boxes(sizes, generator)
+        boxes, flips = self.boxes(sizes, generator)
+        if flips is not None and not flip: flips = torch.zeros_like(flips)
         b = boxes.double()
-        x = crop_resize(images, b[:, 0], b[:, 1], b[:, 2], b[:, 3], self.size, flip,
+        x = crop_resize(images, b[:, 0], b[:, 1], b[:, 2], b[:, 3], self.size, flips,
                         image_sizes=None if self.train_mode else sizes)
         mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1) * 255
         inv_std = 1 / (torch.tensor(self.std, device=x.device).view(1, -1, 1, 1) * 255)

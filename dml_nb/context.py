@@ -76,6 +76,11 @@ class Method(nn.Module):
         "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
 
+    def flips(self, group) -> bool:
+        """Whether the batch the sampler tagged `group` (None: untagged) is augmented with random horizontal flips;
+        the default: every batch. Sharing's `shared_flip=False` (MIC's code) trains its shared batches unflipped."""
+        return True
+
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "Embeddings to evaluate, by name; the first one is the headline (default: the model's `embed`)."
         model = getattr(self, "model", None)

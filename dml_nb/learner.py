@@ -256,8 +256,9 @@ class Learner(EvaluationMixin, CheckpointMixin):
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
         start = self.step
-        self._batches.batches = [[(i, stream_seed(self.seed, "sample", e, s, j, self.rank)) for j, i in enumerate(b)]
-                                 for s, b in enumerate(batches[start:], start)]
+        flips = [self.method.flips(g) for g in groups]   # an unflipped batch's items: (index, seed, False)
+        self._batches.batches = [[(i, stream_seed(self.seed, "sample", e, s, j, self.rank), *(() if flips[s] else (False,)))
+                                  for j, i in enumerate(b)] for s, b in enumerate(batches[start:], start)]
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
             batch["group"], batch["epoch"], batch["step"] = groups[s], e, s
@@ -289,7 +290,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
         gen = None
         if self.batch_transform is not None:
             gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
-        batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen)
+        batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen,
+                          flip=self.method.flips(batch.get("group")))
         step = self.method.training_step if self._parallel is None else self._parallel
         with self.autocast(): out = step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:

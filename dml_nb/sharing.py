@@ -91,7 +91,8 @@ class SharingMatters(MultiTaskMethod):
                  regroup_standardize: str = "none", shared_batches: str | None = None,
                  group_swap_probability: float = 0.2, rematch_groups: bool = False, embed: str = "concat",
                  regressor_hidden_dim: int = 512, regressor_lr: float | None = None,
-                 regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1):
+                 regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1,
+                 shared_flip: bool = True):
         grouping = shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"   # a shared task on groups
         if shared_batches is None: shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
         for name, value, valid in (("architecture", architecture, ARCHITECTURES), ("updates", updates, UPDATES),
@@ -106,6 +107,9 @@ class SharingMatters(MultiTaskMethod):
         if gamma < 0: raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
         if regroup_every < 1: raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
         if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
+        if not shared_flip and updates != "algorithm1":
+            raise ValueError(f"shared_flip=False trains the shared updates' own batches unflipped; updates={updates!r} has "
+                             "no batches of their own: use updates='algorithm1'")
         if shared_probability < 1 and updates != "algorithm1":
             raise ValueError(f"shared_probability < 1 skips shared updates of Algorithm 1's iterations; updates={updates!r} "
                              "has no iterations: use updates='algorithm1'")
@@ -144,6 +148,7 @@ class SharingMatters(MultiTaskMethod):
                          decorrelation_weight_decay=regressor_weight_decay)
         self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
         self.updates, self.shared_probability = updates, float(shared_probability)   # gamma: the weight of `pairs`
+        self.shared_flip = bool(shared_flip)
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
         self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo
@@ -182,6 +187,10 @@ class SharingMatters(MultiTaskMethod):
             for g in groups:
                 if g["name"].startswith("decorrelations."): g["lr"] = lr
         return groups
+
+    def flips(self, group) -> bool:
+        "Horizontal flips for every batch, except the shared updates' batches with `shared_flip=False` (MIC's code)."
+        return self.shared_flip or group != SHARED
 
     def training_step(self, batch: dict) -> dict:
         if self.grouping:

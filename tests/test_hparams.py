@@ -189,3 +189,37 @@ def test_every_reproduction_file_base_agrees_on_paper_wide_settings():
                     problems.append(f"{f.relative_to(ROOT)} (config): {key} = {lookup(cfg, key)!r}, params/hparams/{paper}.csv says {value!r}")
     assert checked > 0
     assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems)
+
+
+def _method_specs(obj, path=""):
+    "Every method spec (a mapping whose `name` is a registered recipe) in a parsed parameter file, with its YAML path."
+    if isinstance(obj, dict):
+        if isinstance(obj.get("name"), str) and obj["name"] in METHODS: yield path, obj; return
+        for k, v in obj.items(): yield from _method_specs(v, f"{path}/{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj): yield from _method_specs(v, f"{path}/{i}")
+
+
+def test_every_method_spec_agrees_on_the_recipe_wide_options():
+    """Each method spec in every reproduction file, whatever the file's layout (the `rows:` check above covers one),
+    agrees with the options its paper's table sets for that recipe on every dataset and backbone alike, unless the
+    file varies the option on purpose (ABLATED)."""
+    problems, checked = [], 0
+    for f in sorted((ROOT / "params").glob("repro_*/*.yaml")):
+        raw = yaml.safe_load(f.read_text()) or {}
+        if params_base(raw)["data"]["name"] in EMBEDDED: continue
+        for path, spec in _method_specs({k: v for k, v in raw.items() if k not in ("config", "output")}):
+            paper = paper_of(spec["name"], f)
+            if paper is None: continue
+            df = table(paper)
+            rows = df[(df["method"] == spec["name"]) & df["key"].str.startswith("method.options.")]
+            for key, g in rows.groupby("key"):
+                row = path.split("/")[2] if path.startswith("/rows/") else "*"
+                if not ((g["dataset"] == "*").all() and (g["backbone"] == "*").all()) or exempt(f, row, key): continue
+                checked += 1
+                cfg = {"method": {"name": spec["name"], "options": {k: v for k, v in spec.items() if k != "name"}}}
+                got, want = lookup(cfg, key), yaml.safe_load(g["value"].iloc[0])
+                if not same(got, want):
+                    problems.append(f"{f.relative_to(ROOT)} {path}: {key} = {got!r}, params/hparams/{paper}.csv says {want!r}")
+    assert checked > 0
+    assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems)

@@ -565,3 +565,59 @@ def test_golden_shared_update_probability_matches_mic_schedule():
     assert re.fullmatch(r"(CS?)+", ours) and ours.count("C") == n
     sd = 4 * (n * p * (1 - p)) ** 0.5
     assert abs(ours.count("S") - n * p) < sd and abs(theirs.count("S") - n * p) < sd
+
+
+# Unflipped shared batches (MIC's ClusterDataset: RandomResizedCrop without a flip, datasets.py:407) ------------------
+
+class RecordingX(SharingMatters):
+    "Records (group, images) of every training step."
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.xs = []
+
+    def training_step(self, b):
+        self.xs.append((b["group"], b["x"].detach().clone()))
+        return super().training_step(b)
+
+
+def test_shared_flip_false_trains_the_shared_batches_unflipped(shapes):
+    """shared_flip=False: the shared updates' items are loaded as (index, seed, False), i.e. with the training
+    transform minus its flip (the same crop); the discriminative batches keep their flips."""
+    from dml_nb.batches import SeededViews, without_flips
+    from dml_nb.data import make_transform
+    train = shapes[0]
+    learn = run(shapes, cls=RecordingX, epochs=1, shared_flip=False)
+    learn.fit()
+    keys = learn._batches.batches
+    assert [g for g, _ in learn.method.xs] == [DISCRIMINATIVE, SHARED] * 5
+    views = SeededViews(train)
+    mirrored = 0
+    for (g, x), k in zip(learn.method.xs, keys):
+        assert all(len(key) == (3 if g == SHARED else 2) for key in k)
+        want = torch.stack([views[key]["x"] for key in k])
+        assert torch.equal(x, want)                                 # the images the step trained on
+        if g == SHARED:
+            flipped = torch.stack([views[key[:2]]["x"] for key in k])   # the same items with the flip
+            same = (flipped == x).flatten(1).all(1)
+            assert ((flipped.flip(-1) == x).flatten(1).all(1) | same).all()
+            mirrored += int((~same).sum())
+    assert mirrored > 0                                             # some would have been flipped
+    plain = make_transform("small_cnn", train=True, size=32, flip=False)
+    assert [type(t).__name__ for t in without_flips(train).transform.transforms] == \
+        [type(t).__name__ for t in plain.transforms]
+    with pytest.raises(ValueError, match="updates='algorithm1'"):
+        SharingMatters(backbone(), 6, Y, embedding_dim=8, updates="alternate", shared_flip=False)
+    with pytest.raises(TypeError, match="torchvision Compose"):
+        without_flips(torch.utils.data.TensorDataset(torch.zeros(2, 3)))
+
+
+def test_batch_augment_without_flips_keeps_the_crops():
+    "BatchAugment(flip=False): the boxes of the flipped call, no image mirrored."
+    from dml_nb.cache import BatchAugment
+    aug = BatchAugment(16, train=True, flip=0.5)
+    imgs = torch.randint(0, 256, (12, 3, 24, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    a = aug(imgs, None, torch.Generator().manual_seed(5))
+    b = aug(imgs, None, torch.Generator().manual_seed(5), flip=False)
+    _, flips = aug.boxes(torch.tensor([[24, 30]] * 12), torch.Generator().manual_seed(5))
+    assert 0 < int(flips.sum()) < 12
+    assert torch.allclose(a[~flips], b[~flips]) and torch.allclose(a[flips], b[flips].flip(-1), atol=1e-5)
