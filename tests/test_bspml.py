@@ -6,7 +6,6 @@ ablations, the age schedule in floor units, exact resume with the SPL state for 
 import csv
 import itertools
 import math
-import os
 
 import numpy as np
 import pytest

@@ -10,7 +10,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from dml_nb.cache import (BatchAugment, CachedImages, RawItems, cache_images, center_crop_boxes, crop_resize,
+from dml_nb.cache import (BatchAugment, RawItems, cache_images, center_crop_boxes, crop_resize,
                           pad_collate, random_resized_crop_boxes)
 from dml_nb.data import ImageListDataset, load_dataset, make_transform
 from dml_nb.checks import write_fake_dataset

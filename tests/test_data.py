@@ -1,6 +1,5 @@
 "Dataset readers on tiny trees written in each real on-disk format, embedded sets, label noise."
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest

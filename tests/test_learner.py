@@ -197,7 +197,6 @@ def _inf_grad(bias): return _InfGrad.apply(bias[:2])
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_nonfinite_stops_with_clear_message_and_keeps_last_good_checkpoint(sets, tmp_path, grad):
-    train = sets[0]
     method = baseline(None, "triplet", cls=NaNAt, at=(1, 2), grad=grad)
     learn = learner(sets, tmp_path, epochs=3, method=method, checkpoint_every_steps=1, eval_sets={})
     what = "the gradient norm is inf" if grad else "the loss is nan"

@@ -5,7 +5,6 @@ import tempfile
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dml_nb.core import seed_everything
 from dml_nb.callbacks import Callback

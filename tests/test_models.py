@@ -1,7 +1,5 @@
 """Checks of dml_nb.models too heavy for the notebook: full-size forwards, ImageNet weight files, and the
 two-process all_gather path of MemoryQueue."""
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -11,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dml_nb.core import seed_everything
-from dml_nb.models import (Backbone, BNInception, GoogLeNet, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
+from dml_nb.models import (Backbone, BNInception, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
                            global_pool)
 from dml_nb.heads import EmbeddingModel, MultiHead
 from dml_nb.momentum import MemoryQueue, MomentumEncoder

@@ -6,7 +6,6 @@ writer per run directory, unreadable images are found up front, disk errors are 
 sane checkpoint, orphan temporary files are cleaned, and Recall@k breaks distance ties by index."""
 import errno
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -15,12 +14,11 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
 
-from dml_nb.core import DiskWriteError, RunLockedError
+from dml_nb.core import RunLockedError
 from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
 from dml_nb.experiment import run, run_dir_for
 from dml_nb.config import ConfigError, load_config, make_config
@@ -28,9 +26,8 @@ from dml_nb.cli import main
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
                             read_sop, read_vehicleid)
 from dml_nb.checks import write_fake_dataset
-from dml_nb.checkpoint import DivergedError, load_checkpoint
+from dml_nb.checkpoint import load_checkpoint
 from dml_nb.metrics import map_at_r, recall_at_k
-from dml_nb.neighbours import knn
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from golden import load_golden, arr
-from dml_nb.samplers import (CLUSTER_SCHEDULES, MIC_WORKERS, SAMPLER_DRAWS, ClassBalancedBatchSampler,
+from dml_nb.samplers import (CLUSTER_SCHEDULES, MIC_WORKERS, ClassBalancedBatchSampler,
                              RoundRobinBatchSampler, mic_blocks, usable_members)
 
 
