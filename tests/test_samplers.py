@@ -188,3 +188,27 @@ def test_golden_reshuffle_draw_matches_dncs_sampler():
     balanced = _block_statistics(labels, np.asarray(ClassBalancedBatchSampler(labels, x["batch_size"], K, seed=0,
                                  batches_per_epoch=ref["batches"]).batches(0)).reshape(-1, K))
     assert balanced["repeat"][5] > 0.3 and ref["block_repeat_rate_by_size"]["5"] == 0   # what the option changes
+
+
+def test_golden_class_random_draw_matches_divas_sampler():
+    """draw='class_random' against DiVA's class_random Sampler run unchanged (20,000 batches of 28 slots x 2): the
+    distinct classes per batch, how often a slot's two images coincide by class size, each class's share of slots."""
+    g = load_golden("sampler_diva")
+    x, ref = g["inputs"], g["outputs"]
+    labels, K = arr(x["labels"], np.int64), x["samples_per_class"]
+    s = ClassBalancedBatchSampler(labels, x["batch_size"], K, draw="class_random", seed=0, batches_per_epoch=ref["batches"])
+    slots = np.asarray(s.batches(0)).reshape(ref["batches"], -1, K)
+    cls = labels[slots[..., 0]]
+    assert (labels[slots] == cls[..., None]).all()                  # a slot is one class
+    assert len(ClassBalancedBatchSampler(labels, x["batch_size"], K, draw="class_random")) == ref["len"]
+    distinct = np.mean([len(np.unique(r)) for r in cls])
+    assert distinct == pytest.approx(ref["mean_distinct_classes_per_batch"], abs=0.1)      # 20.3 of 28 slots
+    size, same = np.bincount(labels), slots[..., 0] == slots[..., 1]
+    for n, want in ref["slot_same_image_rate_by_size"].items():                            # 1 / n
+        assert same[size[cls] == int(n)].mean() == pytest.approx(want, abs=0.01), n
+    share = np.bincount(cls.ravel(), minlength=len(size)) / cls.size
+    np.testing.assert_allclose(share, ref["class_slot_share"], atol=0.0015)               # uniform over classes
+    use = np.bincount(slots.ravel(), minlength=len(labels))
+    for n, want in ref["image_share_by_size"].items():      # max / min use of a class's images: binomial noise, 1-7%
+        ratios = [use[labels == c].max() / use[labels == c].min() for c in np.flatnonzero(size == int(n))]
+        assert np.mean(ratios) == pytest.approx(want, abs=0.04), n
