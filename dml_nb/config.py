@@ -61,6 +61,7 @@ class TrainConfig:
     grad_clip: Optional[float] = None
     amp: Literal["auto", "bf16", "none"] = "auto"
     sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = "balanced"  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
+    zero_grad: Literal["none", "zeros"] = "none"   # learner.ZERO_GRADS: torch >= 2.0's gradient clearing, or torch 1.x's (the authors')
     channels_last: Literal["auto", "on", "off"] = "auto"
     num_workers: int = 0
     device: str = "auto"
@@ -248,7 +249,7 @@ def _check_names(cfg: Config) -> None:
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
 _OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
-                       "train": {"compile": False, "stop_on_empty_tuples": True, "sampler": "balanced"},
+                       "train": {"compile": False, "stop_on_empty_tuples": True, "sampler": "balanced", "zero_grad": "none"},
                        "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic",
                                 "nmi_on": "query", "self_match": "index"}}
 

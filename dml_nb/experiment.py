@@ -125,7 +125,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
         rank=rank, world_size=world, draw=t.sampler))
     schedule = None if t.schedule is None else dict(t.schedule)
     return Learner(method, train, sampler, epochs=t.epochs, lr=t.lr, weight_decay=t.weight_decay,
-                   optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, eval_sets=evals,
+                   optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, zero_grad=t.zero_grad, eval_sets=evals,
                    train_eval_ds=evals.get("train"),
                    eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size, nmi_seeds=cfg.eval.nmi_seeds,
                    nmi_kmeans=cfg.eval.nmi_kmeans, nmi_average=cfg.eval.nmi_average,

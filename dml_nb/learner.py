@@ -26,13 +26,17 @@ from .evaluation import EvaluationMixin, check_metrics
 from .metrics import check_eval_readings
 
 # %% auto #0
-__all__ = ['REPORTS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
+__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
 
 # %% ../nbs/06_learner.ipynb #72f08d02
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
 REPORTS = ("last", "best", "best_each")   # the final epoch; the epoch of the best test R@1; each metric's own best
+# before each step: gradients dropped (torch >= 2.0's default: a parameter without a gradient in a step stays put), or
+# set to zero (torch < 2.0's `zero_grad()`, which every authors' code ran: Adam still moves such a parameter by its
+# momentum and weight decay)
+ZERO_GRADS = ("none", "zeros")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 # %% ../nbs/06_learner.ipynb #b621f8e6
@@ -65,7 +69,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
                  progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
                  num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
                  stop_on_empty_tuples: bool = True, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
-                 nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index"):
+                 nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index",
+                 zero_grad: str = "none"):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.learner.Method (a recipe), got {type(method).__name__}")
         if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -98,6 +103,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
             raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {compile!r}")
         self.compile = compile
         if report not in REPORTS: raise unknown_name_error("report (which epoch's metrics a run reports)", report, REPORTS)
+        if zero_grad not in ZERO_GRADS: raise unknown_name_error("zero_grad (how gradients are cleared)", zero_grad, ZERO_GRADS)
+        self.zero_grad = zero_grad
         self.report, self.stop_on_empty_tuples = report, bool(stop_on_empty_tuples)
         self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
         self.rank, self.world_size = dist_info()
@@ -300,7 +307,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         loss = out["loss"]
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.zero_grad == "none")
         loss.backward()              # under DDP the gradients are averaged over the processes during the backward
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.grad_clip: gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)

@@ -173,8 +173,12 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     from dml_nb.config import TrainConfig
     from dml_nb.experiment import build_learner
     from dml_nb.samplers import SAMPLER_DRAWS
+    from dml_nb.learner import ZERO_GRADS
     assert typing.get_args(typing.get_type_hints(TrainConfig)["sampler"]) == SAMPLER_DRAWS
-    assert "sampler" not in config_to_dict(make_config(TINY))["train"]              # default: the hash is unchanged
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["zero_grad"]) == ZERO_GRADS
+    assert not {"sampler", "zero_grad"} & set(config_to_dict(make_config(TINY))["train"])   # defaults: the hash is unchanged
+    cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "zero_grad": "zeros"}})
+    assert build_learner(cfg, progress=False).zero_grad == "zeros" and config_to_dict(cfg)["train"]["zero_grad"] == "zeros"
     for draw in ("class_random", "reshuffle", "mic"):
         cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": draw}})
         assert build_learner(cfg, progress=False).sampler.draw == draw

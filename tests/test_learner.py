@@ -578,3 +578,35 @@ def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
     learn.fit()                                      # evaluates after each epoch
     assert held == [False, True, False, True]
     assert torch.equal(learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"])
+
+
+class FirstStepOnly(Method):
+    "Parameter `b` gets a gradient in the first step only; `a` in every step. Records `b` at the start of each step."
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.seen = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3)), []
+
+    def training_step(self, batch):
+        self.seen.append(self.b.detach().clone())
+        loss = (self.a * batch["x"].float().mean()).sum()
+        if len(self.seen) == 1: loss = loss + self.b.sum()
+        return {"loss": loss}
+
+    def embed(self, x): return {"embedding": x.flatten(1)[:, :4].float()}
+
+
+@pytest.mark.parametrize("mode", ["none", "zeros"])
+def test_zero_grad_none_leaves_a_parameter_without_gradient_and_zeros_moves_it(sets, mode):
+    """zero_grad='none' (torch >= 2.0): a parameter without a gradient in a step stays put; 'zeros' (torch 1.x, the
+    authors' runs): its gradient is zero, and Adam still moves it by its momentum and weight decay."""
+    method = FirstStepOnly()
+    learner(sets, epochs=1, steps=3, method=method, eval_sets={}, lr=0.1, weight_decay=0.0, zero_grad=mode).fit()
+    after1, after2 = method.seen[1], method.seen[2]
+    assert not torch.equal(method.seen[0], after1)                  # the first step moved b
+    if mode == "none": assert torch.equal(after1, after2)
+    else:                                                            # Adam's second step with g = 0: m = 0.9 m1, v = 0.999 v1
+        m, v = 0.1 * 0.9, 0.001 * 0.999                              # from g1 = 1: m1 = 0.1, v1 = 0.001
+        step = 0.1 * (m / (1 - 0.9**2)) / ((v / (1 - 0.999**2)) ** 0.5 + 1e-8)
+        torch.testing.assert_close(after1 - after2, torch.full((3,), step), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="zero_grad"):
+        learner(sets, method=FirstStepOnly(), zero_grad="zero")
