@@ -60,7 +60,7 @@ def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, b
         if usable < 2:
             bad.append(f"learner {c} (cluster of {int((assignments == c).sum())} images, {usable} class(es) with 2+ images)")
             continue
-        bs = min(batch_size, usable * samples_per_class)
+        bs = batch_size if draw == "reshuffle" else min(batch_size, usable * samples_per_class)   # reshuffle: the code's full batch
         samplers.append(ClassBalancedBatchSampler(labels, bs, samples_per_class, indices=idx, seed=seed * 1000 + c,
                                                   rank=rank, world_size=world_size, min_samples_per_class=2, draw=draw))
         sizes.append(bs)

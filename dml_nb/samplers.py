@@ -54,7 +54,8 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     """Batches of `batch_size // samples_per_class` classes x `samples_per_class` samples; deterministic per epoch.
     `draw='balanced'`: distinct classes per batch, each class's samples in turn from a shuffled pool;
     `draw='class_random'`: DiVA's `class_random` sampler, every class slot and every sample drawn with replacement;
-    `draw='reshuffle'`: D&C's sampler, distinct classes, a class's next `K` of a pool reshuffled once fewer than `K` remain;
+    `draw='reshuffle'`: D&C's sampler, distinct classes (drawn with replacement where there are fewer than a batch
+    needs), a class's next `K` of a pool reshuffled once fewer than `K` remain;
     `draw='mic'`: MIC's class stream (`mic_blocks`, `workers` worker chains)."""
     def __init__(self, labels: Sequence[int], batch_size: int = 112, samples_per_class: int = 2,
                  indices: Sequence[int] | None = None, batches_per_epoch: int | None = None, seed: int = 0,
@@ -76,7 +77,9 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         if draw == "mic" and samples_per_class > 1 and len(self.pools) < 3:
             raise ValueError(f"MIC's draw takes each block's class from the classes other than the last two, so it needs "
                              f"at least 3 classes; only {len(self.pools)} have at least {min_samples_per_class} sample(s)")
-        if draw != "mic" and len(self.pools) < self.num_per_batch:   # MIC's blocks may repeat a class in a batch
+        # MIC's blocks may repeat a class in a batch; D&C's sampler draws the classes with replacement when there are
+        # fewer than a batch needs (lib/data/loader/sampler.py:38-45, a small cluster)
+        if draw not in ("mic", "reshuffle") and len(self.pools) < self.num_per_batch:
             raise ValueError(f"a batch of {batch_size} with samples_per_class={samples_per_class} needs "
                              f"{self.num_per_batch} classes but only {len(self.pools)} have at least "
                              f"{min_samples_per_class} sample(s); lower batch_size or raise samples_per_class")
@@ -110,7 +113,7 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         out = []
         for _ in range(num_batches * self.world_size):
             batch = []
-            for c in rng.choice(len(pools), self.num_per_batch, replace=False):
+            for c in rng.choice(len(pools), self.num_per_batch, replace=len(pools) < self.num_per_batch):
                 pool = pools[c]
                 if len(pool) < K:
                     batch.extend(rng.choice(pool, K, replace=True).tolist()); continue

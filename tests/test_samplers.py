@@ -212,3 +212,21 @@ def test_golden_class_random_draw_matches_divas_sampler():
     for n, want in ref["image_share_by_size"].items():      # max / min use of a class's images: binomial noise, 1-7%
         ratios = [use[labels == c].max() / use[labels == c].min() for c in np.flatnonzero(size == int(n))]
         assert np.mean(ratios) == pytest.approx(want, abs=0.04), n
+
+
+def test_reshuffle_draw_fills_a_batch_from_fewer_classes_as_dncs_sampler():
+    """D&C's sampler draws the classes with replacement when there are fewer than a batch needs (a small cluster):
+    draw='reshuffle' keeps the full batch; 'balanced' refuses, and D&C's cluster batches shrink under it instead."""
+    from dml_nb.dnc import cluster_batch_sampler
+    labels = np.repeat(np.arange(6), 9)
+    s = ClassBalancedBatchSampler(labels[:27], 32, 4, draw="reshuffle", batches_per_epoch=50)   # 3 classes, 8 blocks
+    blocks = np.asarray(s.batches(0)).reshape(50, 8, 4)
+    assert (labels[blocks] == labels[blocks[..., :1]]).all()                   # a block is one class
+    assert all(len(set(b)) == 4 for b in blocks.reshape(-1, 4).tolist())      # never an image twice in a block
+    assert {len(np.unique(labels[b[:, 0]])) for b in blocks} <= {1, 2, 3}
+    with pytest.raises(ValueError, match="needs 8 classes"):
+        ClassBalancedBatchSampler(labels[:27], 32, 4)
+    assign = np.repeat([0, 1], 27)                                            # two clusters of 3 classes
+    _, _, full = cluster_batch_sampler(labels, assign, 2, 32, 4, draw="reshuffle")
+    _, _, small = cluster_batch_sampler(labels, assign, 2, 32, 4)
+    assert full == [32, 32] and small == [12, 12]
