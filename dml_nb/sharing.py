@@ -107,6 +107,8 @@ class SharingMatters(MultiTaskMethod):
         if gamma < 0: raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
         if regroup_every < 1: raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
         if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
+        if not isinstance(shared_flip, bool):
+            raise TypeError(f"shared_flip is true or false (YAML: shared_flip: false), got {shared_flip!r}")
         if not shared_flip and updates != "algorithm1":
             raise ValueError(f"shared_flip=False trains the shared updates' own batches unflipped; updates={updates!r} has "
                              "no batches of their own: use updates='algorithm1'")
@@ -148,7 +150,7 @@ class SharingMatters(MultiTaskMethod):
                          decorrelation_weight_decay=regressor_weight_decay)
         self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
         self.updates, self.shared_probability = updates, float(shared_probability)   # gamma: the weight of `pairs`
-        self.shared_flip = bool(shared_flip)
+        self.shared_flip = shared_flip
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
         self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo
@@ -298,7 +300,9 @@ MIC_DEFAULTS = dict(shared_sampling="tg_std", gamma=2500.0, shared_probability=0
 
 @METHODS.register("mic")
 class MIC(SharingMatters):
-    "MIC (Roth, Brattoli, Ommer, ICCV 2019) as its public code trains it: `sharing` with the defaults in `MIC_DEFAULTS`."
+    """MIC (Roth, Brattoli, Ommer, ICCV 2019) as its public code trains it: `sharing` with the defaults in `MIC_DEFAULTS`.
+    Its code's batches and gradient clearing are run settings that the paper files add: `shared_flip=False`,
+    `train.sampler: mic`, `train.zero_grad: zeros` (the defaults stay dml_nb's, so earlier runs keep their meaning)."""
     def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, **options):
         super().__init__(backbone, num_classes, train_labels, **{**MIC_DEFAULTS, **options})
 

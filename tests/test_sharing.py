@@ -49,13 +49,14 @@ def shapes():
 
 
 class Recording(SharingMatters):
-    "Records (global step, active task names) of every training step."
+    "Records (global step, active task names) and (group, images) of every training step."
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.seen = []
+        self.seen, self.xs = [], []
 
     def training_step(self, b):
         self.seen.append((self._steps, [t.name for t in self.tasks_for_batch(b)], b["index"].tolist()))
+        self.xs.append((b["group"], b["x"].detach().clone()))
         return super().training_step(b)
 
 
@@ -569,24 +570,13 @@ def test_golden_shared_update_probability_matches_mic_schedule():
 
 # Unflipped shared batches (MIC's ClusterDataset: RandomResizedCrop without a flip, datasets.py:407) ------------------
 
-class RecordingX(SharingMatters):
-    "Records (group, images) of every training step."
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.xs = []
-
-    def training_step(self, b):
-        self.xs.append((b["group"], b["x"].detach().clone()))
-        return super().training_step(b)
-
-
 def test_shared_flip_false_trains_the_shared_batches_unflipped(shapes):
     """shared_flip=False: the shared updates' items are loaded as (index, seed, False), i.e. with the training
     transform minus its flip (the same crop); the discriminative batches keep their flips."""
     from dml_nb.batches import SeededViews, without_flips
     from dml_nb.data import make_transform
     train = shapes[0]
-    learn = run(shapes, cls=RecordingX, epochs=1, shared_flip=False)
+    learn = run(shapes, cls=Recording, epochs=1, shared_flip=False)
     learn.fit()
     keys = learn._batches.batches
     assert [g for g, _ in learn.method.xs] == [DISCRIMINATIVE, SHARED] * 5
@@ -607,6 +597,8 @@ def test_shared_flip_false_trains_the_shared_batches_unflipped(shapes):
         [type(t).__name__ for t in plain.transforms]
     with pytest.raises(ValueError, match="updates='algorithm1'"):
         SharingMatters(backbone(), 6, Y, embedding_dim=8, updates="alternate", shared_flip=False)
+    with pytest.raises(TypeError, match="shared_flip is true or false"):
+        SharingMatters(backbone(), 6, Y, embedding_dim=8, shared_flip="false")
     with pytest.raises(TypeError, match="torchvision Compose"):
         without_flips(torch.utils.data.TensorDataset(torch.zeros(2, 3)))
 
