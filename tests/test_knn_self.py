@@ -114,3 +114,35 @@ def test_set_num_threads_sets_torch_and_faiss():
         M.set_num_threads(1)
         assert torch.get_num_threads() == 1 and faiss.omp_get_max_threads() == 1
     finally: M.set_num_threads(n)
+
+
+@pytest.mark.parametrize("data", [hard, clustered_unit])
+def test_bookkeeping_threads_do_not_change_the_neighbours(data, monkeypatch):
+    "The screening and merging run on one thread or on all (by idle cores); the result is identical, bit for bit."
+    x = torch.from_numpy(data()[0])
+    out = []
+    for idle in (0, 99):
+        monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
+        out.append(M._knn_self(x, 7, block=64))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_bookkeeping_threads_follow_idle_cores(monkeypatch):
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for idle, inside in ((0, 1), (1, 1), (2, 2), (64, 2)):
+            monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
+            with M._bookkeeping_threads(): assert torch.get_num_threads() == inside
+            assert torch.get_num_threads() == 2                           # restored
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_idle_cores_reads_proc_and_is_zero_without_it(monkeypatch):
+    import os
+    idle = M._idle_cores()
+    assert isinstance(idle, int) and idle <= len(os.sched_getaffinity(0))
+    def no_proc(*a, **k): raise FileNotFoundError("/proc/loadavg")
+    monkeypatch.setattr(M, "open", no_proc, raising=False)         # the module's own `open`, builtins untouched
+    assert M._idle_cores() == 0
