@@ -141,8 +141,9 @@ def test_bookkeeping_threads_follow_idle_cores(monkeypatch):
 
 def test_idle_cores_reads_proc_and_is_zero_without_it(monkeypatch):
     import os
-    idle = M._idle_cores()
+    idle = M._idle_cores(max_age=0)
     assert isinstance(idle, int) and idle <= len(os.sched_getaffinity(0))
     def no_proc(*a, **k): raise FileNotFoundError("/proc/loadavg")
     monkeypatch.setattr(M, "open", no_proc, raising=False)         # the module's own `open`, builtins untouched
-    assert M._idle_cores() == 0
+    assert M._idle_cores(max_age=60) == idle                        # a recent reading is reused
+    assert M._idle_cores(max_age=0) == 0                            # a fresh one: no /proc, nothing counts as idle
