@@ -120,10 +120,14 @@ def test_set_num_threads_sets_torch_and_faiss():
 def test_bookkeeping_threads_do_not_change_the_neighbours(data, monkeypatch):
     "The screening and merging run on one thread or on all (by idle cores); the result is identical, bit for bit."
     x = torch.from_numpy(data()[0])
-    out = []
-    for idle in (0, 99):
-        monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
-        out.append(M._knn_self(x, 7, block=64))
+    out, n = [], torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)                      # two threads to choose between, even where the default is one
+        for idle in (0, 99):
+            monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
+            out.append(M._knn_self(x, 7, block=64))
+    finally:
+        torch.set_num_threads(n)
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
@@ -141,6 +145,7 @@ def test_bookkeeping_threads_follow_idle_cores(monkeypatch):
 
 def test_idle_cores_reads_proc_and_is_zero_without_it(monkeypatch):
     import os
+    monkeypatch.setattr(M, "_idle_reading", [float("-inf"), 0])   # a cache of its own, restored afterwards
     idle = M._idle_cores(max_age=0)
     assert isinstance(idle, int) and idle <= len(os.sched_getaffinity(0))
     def no_proc(*a, **k): raise FileNotFoundError("/proc/loadavg")
