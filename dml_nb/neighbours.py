@@ -74,8 +74,10 @@ def _block_rows(n: int, device: torch.device) -> int:
     return max(256, min(n, math.isqrt(_cache_bytes() // 8) // 256 * 256))
 
 class _single_thread:
-    """Run the small bookkeeping ops of a block on one thread: on a shared machine a 2-thread OpenMP region waits
-    for a descheduled thread at every op (measured: 3x slower whole search at load 3-4 on 2 cores)."""
+    """Run small ops on one thread, always: on a shared machine a 2-thread OpenMP region waits for a descheduled
+    thread at every op (measured: 3x slower whole search at load 3-4 on 2 cores). The k-means (`dml_nb.clustering`)
+    runs its cluster sums and bookkeeping under it, so that their floating-point sums never depend on the load; the
+    search's blocks use `_bookkeeping_threads`, which takes all threads when the cores are idle."""
     def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
     def __exit__(self, *a): torch.set_num_threads(self.n)
 
