@@ -107,7 +107,7 @@ def _idle_cores(max_age: float = 1.0) -> int:
 class _bookkeeping_threads(_single_thread):
     """A block's screening and merging on all of torch's threads when as many cores are idle (`_idle_cores`), else
     on one (`_single_thread`). The ops are exact (comparisons, gathers, top-k), so the result is the same either way;
-    only the time differs (measured in the markdown above)."""
+    only the time differs (measured in `nbs/05a_neighbours.ipynb` and `benchmarks/README.md`)."""
     def __enter__(self):
         self.n = torch.get_num_threads()
         if self.n > 1 and _idle_cores() < self.n: torch.set_num_threads(1)
