@@ -11,7 +11,7 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from .registry import unknown_name_error
-from .neighbours import _as_embeddings, _as_labels, _block_rows, _faiss_gpu_device, _single_thread
+from .neighbours import _as_embeddings, _as_labels, _block_rows, _faiss_gpu_device, _single_thread, import_faiss
 
 # %% auto #0
 __all__ = ['NMI_AVERAGES', 'NMI_KMEANS', 'REMATCH_RULES', 'kmeans', 'kmeans_assign', 'nmi', 'check_nmi_reading',
@@ -130,7 +130,8 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
 
 def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gpu: bool | None = None):
     "faiss k-means: on a GPU when faiss has GPU support (`gpu=None`), always (`gpu=True`) or never (`gpu=False`)."
-    import faiss
+    faiss = import_faiss("the k-means back end 'faiss' (DiVA's, D&C's and MIC's clustering as their code runs it, "
+                         "and NMI's eval.nmi_kmeans: faiss / faiss_100)")
     faiss.omp_set_num_threads(torch.get_num_threads())
     xn = x.cpu().numpy()
     dev = None if gpu is False else _faiss_gpu_device(x, required=bool(gpu))

@@ -13,7 +13,8 @@ import torch
 from .registry import unknown_name_error
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'KNN_BACKENDS', 'lowp_supported', 'faiss_gpus', 'set_num_threads', 'knn']
+__all__ = ['FAISS_GPU_MAX_K', 'FAISS_INSTALL', 'KNN_BACKENDS', 'lowp_supported', 'FaissMissingError', 'import_faiss',
+           'faiss_gpus', 'set_num_threads', 'knn']
 
 # %% ../nbs/05a_neighbours.ipynb #e6611cda
 def _as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -290,10 +291,41 @@ def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
 
 FAISS_GPU_MAX_K = 2048   # faiss-gpu's flat index returns at most this many neighbours
 _faiss_gpu_resources = {}
+FAISS_INSTALL = ("pip install 'dml_nb[faiss-cpu]' (CPU) or 'dml_nb[faiss-gpu]' (CUDA GPUs), one of the two: "
+                 "both ship the same 'faiss' module")
+
+class FaissMissingError(ImportError):
+    "A faiss back end was asked for where faiss is not installed."
+
+def import_faiss(purpose: str = "a faiss back end"):
+    """The `faiss` module; where it is not installed, a `FaissMissingError` naming `purpose`, the extras that
+    install it and the torch back end that needs none. Warns once where faiss-cpu and faiss-gpu are both installed."""
+    try: import faiss
+    except ImportError as e:
+        raise FaissMissingError(f"{purpose} needs faiss, which is not installed here: {FAISS_INSTALL}; or use "
+                                "the torch back end (backend='torch', dml_nb's default), which needs no faiss") from e
+    _warn_two_faiss()
+    return faiss
+
+_faiss_checked = []
+def _warn_two_faiss():
+    "faiss-cpu and faiss-gpu (or faiss-gpu-cu12) both installed overwrite each other's files: say so once."
+    if _faiss_checked: return
+    _faiss_checked.append(True)
+    from importlib.metadata import PackageNotFoundError, version
+    found = []
+    for dist in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11"):
+        try: found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError: pass
+    if len(found) > 1:
+        import warnings
+        warnings.warn(f"{' and '.join(found)} are installed together: they ship the same 'faiss' module, so the last "
+                      "one installed wins and removing either breaks the other. Keep one: pip uninstall -y "
+                      + " ".join(f.split()[0] for f in found) + f", then {FAISS_INSTALL}", stacklevel=3)
 
 def faiss_gpus() -> int:
     "How many GPUs faiss can use: `faiss.get_num_gpus()` (0 with faiss-cpu)."
-    import faiss
+    faiss = import_faiss("the 'faiss' back ends")
     return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
 
 def _faiss_gpu_device(x: torch.Tensor, required: bool) -> int | None:
@@ -301,13 +333,14 @@ def _faiss_gpu_device(x: torch.Tensor, required: bool) -> int | None:
     if faiss_gpus() > 0: return (x.device.index or 0) if x.device.type == "cuda" else 0
     if required:
         raise RuntimeError("the 'faiss_gpu' back end needs faiss with GPU support (faiss.get_num_gpus() is 0 here): "
-                           "install faiss-gpu (the project's [gpu] extra) or use backend='faiss' (CPU) or 'torch'")
+                           "install faiss-gpu in place of faiss-cpu (pip uninstall -y faiss-cpu; pip install 'dml_nb[faiss-gpu]') "
+                           "or use backend='faiss' (CPU) or 'torch'")
     return None
 
 def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, gpu: bool | None = None):
     """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
     (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
-    import faiss
+    faiss = import_faiss("the k-NN back end 'faiss'")
     faiss.omp_set_num_threads(torch.get_num_threads())   # faiss's OpenMP pool follows torch's thread setting
     q, r = query.cpu().numpy(), reference.cpu().numpy()
     index = faiss.IndexFlatL2(r.shape[1])

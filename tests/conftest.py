@@ -21,3 +21,35 @@ def shapes4():
 def shapes8():
     "8 training images per class: k-means into 4 clusters of a 4-per-class set can leave a cluster of scattered singletons."
     return shapes_sets(8)
+
+
+def _has_faiss() -> bool:
+    try: import faiss  # noqa: F401
+    except ImportError: return False
+    return True
+
+
+HAS_FAISS = _has_faiss()
+
+
+def pytest_collection_modifyitems(config, items):
+    "Tests marked `gpu` skip where torch sees no CUDA device (benchmarks/gpu_check.sh runs them on a GPU)."
+    import torch
+    if torch.cuda.is_available(): return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; benchmarks/gpu_check.sh)")
+    for item in items:
+        if "gpu" in item.keywords: item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """faiss is optional (the [faiss-cpu] / [faiss-gpu] extras): where it is not installed, a test that reaches a faiss
+    back end (a comparison with faiss, or a recipe whose code clusters with faiss) is skipped, naming the extra."""
+    outcome = yield
+    rep = outcome.get_result()
+    if HAS_FAISS or call.excinfo is None: return
+    from dml_nb.neighbours import FaissMissingError
+    e = call.excinfo.value      # dml_nb's error, or `import faiss` itself failing (pytorch-metric-learning's calculator)
+    if isinstance(e, FaissMissingError) or (isinstance(e, ImportError) and e.name == "faiss"):
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0, "Skipped: needs faiss (pip install 'dml_nb[faiss-cpu]')")

@@ -108,7 +108,7 @@ def test_evaluate_is_the_same_with_every_torch_backend():
 
 
 def test_set_num_threads_sets_torch_and_faiss():
-    import faiss
+    faiss = pytest.importorskip("faiss")
     n = torch.get_num_threads()
     try:
         M.set_num_threads(1)

@@ -181,6 +181,7 @@ def test_map_at_r_cap_warns_and_truncates():
 # ---------------------------------------------------------------- against pytorch-metric-learning
 
 def _pml(query, ql, ref=None, rl=None, include=("mean_average_precision_at_r", "precision_at_1", "r_precision", "NMI")):
+    pytest.importorskip("faiss")            # PML's calculator searches with faiss
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
     calc = AccuracyCalculator(include=include, k="max_bin_count", device=torch.device("cpu"))
     t = lambda a: None if a is None else torch.as_tensor(a)
@@ -327,7 +328,7 @@ def test_bad_input_is_a_clear_error(call, message):
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_matches_cpu():
     emb, labels = clustered(n=2000, dim=64, classes=50)
     cpu = evaluate(emb, labels, metrics=("recall@1", "recall@8", "map@r"))
@@ -337,11 +338,12 @@ def test_cuda_matches_cpu():
 
 
 # ---- faiss-gpu and device placement (issue 6) ----
-import faiss
+try: import faiss                               # optional: the [faiss-cpu] / [faiss-gpu] extras
+except ImportError: faiss = None
 
 from dml_nb import neighbours as M
 
-HAS_FAISS_GPU = M.faiss_gpus() > 0
+HAS_FAISS_GPU = faiss is not None and M.faiss_gpus() > 0
 
 
 def _clustered(n=600, d=16, c=12, seed=0):
@@ -362,6 +364,7 @@ def test_faiss_gpu_without_gpu_support_is_a_clear_error():
 
 def test_faiss_backend_takes_the_gpu_branch_when_faiss_reports_gpus(monkeypatch):
     "With faiss.get_num_gpus() > 0 the index goes through index_cpu_to_gpu (here a spy returning the CPU index)."
+    pytest.importorskip("faiss")
     x, _ = _clustered(n=2100)
     moved = []
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
@@ -392,7 +395,7 @@ def test_knn_and_kmeans_backends_agree_with_faiss_cpu(backend):
     assert labels.device == x.device and centroids.device == x.device
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_torch_backend_runs_on_the_embeddings_device():
     x, y = _clustered()
     xc = x.cuda()
@@ -403,6 +406,7 @@ def test_torch_backend_runs_on_the_embeddings_device():
     assert labels.is_cuda and centroids.is_cuda
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FAISS_GPU, reason="needs faiss with GPU support (faiss-gpu)")
 def test_faiss_gpu_matches_faiss_cpu():
     x, y = _clustered()
@@ -452,7 +456,7 @@ def test_ties_break_by_index_for_every_k_and_backend(seed, backend):
 
 def test_a_backend_that_returns_ties_in_any_order_is_reranked(monkeypatch):
     "faiss-gpu's k-selection does not promise index order among ties: the post-processing restores it."
-    import faiss
+    faiss = pytest.importorskip("faiss")
     x, y = duplicated(groups=30, size=4)
 
     class Scrambled:                       # ties in reverse index order, as an arbitrary k-select may give them
