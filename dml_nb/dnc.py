@@ -22,7 +22,7 @@ from .samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundRobinBa
 
 # %% auto #0
 __all__ = ['GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'random_partition', 'label_grouping', 'ClusterError',
-           'cluster_batch_sampler', 'PhaseSampler', 'DnCRecords', 'DivideAndConquer']
+           'cluster_batch_sampler', 'PhaseSampler', 'FeatureDropoutModel', 'DnCRecords', 'DivideAndConquer']
 
 # %% ../nbs/07c_dnc.ipynb #fe0fabde
 def random_partition(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -105,6 +105,18 @@ class PhaseSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict) -> None: self.base.load_state_dict(state)
 
 # %% ../nbs/07c_dnc.ipynb #3f479f45
+class FeatureDropoutModel(EmbeddingModel):
+    """`EmbeddingModel` with dropout on the pooled features before the head, active in training only: D&C's
+    `Dropout(0.01)` (`lib/model.py:79, :124`). No parameters: its state dict is the plain model's."""
+    def __init__(self, backbone: nn.Module, head: nn.Module, p: float):
+        super().__init__(backbone, head)
+        self.feature_dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, return_features: bool = False, **head_options):
+        f = self.backbone(x)
+        out = self.head(self.feature_dropout(f), **head_options)
+        return (out, f) if return_features else out
+
 GROUPINGS = ("kmeans", "kmeans_nosplit", "random", "labels")
 CLUSTER_ON = ("embedding", "features")
 FINETUNE_PROXIES = ("concat", "fresh")
@@ -128,8 +140,10 @@ class DivideAndConquer(Method):
                  train_split: str = "ceil", rematch: str = "hungarian", kmeans_seed: int | None = 1234,
                  finetune_proxies: str = "concat", loss: str = "margin", loss_options: Mapping | None = None,
                  miner: str | None = "auto", miner_options: Mapping | None = None,
-                 class_groups: Sequence[int] | None = None, kmeans_iterations: int = 100, kmeans_redo: int = 1):
+                 class_groups: Sequence[int] | None = None, kmeans_iterations: int = 100, kmeans_redo: int = 1,
+                 feature_dropout: float = 0.0):
         super().__init__()
+        if not 0 <= feature_dropout < 1: raise ValueError(f"feature_dropout is a dropout probability in [0, 1), got {feature_dropout}")
         for name, v, valid in (("grouping", grouping, GROUPINGS), ("cluster_on value", cluster_on, CLUSTER_ON),
                                ("cluster_batches schedule", cluster_batches, CLUSTER_SCHEDULES),
                                ("rematch rule", rematch, REMATCH_RULES), ("finetune_proxies", finetune_proxies, FINETUNE_PROXIES)):
@@ -162,7 +176,8 @@ class DivideAndConquer(Method):
         self.kmeans_iterations, self.kmeans_redo, self.num_classes = kmeans_iterations, kmeans_redo, num_classes
         head = SlicedHead(backbone.feature_dim, embedding_dim, num_learners, full_embedding=full_embedding, init=init,
                           train_split=train_split)
-        self.model = EmbeddingModel(backbone, head)
+        self.feature_dropout = float(feature_dropout)
+        self.model = FeatureDropoutModel(backbone, head, feature_dropout) if feature_dropout > 0 else EmbeddingModel(backbone, head)
         if loss == "margin": loss_options = {**OFFICIAL_MARGIN, **dict(loss_options or {})}
         if miner == "auto" and loss == "margin": miner = "dnc_nearest"
         fresh = lambda dim: build_loss(copy.deepcopy(loss) if isinstance(loss, nn.Module) else loss, loss_options,

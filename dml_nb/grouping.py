@@ -14,8 +14,8 @@ from .registry import unknown_name_error
 from .clustering import kmeans_assign
 
 # %% auto #0
-__all__ = ['STANDARDIZE', 'standardize_per_class', 'standardize_mode', 'group_samples', 'assign_to_centroids', 'early_stage',
-           'early_features']
+__all__ = ['STANDARDIZE', 'standardize_per_class', 'standardize_mode', 'kmeans_subsampled', 'group_samples',
+           'assign_to_centroids', 'early_stage', 'early_features']
 
 # %% ../nbs/07b_grouping.ipynb #875fcb21
 STANDARDIZE = ("mean_std", "mean", "none")
@@ -40,13 +40,32 @@ def standardize_mode(standardize: bool | str | None) -> str:
     if standardize not in STANDARDIZE: raise unknown_name_error("standardize value", standardize, STANDARDIZE)
     return standardize
 
+def kmeans_subsampled(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, max_points_per_centroid: int) -> np.ndarray:
+    """Each row's cluster id by `faiss.Kmeans` trained on at most `max_points_per_centroid * k` rows (a random subsample
+    that faiss draws from `seed`; every row is then assigned): what MIC's `run_kmeans` ran (faiss's default 256)."""
+    try: import faiss
+    except ImportError as e:
+        raise ImportError("kmeans_max_points_per_centroid (MIC's k-means as faiss ran it: trained on a subsample of at "
+                          "most that many points per group) runs faiss, which is not installed: pip install faiss-cpu, "
+                          "or set kmeans_max_points_per_centroid: null (every point)") from e
+    if int(max_points_per_centroid) < 1: raise ValueError(f"max_points_per_centroid must be >= 1, got {max_points_per_centroid}")
+    faiss.omp_set_num_threads(torch.get_num_threads())
+    xn = np.ascontiguousarray(torch.as_tensor(x).float().cpu().numpy())
+    km = faiss.Kmeans(xn.shape[1], int(k), niter=int(niter), nredo=int(nredo), seed=int(seed) % 2**31, verbose=False,
+                      max_points_per_centroid=int(max_points_per_centroid), min_points_per_centroid=1)
+    km.train(xn)
+    return km.index.search(xn, 1)[1][:, 0].astype(np.int64)
+
 def group_samples(features: torch.Tensor, labels, num_groups: int, standardize: bool | str = True, seed: int = 0,
-                  niter: int = 20, nredo: int = 5) -> np.ndarray:
-    "Group ids (k-means into `num_groups`) after per-class standardisation: 'mean_std' (True), 'mean' or 'none' (False)."
+                  niter: int = 20, nredo: int = 5, max_points_per_centroid: int | None = None) -> np.ndarray:
+    """Group ids (k-means into `num_groups`) after per-class standardisation: 'mean_std' (True), 'mean' or 'none' (False);
+    `max_points_per_centroid`: train the centroids on a subsample of at most that many rows per group (faiss's)."""
     mode = standardize_mode(standardize)
     f = torch.as_tensor(features).float().cpu()
     y = torch.as_tensor(np.asarray(labels)).long()
     if mode != "none": f = standardize_per_class(f, y, scale=mode == "mean_std")
+    if max_points_per_centroid is not None:
+        return kmeans_subsampled(f, num_groups, niter, nredo, seed, max_points_per_centroid)
     return kmeans_assign(f, num_groups, niter=niter, nredo=nredo, seed=seed, normalize=False)
 
 def assign_to_centroids(features: torch.Tensor, centroids: torch.Tensor) -> np.ndarray:

@@ -92,7 +92,7 @@ class SharingMatters(MultiTaskMethod):
                  group_swap_probability: float = 0.2, rematch_groups: bool = False, embed: str = "concat",
                  regressor_hidden_dim: int = 512, regressor_lr: float | None = None,
                  regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1,
-                 shared_flip: bool = True):
+                 shared_flip: bool = True, kmeans_max_points_per_centroid: int | None = None):
         grouping = shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"   # a shared task on groups
         if shared_batches is None: shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
         for name, value, valid in (("architecture", architecture, ARCHITECTURES), ("updates", updates, UPDATES),
@@ -106,6 +106,8 @@ class SharingMatters(MultiTaskMethod):
         if shared_sampler not in SHARED_SAMPLERS: raise unknown_name_error("shared_sampler", shared_sampler, SHARED_SAMPLERS)
         if gamma < 0: raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
         if regroup_every < 1: raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
+        if kmeans_max_points_per_centroid is not None and kmeans_max_points_per_centroid < 1:
+            raise ValueError(f"kmeans_max_points_per_centroid must be >= 1 or None (every point), got {kmeans_max_points_per_centroid}")
         if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
         if not isinstance(shared_flip, bool):
             raise TypeError(f"shared_flip is true or false (YAML: shared_flip: false), got {shared_flip!r}")
@@ -154,6 +156,7 @@ class SharingMatters(MultiTaskMethod):
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
         self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo
+        self.kmeans_max_points_per_centroid = kmeans_max_points_per_centroid
         self.group_on, self.first_group_on = group_on, (group_on if first_group_on is None else first_group_on)
         self.standardize, self.regroup_standardize, self.rematch_groups = standardize, regroup_standardize, bool(rematch_groups)
         self.shared_batches, self.group_swap_probability = shared_batches, float(group_swap_probability)
@@ -236,7 +239,7 @@ class SharingMatters(MultiTaskMethod):
         feats = self.grouping_features(ctx, self.first_group_on if first else self.group_on)
         new = group_samples(feats, self.train_labels, self.num_groups, self.standardize if first else self.regroup_standardize,
                             seed=ctx.seed("sharing/regroup", ctx.epoch), niter=self.kmeans_iterations,
-                            nredo=self.kmeans_redo)
+                            nredo=self.kmeans_redo, max_points_per_centroid=self.kmeans_max_points_per_centroid)
         prev = self.groups.cpu().numpy()
         if self.rematch_groups and (prev >= 0).all(): new = match_clusters(prev, new, self.num_groups)   # ids (and betas) stay
         self.groups.copy_(torch.from_numpy(new))

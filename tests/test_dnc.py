@@ -410,3 +410,26 @@ def test_k3_trains_with_ceil_slices(shapes):
     assert learn.method.model.head.slice_dims == [3, 3, 2]
     assert all(np.isfinite(r["loss"]) for r in hist)
     assert {r["dnc/learner0/batches"] for r in hist} == {r["dnc/learner2/batches"] for r in hist}
+
+
+def test_feature_dropout_drops_in_training_only_and_is_off_by_default():
+    "D&C's Dropout(0.01) on the pooled features (lib/model.py:79, :124): an option, identity in eval mode, no new state."
+    labels = np.repeat(np.arange(8), 4)
+    plain = DivideAndConquer(backbone(), 8, labels, embedding_dim=8, num_learners=2)
+    dropped = DivideAndConquer(backbone(), 8, labels, embedding_dim=8, num_learners=2, feature_dropout=0.3)
+    assert plain.feature_dropout == 0.0 and not hasattr(plain.model, "feature_dropout")
+    dropped.model.load_state_dict(plain.model.state_dict())          # same keys: the option adds no state
+    x = torch.randn(5, 3, 32, 32)
+    plain.model.eval(); dropped.model.eval()
+    torch.testing.assert_close(dropped.model(x), plain.model(x))
+    inputs = []
+    hook = dropped.model.head.linear.register_forward_hook(lambda m, i, o: inputs.append(i[0]))
+    dropped.model.feature_dropout.train()
+    torch.manual_seed(0)
+    dropped.model(x, slice=1)
+    hook.remove()
+    features = dropped.model.backbone(x)
+    zeroed = inputs[0] == 0
+    assert 0.15 < zeroed.float().mean().item() < 0.45                 # about 0.3 of the entries
+    torch.testing.assert_close(inputs[0][~zeroed], (features / 0.7)[~zeroed])
+    with pytest.raises(ValueError, match="feature_dropout"): DivideAndConquer(backbone(), 8, labels, feature_dropout=-0.1)

@@ -2,7 +2,7 @@
 term and the regressor's optimiser settings, T^G grouping (the paper's and MIC's readings), MIC's group batches, the
 unique-classes statistic, the architecture switches, Table 8 setups, exact resume of a killed run, and golden fixtures
 from MIC's code (tests/fixtures/golden/sharing_*.json)."""
-import re, tempfile
+import re, tempfile, types
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ from dml_nb.checkpoint import load_checkpoint
 from dml_nb.miners import check_triplets
 from dml_nb.models import build_backbone
 from dml_nb.samplers import ClassBalancedBatchSampler
+import dml_nb.sharing as sharing_module
 from dml_nb.sharing import ARCHITECTURES, MIC, MIC_DEFAULTS, TG_PAPER_TEXT, SharingMatters, shared_miner
 from dml_nb.shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
 from dml_nb.grouping import assign_to_centroids, group_samples, standardize_per_class
@@ -402,9 +403,13 @@ def test_golden_grouping_preprocessing_and_assignment():
     np.testing.assert_allclose(phi_star, arr(out["deepcluster"]["preprocessed"]), atol=0)
     for name, z in (("mean", first), ("mstd", standardize_per_class(f, y)), ("deepcluster", phi_star)):
         np.testing.assert_array_equal(assign_to_centroids(z, arr(out[name]["centroids"])), out[name]["assignment"])
-    # the whole grouping under MIC's reading equals theirs (faiss k-means, 20 iterations, one run, seed 1234)
+    # the whole grouping under MIC's reading equals theirs (faiss k-means, one run, seed 1234); on these 36 points
+    # 20 iterations (what run_kmeans asks for, fixture 'inputs') and 25 (what faiss ran) give the same ids
     km = dict(seed=g["inputs"]["kmeans"]["seed"], niter=mic.kmeans_iterations, nredo=mic.kmeans_redo)
     assert (km["niter"], km["nredo"]) == (g["inputs"]["kmeans"]["niter"], g["inputs"]["kmeans"]["nredo"])
+    for niter, most in ((25, 256), (25, None)):
+        np.testing.assert_array_equal(group_samples(f, y, k, mic.standardize, seed=km["seed"], niter=niter, nredo=1,
+                                                    max_points_per_centroid=most), out["mean"]["assignment"])
     np.testing.assert_array_equal(group_samples(f, y, k, mic.standardize, **km), out["mean"]["assignment"])
     np.testing.assert_array_equal(group_samples(phi_star, y, k, mic.regroup_standardize, **km), out["deepcluster"]["assignment"])
     paper = group_samples(f, y, k, TG_PAPER_TEXT["standardize"], **km)
@@ -613,3 +618,29 @@ def test_batch_augment_without_flips_keeps_the_crops():
     _, flips = aug.boxes(torch.tensor([[24, 30]] * 12), torch.Generator().manual_seed(5))
     assert 0 < int(flips.sum()) < 12
     assert torch.allclose(a[~flips], b[~flips]) and torch.allclose(a[flips], b[flips].flip(-1), atol=1e-5)
+
+
+def test_golden_kmeans_as_faiss_ran_it_for_mic(monkeypatch):
+    """MIC's run_kmeans sets n_iter / max_points_per_centroid as attributes faiss.Kmeans never reads: faiss ran 25
+    iterations on a subsample of at most 256 points per centroid. 2,400 points, k = 8 tell the readings apart."""
+    g = load_golden("sharing_kmeans_subsample")
+    x, k, out = torch.tensor(g["inputs"]["features"]), g["inputs"]["k"], g["outputs"]
+    assert out["faiss_parameters"] == {"niter": 25, "max_points_per_centroid": 256, "seed": 1234}
+    labels = np.zeros(len(x), dtype=np.int64)
+    ids = lambda **kw: group_samples(x, labels, k, "none", seed=1234, nredo=1, **kw)
+    theirs = np.asarray(out["assignment"])
+    np.testing.assert_array_equal(ids(niter=25, max_points_per_centroid=256), theirs)
+    for name, kw in (("20/256", dict(niter=20, max_points_per_centroid=256)), ("25/2400", dict(niter=25)),
+                     ("20/2400", dict(niter=20))):
+        assert (ids(**kw) != theirs).sum() == out["differ"][name] > 0          # each other reading groups differently
+    np.testing.assert_array_equal(assign_to_centroids(x, arr(out["centroids"])), theirs)   # their centroids, their ids
+    # the paper files select it; the recipe passes it to the grouping
+    mic = MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8, kmeans_iterations=25, kmeans_max_points_per_centroid=256)
+    seen = {}
+    monkeypatch.setattr(sharing_module, "group_samples", lambda *a, **kw: seen.update(kw) or np.zeros(24, dtype=np.int64))
+    monkeypatch.setattr(mic, "grouping_features", lambda ctx, on: torch.zeros(24, 4))
+    mic.regroup(types.SimpleNamespace(seed=lambda *a: 0, epoch=0))
+    assert (seen["niter"], seen["max_points_per_centroid"]) == (25, 256)
+    assert MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8).kmeans_max_points_per_centroid is None
+    with pytest.raises(ValueError, match="kmeans_max_points_per_centroid"):
+        MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8, kmeans_max_points_per_centroid=0)
