@@ -15,8 +15,8 @@ from .core import atomic_torch_save
 if TYPE_CHECKING: from dml_nb.callbacks import Callback   # annotations only
 
 # %% auto #0
-__all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'NonFiniteLossError', 'DivergedError', 'rng_state', 'set_rng_state',
-           'to_safe', 'load_checkpoint', 'insane_weights', 'CheckpointMixin']
+__all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'NonFiniteLossError', 'DivergedError', 'rng_state',
+           'set_rng_state', 'to_safe', 'CheckpointError', 'load_checkpoint', 'insane_weights', 'CheckpointMixin']
 
 # %% ../nbs/06b_checkpoint.ipynb #3734d5a4
 class NonFiniteLossError(RuntimeError):
@@ -63,16 +63,24 @@ def to_safe(obj):
     if isinstance(obj, (list, tuple)): return type(obj)(to_safe(v) for v in obj)
     return obj
 
+class CheckpointError(ValueError):
+    "A checkpoint file that cannot be read, or is not a learner checkpoint; `problem` says which, the message also how to go on."
+    def __init__(self, problem: str, how: str = "delete it (or build the Learner with resume=False) to start the run over"):
+        self.problem = problem
+        super().__init__(f"{problem}; {how}")
+
 def load_checkpoint(path: str | Path) -> dict:
-    "Read a learner checkpoint with `torch.load(weights_only=True)` on the CPU; clear errors for bad files."
+    "Read a learner checkpoint with `torch.load(weights_only=True)` on the CPU; a `CheckpointError` for bad files."
     path = Path(path)
     try: ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {e}); delete it (or pass "
-                         "resume=False) to start the run over") from e
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
+        raise CheckpointError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt
+
+CHECKPOINT_KEYS = ("epoch", "step", "global_step", "method", "optimizer", "sampler", "rng", "history", "latest_metrics",
+                    "sums", "counts", "callbacks")   # what `CheckpointMixin.load_state_dict` reads
 
 def insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
     "Why these parameters are not sane (a non-finite value, or |value| > MAX_WEIGHT), or None; one device sync."
@@ -92,7 +100,7 @@ class CheckpointMixin:
         self._setup()
         return to_safe({
             "format": CHECKPOINT_FORMAT, "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
-            "epochs": self.epochs, "seed": self.seed,
+            "epochs": self.epochs, "seed": self.seed, "run_key": getattr(self, "run_key", None),  # experiment.run_key
             "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,

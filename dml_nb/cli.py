@@ -34,6 +34,8 @@ USER_ERRORS = (ConfigError, DatasetFormatError, DatasetNotFoundError, Unreadable
 def _exit_code(e: BaseException) -> int | None:
     "2 for a mistake in the parameters or the data, 1 for a run that stopped, None for anything else (a bug)."
     if isinstance(e, USER_ERRORS): return 2
+    checkpoint = sys.modules.get("dml_nb.checkpoint")     # loaded only with torch: a checkpoint that cannot be read
+    if checkpoint is not None and isinstance(e, checkpoint.CheckpointError): return 2
     learner = sys.modules.get("dml_nb.learner")
     stops = (DiskWriteError,) + ((learner.NonFiniteLossError, learner.NoTuplesError) if learner else ())
     return 1 if isinstance(e, stops) else None

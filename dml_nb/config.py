@@ -15,8 +15,9 @@ from .registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_
 from .formats import DATASETS, SPLITS
 
 # %% auto #0
-__all__ = ['DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'ConfigError', 'make_config',
-           'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override', 'load_config']
+__all__ = ['RANGES', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'ConfigError',
+           'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override',
+           'load_config']
 
 # %% ../nbs/09a_config.ipynb #dd7b8c31
 @dataclass
@@ -155,6 +156,7 @@ def make_config(raw: dict | Config | None = None) -> Config:
     "Validate a nested mapping (YAML layout) into a `Config`; every problem is a `ConfigError` naming the key."
     if isinstance(raw, Config): raw = config_to_dict(raw)
     cfg = _build_section(Config, _unflatten(raw or {}), "")
+    _check_ranges(cfg)
     _check_names(cfg)
     return cfg
 
@@ -208,7 +210,6 @@ def _check_names(cfg: Config) -> None:
     if d.test_split not in SPLITS[d.name] or d.test_split == "train":
         raise ConfigError(str(unknown_name_error(f"data.test_split of {d.name!r}", d.test_split,
                                                  [s for s in SPLITS[d.name] if s != "train"])))
-    if not 0 <= d.label_noise < 1: raise ConfigError(f"bad value for data.label_noise: {d.label_noise}; expected [0, 1)")
     if d.cache_dir is not None and not d.cache:
         raise ConfigError(f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
                           "to use the image cache, or remove data.cache_dir")
@@ -224,12 +225,7 @@ def _check_names(cfg: Config) -> None:
     for m in cfg.eval.metrics:
         try: parse_metric(m)
         except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
-    if not isinstance(cfg.eval.nmi_seeds, int) or cfg.eval.nmi_seeds < 1:
-        raise ConfigError(f"bad value for eval.nmi_seeds: {cfg.eval.nmi_seeds!r}; expected a positive integer (the k-means starts NMI is averaged over)")
     t = cfg.train
-    for key in ("epochs", "batch_size", "samples_per_class"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"bad value for train.{key}: {getattr(t, key)}; expected a positive integer")
     if t.batch_size % t.samples_per_class:
         raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of train.samples_per_class "
                           f"({t.samples_per_class})")
@@ -260,6 +256,58 @@ def config_to_dict(cfg: Config) -> dict:
         for key, default in defaults.items():
             if out[section].get(key, default) == default: out[section].pop(key, None)
     return out
+
+# %% ../nbs/09a_config.ipynb #0b2f31e0
+import math
+
+_POSITIVE = (lambda v: v >= 1, "a positive integer")
+# the valid range of every numeric option of the schema, in one place: {key: (test, what a valid value is)}. Every
+# float must also be finite (nan and inf pass no test). `make_config` checks them all before anything is written.
+RANGES = {
+    "seed": (lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295 (2**32 - 1: what NumPy's seeding accepts)"),
+    "data.size": _POSITIVE,
+    "data.images_per_class": _POSITIVE,
+    "data.label_noise": (lambda v: 0 <= v < 1, "a number in [0, 1) (the fraction of each training class relabelled)"),
+    "train.epochs": _POSITIVE,
+    "train.batch_size": _POSITIVE,
+    "train.samples_per_class": _POSITIVE,
+    "train.batches_per_epoch": _POSITIVE,
+    "train.lr": (lambda v: v > 0, "a finite number > 0 (a negative learning rate ascends the loss)"),
+    "train.weight_decay": (lambda v: v >= 0, "a finite number >= 0 (a negative decay inflates the weights)"),
+    "train.grad_clip": (lambda v: v > 0, "a finite number > 0, or null for no clipping"),
+    "train.num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the training process)"),
+    "train.checkpoint_every_steps": _POSITIVE,
+    "train.schedule.gamma": (lambda v: v > 0, "a finite number > 0 (the factor at each milestone)"),
+    "eval.every": _POSITIVE,
+    "eval.batch_size": _POSITIVE,
+    "eval.nmi_seeds": (lambda v: v >= 1, "a positive integer (the k-means starts NMI is averaged over)"),
+}
+
+def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
+    "{dotted key: int or float} of every numeric field of the schema."
+    out = {}
+    for f in dataclasses.fields(cls or Config):
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp): out.update(_numeric_fields(tp, f"{prefix}{f.name}.")); continue
+        num = [a for a in (typing.get_args(tp) or (tp,)) if a in (int, float)]
+        if num: out[prefix + f.name] = num[0]
+    return out
+
+def _check_ranges(cfg: Config) -> None:
+    "Every numeric option inside its range (`RANGES`) and finite: a one-line `ConfigError` naming the key and the range."
+    values = {k: _get(cfg, k) for k in _numeric_fields()}
+    if isinstance(cfg.train.schedule, dict) and "gamma" in cfg.train.schedule:
+        values["train.schedule.gamma"] = cfg.train.schedule["gamma"]
+    for key, v in values.items():
+        if v is None: continue
+        test, what = RANGES.get(key, (lambda v: True, "a finite number"))
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v))
+        if not ok: raise ConfigError(f"bad value for {key}: {v!r}; expected {what}")
+
+def _get(cfg: Config, key: str):
+    for part in key.split("."): cfg = getattr(cfg, part)
+    return cfg
+
 
 # %% ../nbs/09a_config.ipynb #10fe1f13
 class _Loader(yaml.SafeLoader):

@@ -20,8 +20,8 @@ from .config import Config, ConfigError, config_to_dict, make_config
 if TYPE_CHECKING: from dml_nb.learner import Learner   # annotations only: the learner (torch) is imported when a run is built
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'run',
-           'run_seeds']
+__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for',
+           'load_result', 'run_key', 'run', 'run_seeds']
 
 # %% ../nbs/09_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -186,18 +186,75 @@ def load_result(run_dir: str | Path) -> RunResult:
     return RunResult(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), info["metrics"], hist, info)
 
 _PROGRESS = ("checkpoint.pt", "history.csv", "metrics.json", "embeddings.pt", "done")   # what a started run writes
+RUN_FILES = ("config.yaml", *_PROGRESS, ".lock")     # everything `run` writes into a run folder (and its temporaries)
 
-def _stored_config(run_dir: Path, cdict: dict) -> bool:
-    "Whether `run_dir` holds this config's run; an error if it holds another config's progress."
-    f = run_dir / "config.yaml"
-    if not f.exists(): return False
-    try: stored = yaml.safe_load(f.read_text())
-    except yaml.YAMLError: stored = None
-    if stored == cdict: return True
-    if any((run_dir / p).exists() for p in _PROGRESS):
-        raise ConfigError(f"{run_dir} holds a {'finished ' if (run_dir / 'done').exists() else ''}run of a different "
-                          "config (see its config.yaml): choose another run directory (-o), or delete it to start over")
-    return False        # only the config.yaml of a start that failed: taken over
+def run_key(cdict: dict) -> str:
+    "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
+    return config_hash(cdict, length=16)
+
+def _own_file(name: str) -> bool:
+    "Whether `name` is a file `run` writes: one of `RUN_FILES` or a temporary of one (`.<name>.<host>-<pid>.<x>.tmp`)."
+    return name in RUN_FILES or (name.startswith(".") and name.endswith(".tmp")
+                                 and any(name.startswith(f".{f}.") for f in RUN_FILES[:-1]))
+
+def _read_yaml(path: Path):
+    try: return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError): return None
+
+def _is_run_config(stored) -> bool:
+    "Whether `stored` is a whole config as `run` writes it (not a user's partial parameter file)."
+    try: return isinstance(stored, dict) and config_to_dict(make_config(stored)) == stored
+    except (ConfigError, TypeError, ValueError): return False
+
+def _proof(run_dir: Path, finished: bool) -> tuple[str | None, str]:
+    "(the config key the run's results record, the file it is read from): `metrics.json` of a finished run, else `checkpoint.pt`."
+    if finished:
+        try: info = json.loads((run_dir / "metrics.json").read_text())
+        except (OSError, ValueError): return None, "metrics.json"
+        return (info.get("config_key") if isinstance(info, dict) else None), "metrics.json"
+    if not (run_dir / "checkpoint.pt").exists(): return None, "checkpoint.pt"
+    from dml_nb.checkpoint import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
+    path, how = run_dir / "checkpoint.pt", "delete it to start the run over, or train into a new folder (-o)"
+    try: ck = load_checkpoint(path)
+    except CheckpointError as e: raise CheckpointError(e.problem, how) from None
+    if missing := [k for k in CHECKPOINT_KEYS if k not in ck]:
+        raise CheckpointError(f"{str(path)!r} is not a whole learner checkpoint (it has no {', '.join(missing)})", how)
+    return ck.get("run_key"), "checkpoint.pt"
+
+def _run_state(run_dir: Path, cdict: dict) -> str:
+    """What `run_dir` holds for this config: 'new' (nothing, or only a failed start's `config.yaml`), 'resume' (this
+    config's unfinished run) or 'done' (its finished run). Anything else is a `ConfigError`, and nothing is touched:
+    a path that is a file or below one, a folder holding files a run does not write (not a run folder), and a run
+    that cannot prove it is of this config (the key in its `metrics.json` or `checkpoint.pt`, `run_key`)."""
+    where = f"run directory {run_dir}"
+    if not run_dir.exists():
+        above = next((p for p in run_dir.parents if p.exists() or p.is_symlink()), None)
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"{where}: {above} is a file, not a folder: choose a new folder with -o")
+        return "new"
+    if not run_dir.is_dir(): raise ConfigError(f"{where} is a file, not a folder: choose a new folder with -o")
+    names = sorted(p.name for p in run_dir.iterdir())
+    foreign = [n for n in names if not _own_file(n) or not (run_dir / n).is_file()]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"{where} is not empty and not a dml_nb run folder (it holds {shown}, which a run does not "
+                          "write): nothing was changed there; choose a new or empty folder with -o")
+    stored = _read_yaml(run_dir / "config.yaml") if "config.yaml" in names else None
+    if not any(p in names for p in _PROGRESS):
+        if stored is None and "config.yaml" in names or stored is not None and not _is_run_config(stored):
+            raise ConfigError(f"{where} holds a config.yaml that dml-train did not write: nothing was changed there; "
+                              "choose a new or empty folder with -o")
+        return "new"                    # empty, or only the config.yaml of a start that failed: taken over
+    finished = "done" in names
+    key, source = _proof(run_dir, finished)
+    what = f"{'finished ' if finished else ''}run"
+    if key == run_key(cdict) or key is None and stored == cdict:   # None: a run of an earlier version, by its config.yaml
+        return "done" if finished else "resume"
+    if key is not None or stored is not None:
+        raise ConfigError(f"{where} holds a {what} of a different config (its {source if key else 'config.yaml'} "
+                          "records another one): choose another run directory (-o), or delete it to start over")
+    raise ConfigError(f"{where} holds a {what} that cannot show which config it is of (its {source} records no config "
+                      "and its config.yaml is missing): choose another run directory (-o), or delete it to start over")
 
 def _rank() -> int:
     "This process's rank under torchrun (0 otherwise), without importing torch."
@@ -218,7 +275,7 @@ def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Pat
     cfg = make_config(config)
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
-    if _stored_config(run_dir, cdict) and (run_dir / "done").exists(): return load_result(run_dir)
+    if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists(): return load_result(run_dir)
     check_data(cfg)                                     # the root and the index files: before anything is written
     main = _rank() == 0
     created = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)   # the first folder we make
@@ -240,7 +297,11 @@ def _remove_created(run_dir: Path, created: Path | None, lock) -> None:
         if p == created: return
 
 def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock) -> RunResult:
-    if _stored_config(run_dir, cdict) and (run_dir / "done").exists(): return load_result(run_dir)   # finished meanwhile
+    state = _run_state(run_dir, cdict)          # again, under the lock: another process may have written meanwhile
+    if state == "done":                         # finished meanwhile (or its config.yaml was lost: rewritten)
+        if lock is not None and not (run_dir / "config.yaml").exists():
+            atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
+        return load_result(run_dir)
     if lock is not None: remove_temp_files(run_dir, everything=True)      # halves of writes that a kill interrupted
     t0 = time.time()
     try: learner = build_learner(cfg, run_dir, progress=progress)
@@ -248,15 +309,16 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
         _remove_created(run_dir, created, lock)
         raise
     import torch
+    learner.run_key = run_key(cdict)            # stored in every checkpoint: the proof `_run_state` reads
     try:
-        if lock is not None and not _stored_config(run_dir, cdict):
+        if lock is not None and _read_yaml(run_dir / "config.yaml") != cdict:
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
         learner.fit()
         if not learner.latest_metrics: learner.evaluate()
         reported = learner.reported_metrics()
         metrics = reported["metrics"]
         if learner.is_main:
-            info = {**reported, "seed": cfg.seed, "epochs": cfg.train.epochs,
+            info = {**reported, "seed": cfg.seed, "epochs": cfg.train.epochs, "config_key": run_key(cdict),
                     "versions": _versions(), "device": str(learner.device),
                     "device_name": torch.cuda.get_device_name(0) if learner.device.type == "cuda" else platform.processor() or platform.machine(),
                     "wall_time_s": round(time.time() - t0, 2),

@@ -21,7 +21,7 @@ import yaml
 from dml_nb.core import RunLockedError
 from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
 from dml_nb.experiment import run, run_dir_for
-from dml_nb.config import ConfigError, load_config, make_config
+from dml_nb.config import ConfigError, config_to_dict, load_config, make_config
 from dml_nb.cli import main
 from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
                             read_sop, read_vehicleid)
@@ -306,7 +306,8 @@ def test_unknown_loss_or_miner_is_refused_before_anything_is_written_and_the_fix
     code, _, err = cli(capsys, params, "-o", run_dir, "--set", "method.loss_options={margn: 0.1}")
     assert code == 2 and "loss 'triplet' has no option 'margn'. Did you mean 'margin'" in one_line_error(err)
     assert not run_dir.exists()
-    run_dir.mkdir(); (run_dir / "config.yaml").write_text("seed: 99\n")    # what a failed start used to leave
+    run_dir.mkdir()                                                         # what a failed start used to leave:
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(make_config({**TINY, "seed": 99}))))  # (a whole config)
     code, _, err = cli(capsys, params, "-o", run_dir, "--no-progress")
     assert code == 0, err                                                   # was "holds a run of a different config"
 
@@ -388,9 +389,10 @@ def test_help_and_config_errors_answer_without_importing_torch(tmp_path):
 def test_disk_full_and_read_only_are_one_line(tmp_path, params, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     assert cli(capsys, params, "-o", run_dir, "--set", "train.epochs=1", "--no-progress")[0] == 0
-    more = [params, "-o", run_dir, "--set", "train.epochs=2", "--no-progress"]
-    # resume a finished-at-1 run to 2 epochs: its first write finds the disk full
-    (run_dir / "done").unlink(); (run_dir / "config.yaml").unlink()
+    more = [params, "-o", run_dir, "--set", "train.epochs=1", "--no-progress"]
+    # finish a run whose last writes were lost (its checkpoint proves the config): its first write finds the disk full
+    # (resuming it under another config, train.epochs=2, is refused since issue 35)
+    (run_dir / "done").unlink(); (run_dir / "metrics.json").unlink()
     before = snapshot(run_dir)
     import dml_nb.core as core
     real = os.fsync
@@ -443,11 +445,11 @@ def test_a_diverged_run_stops_and_keeps_a_sane_checkpoint(tmp_path, params, caps
 def test_orphan_temporary_files_are_removed_at_the_next_start(tmp_path, params, capsys):
     run_dir = tmp_path / "run"
     assert cli(capsys, params, "-o", run_dir, "--set", "train.epochs=1", "--no-progress")[0] == 0
-    (run_dir / "done").unlink(); (run_dir / "config.yaml").unlink()
+    (run_dir / "done").unlink()
     # what a SIGKILL in the middle of atomic_write leaves: an old-style and a new-style temporary
     (run_dir / ".checkpoint.pt.k3j2h1.tmp").write_bytes(b"half a checkpoint")
     (run_dir / f".metrics.json.{os.uname().nodename}-999999.x1y2z3.tmp").write_bytes(b"{")
-    assert cli(capsys, params, "-o", run_dir, "--set", "train.epochs=2", "--no-progress")[0] == 0
+    assert cli(capsys, params, "-o", run_dir, "--set", "train.epochs=1", "--no-progress")[0] == 0
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
 
 
