@@ -34,6 +34,8 @@ class DataConfig:
     cache: bool = False                     # decode once into a uint8 cache; augment in batches on the device
     cache_dir: Optional[str] = None         # where the cache goes (None: .dml_nb_cache beside the images)
     on_unreadable: Literal["error", "skip"] = "error"   # images that cannot be decoded (checked up front): stop or leave out
+    decode: Literal["pil", "jpeg_batch"] = "pil"        # image files: PIL per item in the workers, or JPEG batches decoded
+                                                        # on the device with the PIL path's crops (dml_nb.batches.JpegImages)
 
 @dataclass
 class ModelConfig:
@@ -213,6 +215,9 @@ def _check_names(cfg: Config) -> None:
     if d.cache_dir is not None and not d.cache:
         raise ConfigError(f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
                           "to use the image cache, or remove data.cache_dir")
+    if d.decode == "jpeg_batch" and d.cache:
+        raise ConfigError("data.decode: jpeg_batch and data.cache: true are two different image paths: the cache crops "
+                          "from 256-px copies, the JPEG path from the full images; choose one")
     if cfg.model.backbone not in BACKBONES:
         raise ConfigError(str(unknown_name_error("backbone (model.backbone)", cfg.model.backbone, BACKBONES)))
     _check_options("backbone", cfg.model.backbone, cfg.model.options,
@@ -244,7 +249,7 @@ def _check_names(cfg: Config) -> None:
 
 # fields added after runs were already cached: at their default values they are left out of the dict (and so of
 # the hash), so that every earlier config keeps its run directory
-_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error"},
+_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error", "decode": "pil"},
                        "train": {"compile": False, "stop_on_empty_tuples": True, "sampler": "balanced", "zero_grad": "none"},
                        "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic",
                                 "nmi_on": "query", "self_match": "index"}}

@@ -50,8 +50,10 @@ class EvaluationMixin:
         transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
         bs, fn = batch_size or self.eval_batch_size, fn or self.method.embed
         batches = [items[a:a + bs] for a in range(0, len(items), bs)]
+        data, collate = (SeededViews(dataset), None) if transform is None else (RawItems(dataset), pad_collate)
+        if hasattr(dataset, "loader_items"): data, collate = dataset.loader_items(1, self.device)   # the JPEG path
         loader = torch.utils.data.DataLoader(
-            SeededViews(dataset) if transform is None else RawItems(dataset), collate_fn=None if transform is None else pad_collate,
+            data, collate_fn=collate,
             num_workers=self.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
         was_training = self.method.training
         self.method.eval()

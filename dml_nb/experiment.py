@@ -92,6 +92,10 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
         cached = lambda ds: cache_images(ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress)
         train = cached(train)
         evals = {k: tuple(map(cached, v)) if isinstance(v, tuple) else cached(v) for k, v in evals.items()}
+    if d.decode == "jpeg_batch":                 # JPEG batches decoded on the device, the PIL path's crops
+        from dml_nb.batches import JpegImages
+        train = JpegImages(train)
+        evals = {k: tuple(map(JpegImages, v)) if isinstance(v, tuple) else JpegImages(v) for k, v in evals.items()}
     return train, evals
 
 def _built(what: str, build):

@@ -168,6 +168,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
         # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
         items, collate = ((RawItems(self.train_ds), pad_collate) if self.batch_transform is not None
                           else (SeededViews(self.train_ds, self.method.views), None))
+        if hasattr(self.train_ds, "loader_items"):     # the JPEG path (dml_nb.batches.JpegImages): its own items
+            items, collate = self.train_ds.loader_items(self.method.views, self.device)
         self._loader = torch.utils.data.DataLoader(
             items, batch_sampler=self._batches, collate_fn=collate,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
