@@ -6,6 +6,7 @@
 from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,19 +16,28 @@ from .methods import MultiTaskMethod, Task
 from .clustering import kmeans
 from .momentum import MemoryQueue, MomentumEncoder
 from .proxy_nce import DANCE_AXES
+from .samplers import ClassBalancedBatchSampler
 
 # %% auto #0
-__all__ = ['KEY_BUFFERS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'QueueTask', 'DeepClusterTask', 'RotNetTask',
-           'DiVA', 'embed_weight_list', 'combine_heads']
+__all__ = ['KEY_BUFFERS', 'QUEUE_FILLS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'class_random_fill',
+           'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list', 'combine_heads']
 
 # %% ../nbs/07a_diva.ipynb #07ebd27c
 KEY_BUFFERS = ("initial", "ema")
+QUEUE_FILLS = ("distinct", "class_random")
+
+def class_random_fill(labels, n_keys: int, batch_size: int, samples_per_class: int, seed: int) -> list[int]:
+    """The images of DiVA's queue filling (`criteria/fast_moco.py` `create_memory_queue`): the first `n_keys` items of
+    class-random batches (`datasampler/class_random_sampler.py`: every class slot and image drawn with replacement)."""
+    sampler = ClassBalancedBatchSampler(np.asarray(labels), batch_size, samples_per_class, seed=seed, draw="class_random")
+    return [i for b in sampler.batches(0, num_batches=-(-n_keys // batch_size)) for i in b][:n_keys]
 
 class QueueTask(Task):
     "NCE-type task on head `head`: positive key from a momentum encoder on a second view, negatives from a FIFO queue."
     def __init__(self, name: str, head: str, loss: str = "dance", loss_options: Mapping | None = None,
                  weight: float = 1.0, *, embedding_dim: int, queue_size: int | None = None,
-                 queue_batches: int | None = None, momentum: float = 0.9, key_buffers: str = "initial"):
+                 queue_batches: int | None = None, momentum: float = 0.9, key_buffers: str = "initial",
+                 queue_fill: str = "distinct"):
         if loss not in ("dance", "nce_queue"): raise unknown_name_error(f"loss of queue task {name!r}", loss, ("dance", "nce_queue"))
         super().__init__(name, head, loss, loss_options, None, None, weight)
         if queue_size is not None and queue_batches is not None:
@@ -36,6 +46,8 @@ class QueueTask(Task):
         if queue_size is not None and queue_size < 1: raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         if queue_batches is not None and queue_batches < 1: raise ValueError(f"queue_batches must be >= 1, got {queue_batches}")
         if key_buffers not in KEY_BUFFERS: raise unknown_name_error("key_buffers", key_buffers, KEY_BUFFERS)
+        if queue_fill not in QUEUE_FILLS: raise unknown_name_error("queue_fill", queue_fill, QUEUE_FILLS)
+        self.queue_fill = queue_fill
         self.queue_batches = None if queue_size is not None else int(queue_batches or 30)
         self.momentum, self.key_buffers, self.embedding_dim = float(momentum), key_buffers, embedding_dim
         self.queue = MemoryQueue(int(queue_size) if queue_size is not None else 1, embedding_dim)
@@ -79,13 +91,19 @@ class QueueTask(Task):
         return added
 
     def fill_from_learner(self, method, ctx) -> int:
-        "Fill the queue with keys of training images (train transform, fixed per-image seeds, a seeded random order)."
+        """Fill the queue with keys of training images (train transform, fixed per-image seeds): a seeded random order
+        of distinct images (`queue_fill='distinct'`), or DiVA's class-random batches (`'class_random'`, repeats allowed)."""
         bs = ctx.batch_size
         self.size_queue(bs * ctx.world_size)
         need = self.queue.size - len(self.queue)
         if need <= 0: return 0
         n, g = len(ctx.train_dataset), ctx.rng("diva/queue-fill")
-        order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
+        if self.queue_fill == "class_random":
+            spc = getattr(ctx.sampler, "samples_per_class", None)
+            if spc is None: raise ValueError(f"queue_fill='class_random' draws batches like the run's sampler, whose "
+                                             f"samples_per_class {type(ctx.sampler).__name__} does not have: use queue_fill='distinct'")
+            order = class_random_fill(ctx.train_dataset.labels, need, bs * ctx.world_size, spc, ctx.seed("diva/queue-fill-batches"))
+        else: order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
         seeds = [ctx.seed("diva/queue-fill", j) for j in range(need)]
         out, _ = ctx.embed(ctx.train_dataset, lambda x: {"keys": self.keys(method, x)}, indices=order, seeds=seeds, batch_size=bs)
         self.queue.enqueue(out["keys"])
@@ -198,7 +216,7 @@ class DiVA(MultiTaskMethod):
                  queue_batches: int | None = None, queue_size: int | None = None, momentum: float = 0.9,
                  key_buffers: str = "initial", embed_weights: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
                  num_clusters: int = 300, cluster_every: int = 1,
-                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5):
+                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5, queue_fill: str = "distinct"):
         if isinstance(tasks, str): tasks = (tasks,)
         tasks = list(tasks)
         valid = DIVA_TASKS + AUXILIARY_TASKS
@@ -227,7 +245,8 @@ class DiVA(MultiTaskMethod):
         if loss == "margin": loss_options = {"pair_count": "triplets", **dict(loss_options or {})}   # the DiVA code on PyTorch >= 1.2
         miners = self._miners(loss, sharing, intra_distinct, upper_cutoff, positives)
         nce = {"temperature": temperature}
-        queue = {"queue_size": queue_size, "queue_batches": queue_batches, "momentum": momentum, "key_buffers": key_buffers}
+        queue = {"queue_size": queue_size, "queue_batches": queue_batches, "momentum": momentum, "key_buffers": key_buffers,
+                 "queue_fill": queue_fill}
         built = []
         for h in heads:
             kind = "discriminative" if h.startswith("discriminative") else h

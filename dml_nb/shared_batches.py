@@ -17,15 +17,20 @@ class GroupBatchSampler:
     """MIC's shared batches: blocks of `samples_per_group` images labelled with one group; each block's group is drawn
     uniformly from all groups except the two before it; each image is, with probability `swap_probability`, taken
     from a uniformly drawn group instead (its label stays the block's). `batches(epoch)` gives this rank's
-    `(indices, labels)` pairs, deterministic per (seed, epoch)."""
+    `(indices, labels)` pairs, deterministic per (seed, epoch). `workers=W`: MIC's W data-loader workers under PyTorch
+    1.0, which all start an epoch from the same numpy state: batch i (worker i mod W's (i // W)-th) has the group labels
+    and swaps of every batch at the same position, only the images picked in the groups differ."""
     def __init__(self, groups: Sequence[int], batch_size: int = 112, samples_per_group: int = 4,
                  swap_probability: float = 0.2, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, workers: int | None = None):
         groups = np.asarray(groups, dtype=np.int64)
         if samples_per_group < 1 or batch_size % samples_per_group:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of samples_per_group ({samples_per_group})")
         if not 0 <= swap_probability <= 1: raise ValueError(f"swap_probability must be in [0, 1], got {swap_probability}")
         if not 0 <= rank < world_size: raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if workers is not None and (not isinstance(workers, (int, np.integer)) or workers < 1):
+            raise ValueError(f"workers must be a number of data-loader workers >= 1, or None (every batch its own draws); got {workers!r}")
+        self.workers = None if workers is None else int(workers)
         self.ids, self.sizes = np.unique(groups[groups >= 0], return_counts=True)
         if len(self.ids) < 3:
             raise ValueError(f"group batches need at least 3 non-empty groups (a block's group differs from the two "
@@ -59,10 +64,15 @@ class GroupBatchSampler:
         epoch = self.epoch if epoch is None else epoch
         rng = np.random.default_rng([self.seed, epoch])
         n_batches = self.batches_per_epoch * self.world_size
-        blocks = self.block_groups(n_batches * (self.batch_size // self.samples_per_group), rng)
+        drawn = n_batches if self.workers is None else -(-n_batches // self.workers)   # batches with draws of their own
+        blocks = self.block_groups(drawn * (self.batch_size // self.samples_per_group), rng)
         label = np.repeat(blocks, self.samples_per_group)
         swap = rng.random(len(label)) < self.swap_probability
-        source = np.where(swap, rng.integers(0, len(self.ids), size=len(label)), label)
+        swap_to = rng.integers(0, len(self.ids), size=len(label))
+        if self.workers is not None:                                    # the workers' shared numpy stream, replayed
+            at = np.arange(n_batches) // self.workers
+            label, swap, swap_to = (a.reshape(drawn, -1)[at].reshape(-1) for a in (label, swap, swap_to))
+        source = np.where(swap, swap_to, label)
         pick = (rng.random(len(label)) * self.sizes[source]).astype(np.int64)
         index = self.members[self.starts[source] + pick].reshape(n_batches, -1)
         label = self.ids[label].reshape(n_batches, -1)

@@ -92,7 +92,8 @@ class SharingMatters(MultiTaskMethod):
                  group_swap_probability: float = 0.2, rematch_groups: bool = False, embed: str = "concat",
                  regressor_hidden_dim: int = 512, regressor_lr: float | None = None,
                  regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1,
-                 shared_flip: bool = True, kmeans_max_points_per_centroid: int | None = None):
+                 shared_flip: bool = True, kmeans_max_points_per_centroid: int | None = None,
+                 group_batch_workers: int | None = None):
         grouping = shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"   # a shared task on groups
         if shared_batches is None: shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
         for name, value, valid in (("architecture", architecture, ARCHITECTURES), ("updates", updates, UPDATES),
@@ -106,6 +107,8 @@ class SharingMatters(MultiTaskMethod):
         if shared_sampler not in SHARED_SAMPLERS: raise unknown_name_error("shared_sampler", shared_sampler, SHARED_SAMPLERS)
         if gamma < 0: raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
         if regroup_every < 1: raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
+        if group_batch_workers is not None and group_batch_workers < 1:
+            raise ValueError(f"group_batch_workers must be >= 1 or None (every shared batch its own draws), got {group_batch_workers}")
         if kmeans_max_points_per_centroid is not None and kmeans_max_points_per_centroid < 1:
             raise ValueError(f"kmeans_max_points_per_centroid must be >= 1 or None (every point), got {kmeans_max_points_per_centroid}")
         if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
@@ -124,6 +127,9 @@ class SharingMatters(MultiTaskMethod):
         if shared_batches == "groups" and not (grouping and updates == "algorithm1"):
             raise ValueError("shared_batches='groups' draws the shared update's batch from the T^G groups: it needs "
                              "shared_sampling 'tg_std' or 'tg_nostd' and updates='algorithm1'")
+        if group_batch_workers is not None and shared_batches != "groups":
+            raise ValueError(f"group_batch_workers replays MIC's data-loader workers of the group batches; shared_batches="
+                             f"{shared_batches!r} has none: use shared_batches='groups' or leave group_batch_workers unset")
         if standardize is None: standardize = "mean" if shared_sampling == "tg_std" else "none"
         standardize, regroup_standardize = standardize_mode(standardize), standardize_mode(regroup_standardize)
         if shared_sampling == "tg_nostd" and (standardize != "none" or regroup_standardize != "none"):
@@ -156,7 +162,7 @@ class SharingMatters(MultiTaskMethod):
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
         self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo
-        self.kmeans_max_points_per_centroid = kmeans_max_points_per_centroid
+        self.kmeans_max_points_per_centroid, self.group_batch_workers = kmeans_max_points_per_centroid, group_batch_workers
         self.group_on, self.first_group_on = group_on, (group_on if first_group_on is None else first_group_on)
         self.standardize, self.regroup_standardize, self.rematch_groups = standardize, regroup_standardize, bool(rematch_groups)
         self.shared_batches, self.group_swap_probability = shared_batches, float(group_swap_probability)
@@ -250,7 +256,7 @@ class SharingMatters(MultiTaskMethod):
         base = self._sampler.base
         return GroupBatchSampler(self.groups.cpu().numpy(), base.batch_size, base.samples_per_class,
                                  self.group_swap_probability, batches_per_epoch=len(base), seed=stream_seed(self._seed, "sharing/shared-batches"),
-                                 rank=base.rank, world_size=base.world_size)
+                                 rank=base.rank, world_size=base.world_size, workers=self.group_batch_workers)
 
     def on_fit_start(self, ctx) -> None:
         super().on_fit_start(ctx)

@@ -514,3 +514,17 @@ def test_resume_is_exact_with_spl_state(noisy, tmp_path, kill, solver):
     for k in sd_ref: assert torch.equal(sd_ref[k], sd_res[k]), k
     drop = lambda h: [{k: v for k, v in r.items() if k != "time"} for r in h]
     assert drop(res_hist) == drop(ref_hist)
+
+
+def test_named_readings_of_the_age_and_solver():
+    "dml_nb's reading (the defaults) and the paper text's (absolute age, Algorithm 3) are named presets that build."
+    import inspect
+    from dml_nb.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
+    from dml_nb.models import build_backbone
+    assert {k: inspect.signature(BSPML).parameters[k].default for k in BSPML_DML_NB} == BSPML_DML_NB
+    labels = np.repeat(np.arange(6), 10)
+    floor = BSPML(build_backbone("small_cnn", width=4, feature_dim=16), 6, labels, embedding_dim=8, **BSPML_DML_NB)
+    paper = BSPML(build_backbone("small_cnn", width=4, feature_dim=16), 6, labels, embedding_dim=8, **BSPML_PAPER_TEXT)
+    np.testing.assert_allclose((floor.lambda_init, floor.lambda_inf), (0.5 * np.log(10), np.log(10)))   # floor = log N^c
+    assert (paper.lambda_init, paper.lambda_inf, paper.solver["solver"]) == (1.0, 3.0, "stochastic")
+    assert 1 <= BSPML_PAPER_TEXT["lambda_inf"] <= 5 and paper.mu == paper.lambda_inf     # the paper: [1, 5], mu = lambda_inf

@@ -3,6 +3,7 @@ exact resume, and one training run of every ablation / auxiliary task."""
 import math
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -433,3 +434,46 @@ def test_short_shapes_run_gives_every_task_a_signal():
     filled(paper)
     b = batch(classes=8)                                 # 16 images, 2 per class
     assert paper.training_step(b)["tuples/intra"] == 0   # the paper's reading at K = 2: no intra-class triplets
+
+
+class _FillContext:
+    "Just what QueueTask.fill_from_learner reads of a run; each image's key is its index (so the queue shows the images)."
+    def __init__(self, labels, batch_size, samples_per_class, dim):
+        self.batch_size, self.world_size, self.dim = batch_size, 1, dim
+        self.train_dataset = type("Set", (), {"labels": np.asarray(labels), "__len__": lambda s: len(labels)})()
+        self.sampler = ClassBalancedBatchSampler(labels, batch_size, samples_per_class, draw="class_random")
+    def rng(self, name, *keys): return torch.Generator().manual_seed(hash((name, keys)) % 2**31)
+    def seed(self, name, *keys): return hash((name, keys)) % 2**31
+    def embed(self, dataset, fn, indices, seeds, batch_size):
+        return {"keys": torch.tensor(indices, dtype=torch.float32)[:, None].repeat(1, self.dim)}, None
+
+
+def test_golden_queue_fill_class_random():
+    """DiVA fills its queue from 30 class-random batches (criteria/fast_moco.py create_memory_queue over the training
+    loader), so images repeat: 2,520-2,576 distinct of 3,360 at CUB's size in their code (10 seeds)."""
+    g = load_golden("diva_queue_fill")
+    inp, out = g["inputs"], g["outputs"]
+    labels = np.repeat(np.arange(len(inp["class_sizes"])), inp["class_sizes"])
+    n_keys = inp["queue_batches"] * inp["batch_size"]
+    assert out["keys"] == [n_keys] * len(inp["seeds"])
+    theirs = np.asarray(out["queue_seed0"])
+    assert len(np.unique(theirs)) == out["distinct"][0]
+    assert (labels[theirs[0::2]] == labels[theirs[1::2]]).all()                   # their blocks: 2 images of one class
+    ours = []
+    for seed in inp["seeds"]:
+        task = QueueTask("dance", "dance", embedding_dim=4, queue_batches=inp["queue_batches"], queue_fill="class_random")
+        ctx = _FillContext(labels, inp["batch_size"], inp["samples_per_class"], 4)
+        ctx.seed = lambda name, *keys, s=seed: s
+        assert task.fill_from_learner(None, ctx) == n_keys
+        filled = task.queue.keys[:, 0].long().numpy()
+        assert (labels[filled[0::2]] == labels[filled[1::2]]).all()              # the same block structure
+        ours.append(len(np.unique(filled)))
+    lo, hi = min(out["distinct"]), max(out["distinct"])
+    spread = np.std(out["distinct"])
+    assert lo - 3 * spread <= np.mean(ours) <= hi + 3 * spread, (ours, out["distinct"])
+    assert abs(np.mean(ours) - np.mean(out["distinct"])) < 4 * spread / np.sqrt(len(ours)) + 10
+    distinct = QueueTask("dance", "dance", embedding_dim=4, queue_batches=inp["queue_batches"])   # dml_nb's default
+    assert distinct.queue_fill == "distinct"
+    distinct.fill_from_learner(None, _FillContext(labels, inp["batch_size"], inp["samples_per_class"], 4))
+    assert len(np.unique(distinct.queue.keys[:, 0].long().numpy())) == n_keys
+    with pytest.raises(ValueError, match="queue_fill"): QueueTask("dance", "dance", embedding_dim=4, queue_fill="loader")

@@ -644,3 +644,26 @@ def test_golden_kmeans_as_faiss_ran_it_for_mic(monkeypatch):
     assert MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8).kmeans_max_points_per_centroid is None
     with pytest.raises(ValueError, match="kmeans_max_points_per_centroid"):
         MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8, kmeans_max_points_per_centroid=0)
+
+
+def test_golden_group_batches_of_mic_workers():
+    """MIC's ClusterDataset read by 8 DataLoader workers: under PyTorch 1.0.1 (numpy not reseeded) the batches at the
+    same worker position carry the same labels; `workers=8` replays that, the default draws every batch anew."""
+    g = load_golden("sharing_worker_batches")
+    inp, out = g["inputs"], g["outputs"]
+    kw = dict(batch_size=inp["batch_size"], samples_per_group=inp["samples_per_group"], swap_probability=inp["swap_probability"], seed=0)
+    def partition(batches):
+        first = {}
+        return [first.setdefault(tuple(l), len(first)) for _, l in batches]
+    emulated, reseeded = (GroupBatchSampler(inp["groups"], workers=w, **kw) for w in (inp["workers"], None))
+    for epoch in range(inp["epochs"]):
+        theirs_1_0, theirs_now = out["pytorch_1_0"][epoch], out["reseeded"][epoch]
+        assert len(emulated.batches(epoch)) == theirs_1_0["batches"] == 25
+        assert partition(emulated.batches(epoch)) == theirs_1_0["sequence_id"]           # 4 distinct, by worker position
+        assert partition(reseeded.batches(epoch)) == theirs_now["sequence_id"] == list(range(25))
+        assert len({tuple(i) for i, _ in emulated.batches(epoch)}) == theirs_1_0["distinct_index_lists"] == 25
+    assert [e["distinct_label_sequences"] for e in out["pytorch_1_0"]] == [4, 4, 4]
+    mic = MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8, group_batch_workers=8)
+    assert mic.group_batch_workers == 8 and MIC(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8).group_batch_workers is None
+    with pytest.raises(ValueError, match="group_batch_workers"):
+        SharingMatters(backbone(), 6, np.repeat(np.arange(6), 4), embedding_dim=8, group_batch_workers=8)   # T*: no group batches
