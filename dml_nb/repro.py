@@ -28,7 +28,7 @@ from .viz import markdown_table, save_figure, set_style
 __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'SECTIONS', 'CONFIG_SECTIONS', 'OUTPUT_KEYS', 'paper_variant',
            'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner',
            'portable', 'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table',
-           'collect_runs', 'Reproduction', 'params_base', 'setup']
+           'collect_runs', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'user_folder', 'text_progress']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
 EMBEDDED = ("finegrained", "shapes", "digits")   # the data sets made here: every notebook's default run
@@ -394,14 +394,130 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     `output` (`OUTPUT_KEYS`). Under nbdev_test it shrinks in place `seeds` to one seed and each parameter named in
     `shrink` ({name: n or function}, see `_small`; `{"seeds": 2}` keeps two); the configs shrink in `run_rows`.
     Sets the figure style."""
-    base = params_base(params, defaults, stem)        # first: a wrong parameter stops before anything is shrunk
-    output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
+    try:
+        base = params_base(params, defaults, stem)    # first: a wrong parameter stops before anything is shrunk
+        output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
+        nb_defaults = notebook_defaults(stem)
+        _check_parameters(stem, params, nb_defaults)
+        _check_data(base)                              # a paper dataset that is not here: no row could run
+    except (ValueError, KeyError, FileNotFoundError) as e: raise _one_line(stem, e) from None
+    variant = paper_variant(base)
+    if not (in_test() or output.get("figures_dir")):   # a user's run: never the committed figures/
+        variant = user_folder(params, nb_defaults, variant)
     if in_test():
         for k, n in {"seeds": 1, **(shrink or {})}.items():
             if k not in params: raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
             params[k] = _small(params[k], n)
     dataset = params.get("dataset", "shapes")
-    figures, runs = output_dirs(output.get("figures_dir"), output.get("runs_dir"), paper_variant(base))
+    try: figures, runs = _writable_dirs(stem, output, variant)
+    except ValueError as e: raise _one_line(stem, e) from None
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
+    progress = output.get("progress", True)
+    if progress and not (in_test() or _watched()): text_progress()
     set_style()
-    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, output.get("progress", True))
+    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, progress)
+
+# %% ../nbs/10_repro.ipynb #ea32b450
+import sys
+
+def _notebook_of(stem: str) -> Path | None:
+    "The notebook that calls `setup(stem, ...)`: `nbs/<stem>.ipynb`, or the one whose source names `stem` (the regime's)."
+    try: nbs = project_root() / "nbs"
+    except Exception: return None
+    if (nbs / f"{stem}.ipynb").exists(): return nbs / f"{stem}.ipynb"
+    return next((p for p in sorted(nbs.glob("*.ipynb")) if f'setup(\\"{stem}\\"' in p.read_text()), None)
+
+def notebook_defaults(stem: str) -> dict | None:
+    "The values of the `parameters` cell of `stem`'s notebook (what a run without parameters uses), or None if unreadable."
+    import json
+    path = _notebook_of(stem)
+    if path is None: return None
+    try:
+        cells = json.loads(path.read_text())["cells"]
+        src = next("".join(c["source"]) for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        values: dict = {}
+        exec(compile(src, f"{path.name}: parameters", "exec"), {}, values)
+        return values
+    except Exception: return None
+
+_KNOWN = ("dataset", "config", "seeds", "paper_dataset", "output")    # what `setup` reads, in every notebook
+
+def _check_parameters(stem: str, params: Mapping, defaults: Mapping | None) -> None:
+    "`seeds` a non-empty list of seeds, and no parameter the notebook does not have (papermill only warns of one)."
+    seeds = params.get("seeds")
+    if not (isinstance(seeds, (list, tuple)) and seeds and all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)):
+        raise ValueError(f"{stem}: the parameter 'seeds' must be a non-empty list of integers from 0 to 4294967295, "
+                         f"e.g. [0, 1, 2]; got {seeds!r}")
+    if defaults is None: return
+    import types
+    imported = set().union(*(vars(m) for n, m in list(sys.modules.items()) if n.startswith("dml_nb") and m is not None))
+    unknown = [k for k, v in params.items() if not k.startswith("_") and k not in defaults and k not in _KNOWN
+               and k not in imported and k not in ("In", "Out", "exit", "quit", "open")
+               and not isinstance(v, (types.ModuleType, type)) and not callable(v)]
+    if unknown:
+        raise ValueError(f"{stem}: unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of {stem} are: "
+                         f"{', '.join(dict.fromkeys([*defaults, *_KNOWN]))}")
+
+def _check_data(base: Mapping) -> None:
+    "The data of a paper-scale `base` is on disk (root and index files), as `dml-train` checks it: else its error."
+    from dml_nb.experiment import check_data
+    if paper_variant(base) is not None: check_data(make_config(base), progress=False)
+
+def _one_line(stem: str, e: BaseException) -> BaseException:
+    "`e` (a parameter or data error of `stem`) told on the terminal in one line, as `dml-train` does; returned to raise."
+    msg = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+    print(f"{stem}: error: {msg.removeprefix(stem + ': ')}", file=_terminal())
+    return e
+
+def _slug(name: str, value) -> str:
+    "`name-value` for a folder name: the value when short, else its hash."
+    import hashlib, json, re
+    text = json.dumps(value, sort_keys=True, default=str)
+    short = re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+    return f"{name}-{short}" if len(short) <= 16 else f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+def user_folder(params: Mapping, defaults: Mapping | None, variant: str | None) -> str:
+    """The folder under `figures/` of a run that is not the maintainers' regeneration (`dml-reproduce`), named for
+    what differs from the notebook's `parameters` cell: `local` (the plain notebook), `local-seeds-0-config-1a2b3c4d`,
+    or a paper-scale run's `<dataset>-<backbone>` (`paper_variant`) and what else differs. Never `figures/` itself."""
+    made = ("output", "dataset", "config") if variant else ("output",)    # output: where, not what
+    if defaults is None: differs = [] if variant else [("parameters", {k: v for k, v in params.items() if k in _KNOWN[:-1]})]
+    else: differs = [(k, params[k]) for k in defaults if k in params and k not in made and params[k] != defaults[k]]
+    return "-".join([variant or "local", *(_slug(k, v) for k, v in differs)])
+
+def _writable_dirs(stem: str, output: Mapping, variant: str | None) -> tuple[Path, Path]:
+    "`output_dirs`, with a folder that cannot be made or written to a one-line error before any row runs."
+    import tempfile as tf
+    try:
+        figures, runs = output_dirs(output.get("figures_dir"), output.get("runs_dir"), variant)
+        for d in (figures, runs):
+            with tf.NamedTemporaryFile(dir=d, prefix=".write-test-"): pass
+    except OSError as e:
+        where = getattr(e, "filename", None) or output.get("figures_dir")
+        raise ValueError(f"{stem}: cannot write to {where} ({e.strerror or e}): give output.figures_dir and "
+                         "output.runs_dir folders you can write to") from None
+    return figures, runs
+
+def _watched() -> bool:
+    "Whether a person watches this kernel's outputs live: a Jupyter server (JupyterLab, Notebook) or VS Code started it."
+    return bool(os.environ.get("JPY_SESSION_NAME") or os.environ.get("VSCODE_PID"))
+
+def _terminal():
+    "A text stream to the terminal that started this process; in a Jupyter kernel the one its stderr copies to, not the notebook."
+    import io
+    try: return open(sys.stderr.fileno(), "w", buffering=1, closefd=False)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation): return sys.__stderr__
+
+def text_progress() -> None:
+    """Progress bars as text on the terminal, for a notebook nobody watches (papermill, nbclient): there `tqdm.auto`'s
+    widget bars reach no one and leave lines of `0it [00:00, ?it/s]` in the saved notebook."""
+    import tqdm.auto, tqdm.std
+    if getattr(tqdm.auto.tqdm, "to_terminal", False): return
+    out = _terminal()
+    class TerminalBar(tqdm.std.tqdm):
+        to_terminal = True
+        def __init__(self, *args, file=None, **kw): super().__init__(*args, file=file or out, **kw)
+    tqdm.auto.tqdm = TerminalBar
+    globals()["tqdm"] = TerminalBar         # this module's run bar
+

@@ -101,7 +101,7 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
         bar.set_postfix_str(nb.stem)
         t0 = time.time()
         papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
-                                   parameters={"output": {"progress": False}})
+                                   parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}})   # the one writer of figures/
         state[nb.stem] = {"hash": h, "seconds": round(time.time() - t0, 1), "recipes": RECIPES_VERSION,
                           "date": time.strftime("%Y-%m-%d")}
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")

@@ -4,8 +4,8 @@ Every parameter file under params/train/ and every params/repro_*/*.yaml runs th
 (`dml-train`, papermill) on a tiny dataset in that dataset's real on-disk format written here, with only size keys
 shrunk (epochs, batches, batch shape, image size, workers, `pretrained: false`, R@k beyond the written split,
 D&C's K; see MAX_LEARNERS); metrics are written and every task
-gets tuples (a task without tuples stops the run). Without the data, every reproduction notebook lists each row
-as not run with the reason and still writes its table and claims, never crashing."""
+gets tuples (a task without tuples stops the run). Without the data, every reproduction notebook stops in `setup`,
+before training, with the one-line message `dml-train` gives, and writes nothing."""
 from __future__ import annotations
 import json, os, shutil, subprocess, sys
 from pathlib import Path
@@ -122,10 +122,12 @@ def test_repro_notebook_runs_every_paper_file(path, data_root, tmp_path, smoke_s
 
 
 @pytest.mark.parametrize("path", REPRO_FILES, ids=[f"{p.parent.name}/{p.name}" for p in REPRO_FILES])
-def test_repro_notebook_without_data_lists_rows_and_does_not_crash(path, tmp_path, monkeypatch):
+def test_repro_notebook_without_data_stops_before_training(path, tmp_path, monkeypatch):
+    "No row can run: the notebook stops in `setup` with dml-train's message, before any folder or figure is written."
+    import papermill
     for k, v in _env(IN_TEST="1", DML_DATA=str(tmp_path / "no_data_here")).items(): monkeypatch.setenv(k, v)
     raw = yaml.safe_load(path.read_text())
     params = {**raw, "output": {"progress": False, "figures_dir": str(tmp_path / "figures"), "runs_dir": str(tmp_path / "runs")}}
-    _papermill(ROOT / "nbs" / f"{path.parent.name}.ipynb", params, tmp_path / "out.ipynb")
-    text = (tmp_path / "out.ipynb").read_text()
-    assert "not run: " in text, "rows without their data must be listed as not run, with the reason"
+    with pytest.raises(papermill.PapermillExecutionError, match="no_data_here"):   # was: an empty table, exit 0
+        _papermill(ROOT / "nbs" / f"{path.parent.name}.ipynb", params, tmp_path / "out.ipynb")
+    assert not (tmp_path / "figures").exists() and not (tmp_path / "runs").exists()

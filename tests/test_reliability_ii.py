@@ -136,3 +136,99 @@ def test_a_truncated_or_crafted_checkpoint_is_one_line_with_cli_advice(tmp_path,
     code, _, err = cli(capsys, params, "-o", run_dir, "--no-progress")
     assert code == 2 and "is not a whole learner checkpoint (it has no epoch, step" in one_line_error(err)
     assert snapshot(run_dir) == before
+
+
+# 2, 8, 9. the reproduction notebooks ------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    "A project folder with repro_table3's notebook, outside the test mode (as a user's papermill run sees it)."
+    import dml_nb.repro as R
+    (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
+    (tmp_path / "nbs").mkdir()
+    (tmp_path / "nbs" / "repro_table3.ipynb").write_bytes((ROOT / "nbs" / "repro_table3.ipynb").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(R, "in_test", lambda: False)
+    import tqdm.auto
+    monkeypatch.setattr(tqdm.auto, "tqdm", tqdm.auto.tqdm)          # restored after a test that sets text bars
+    monkeypatch.setattr(R, "tqdm", R.tqdm)
+    return tmp_path
+
+
+def table3_params(**changes) -> dict:
+    from dml_nb.repro import notebook_defaults
+    return {**notebook_defaults("repro_table3"), "output": {"progress": False}, **changes}
+
+
+def test_a_users_reproduction_run_never_writes_the_committed_figures(project):
+    from dml_nb.repro import setup
+    nb = setup("repro_table3", table3_params(config={"train": {"epochs": 1}}, seeds=[0]))
+    assert nb.figures == project / "figures" / "local-config-train_epochs_1-seeds-0"   # was figures/ itself
+    assert setup("repro_table3", table3_params()).figures == project / "figures" / "local"   # the README's command
+    assert setup("repro_table3", table3_params(rows={"M": {"name": "baseline"}})).figures.name.startswith("local-rows-")
+    given = project / "elsewhere"
+    assert setup("repro_table3", table3_params(output={"figures_dir": str(given)})).figures == given
+    assert not list((project / "figures").glob("*.*"))                                 # nothing in figures/ itself
+
+
+def test_dml_reproduce_alone_names_figures(project, monkeypatch):
+    import papermill
+    from dml_nb.reproduce import reproduce
+    seen = []
+    monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, parameters, **kw: seen.append(parameters))
+    reproduce(["repro_table3"], root=project, progress=False)
+    assert seen == [{"output": {"progress": False, "figures_dir": str(project / "figures")}}]
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"seeds": "abc"}, "the parameter 'seeds' must be a non-empty list of integers from 0 to 4294967295, e.g. [0, 1, 2]; got 'abc'"),
+    ({"seeds": []}, "the parameter 'seeds' must be a non-empty list of integers"),
+    ({"seeds": [0, -1]}, "got [0, -1]"),
+    ({"seed": [1]}, "unknown parameter(s) 'seed'; the parameters of repro_table3 are: dataset, config, seeds,"),
+])
+def test_reproduction_parameters_are_checked_in_setup(project, capfd, change, expected):
+    from dml_nb.repro import setup
+    with pytest.raises(ValueError) as e:
+        setup("repro_table3", table3_params(**change))
+    assert expected in str(e.value)
+    err = capfd.readouterr().err
+    assert err.startswith("repro_table3: error: ") and err.count("\n") == 1 and expected in err
+    assert not (project / "figures").exists() and not (project / "runs").exists()
+
+
+def test_a_figures_dir_that_cannot_be_written_stops_in_setup(project, tmp_path):
+    from dml_nb.repro import setup
+    locked = tmp_path / "locked"; locked.mkdir(); locked.chmod(0o500)
+    target = "/proc" if os.geteuid() == 0 else str(locked)                 # root writes anywhere but /proc
+    with pytest.raises(ValueError, match=f"cannot write to {target}"):
+        setup("repro_table3", table3_params(output={"figures_dir": target}))
+
+
+def test_a_paper_scale_run_without_its_data_stops_before_training(project, capfd):
+    from dml_nb.repro import setup
+    raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"data.name is 'cub200', a dataset on disk, but neither data.root nor \$DML_DATA"):
+        setup("repro_table3", table3_params(**raw))
+    err = capfd.readouterr().err
+    assert err.startswith("repro_table3: error: data.name is 'cub200'") and err.count("\n") == 1
+    assert not (project / "figures").exists() and not (project / "runs").exists()      # was an empty table and figure
+
+
+def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_path):
+    import nbformat, subprocess, sys
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from dml_nb.repro import text_progress\ntext_progress()"),
+                nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(3), desc='runs'): pass\n"
+                                          "bar = tqdm(total=0); bar.close()")]    # the learner's bar starts at total=0
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    env = {k: v for k, v in os.environ.items() if k not in ("JPY_SESSION_NAME", "VSCODE_PID", "PYTEST_CURRENT_TEST")}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, "-m", "papermill", "--no-progress-bar", "-k", "python3", str(tmp_path / "in.ipynb"),
+                        str(tmp_path / "out.ipynb")], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "runs: 100%|" in p.stderr and "3/3" in p.stderr
+    outputs = [o for c in nbformat.read(tmp_path / "out.ipynb", 4).cells for o in c.get("outputs", [])]
+    assert not [o for o in outputs if "it/s" in json.dumps(o) or "it [" in json.dumps(o)], outputs

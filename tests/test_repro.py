@@ -236,11 +236,14 @@ def test_smoke_queue_alternatives_and_phase_epochs():
 
 
 def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
+    from dml_nb.checks import write_fake_dataset
+    monkeypatch.setenv("DML_DATA", str(tmp_path / "data"))               # setup checks a paper dataset is there
+    write_fake_dataset("cars196", tmp_path / "data" / "cars196")
     params = {"dataset": "cars196", "config": {"model": {"backbone": "resnet50"}},
-              "seeds": [0, 1, 2], "paper_dataset": "cub200", "gammas": [1.0, 2.0, 3.0], "steps": 300,
-              "output": {"progress": False}}
-    nb = setup("repro_sharing_table7", params, shrink={"gammas": 2, "steps": 5})
-    assert params["seeds"] == [0] and params["gammas"] == [1.0, 2.0] and params["steps"] == 5   # pytest: in_test()
+              "seeds": [0, 1, 2], "paper_dataset": "cub200", "gammas": [1.0, 2.0, 3.0],
+              "rows": {"a": {}, "b": {}, "c": {}}, "output": {"progress": False}}
+    nb = setup("repro_sharing_table7", params, shrink={"gammas": 2, "rows": 1})
+    assert params["seeds"] == [0] and params["gammas"] == [1.0, 2.0] and params["rows"] == {"a": {}}   # pytest: in_test()
     assert nb.shown == "cars196" and not nb.embedded and nb.figures.name == "cars196-resnet50"
     assert nb.note(compare="the ordering").endswith("paper: cars196."), "no embedded-data sentence on a paper dataset"
     with pytest.raises(KeyError, match="not a parameter"):
