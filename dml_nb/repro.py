@@ -41,14 +41,15 @@ def paper_variant(raw: Mapping) -> str | None:
 
 def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None,
                 variant: str | None = None) -> tuple[Path, Path]:
-    """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs`; a temporary pair
+    """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs` (`$DML_RUNS` when set: a
+    run cache on shared storage); a temporary pair
     under `nbdev_test`. A paper-scale run (`variant`, see `paper_variant`) writes to `figures/<variant>/`, so it never
     overwrites the committed figures of the embedded defaults."""
     smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{_source_hash()}"
     if in_test(): base_f, base_r = smoke / "figures", smoke / "runs"
     else:
         root = project_root()
-        base_f, base_r = root / "figures", root / "runs"
+        base_f, base_r = root / "figures", Path(os.environ.get("DML_RUNS") or root / "runs")   # $DML_RUNS: a shared run cache
     if variant: base_f = base_f / variant
     given = lambda d: d and (not in_test() or Path(d).resolve().is_relative_to(smoke.resolve()))   # tests: only inside the smoke folder
     f = Path(figures_dir) if given(figures_dir) else base_f
@@ -182,13 +183,19 @@ def job_config(row: Row, base: Mapping, seed: int) -> dict:
 def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), runs_dir: str | Path | None = None,
              progress: bool = True) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test). Returns the per-seed frame that `collect_runs`
-    reads from the run folders, and {(row name, seed): RunResult} of the finished runs."""
+    reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.sweep`:
+    a plan, or collect-only) a run not finished is listed, or is an error, instead of trained."""
+    from .sweep import sweep_mode
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
-    results, skipped = {}, {}
+    results, skipped, mode = {}, {}, sweep_mode()
     bar = tqdm([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
     for row, seed in bar:
         raw = job_config(row, base, seed)
         why = availability(raw)
+        if mode is not None and (got := mode.job(row, seed, raw, runs_dir, why)) is not None:
+            if isinstance(got, RunResult): results[(row.name, seed)] = got
+            else: skipped[(row.name, seed)] = got
+            continue
         if why:
             skipped[(row.name, seed)] = f"not run: {portable(why)}"; continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
@@ -197,6 +204,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
         except (ClusterError, NoTuplesError) as e:   # the method cannot train on this data: shown with the reason
             skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
+    if mode is not None: mode.finish()   # collect-only: every run not finished, named in one error
     return collect_runs(runs_dir, rows, base, seeds, skipped), results
 
 def reported_as(per_seed: pd.DataFrame) -> str:

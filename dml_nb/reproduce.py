@@ -109,13 +109,16 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
     return state
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`."
+    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.sweep`)."
     import argparse
+    from .sweep import add_sweep_arguments, sweep_command
     ap = argparse.ArgumentParser(prog="dml-reproduce", description="Re-run the reproduction notebooks (resumable) and "
                                  "rewrite the README's claim table.")
     ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
     ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
+    add_sweep_arguments(ap)
     args = ap.parse_args(argv)
+    if (code := sweep_command(args)) is not None: return code
     state = reproduce(args.notebooks or None, force=args.force)
     for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
     return 0

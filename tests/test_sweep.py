@@ -1,0 +1,100 @@
+"""Sweeps: the plan of a notebook is the runs it then uses, the launchers give the run folders of the sequential
+path bit for bit, a killed sweep resumes to the same results, and the README's cluster workflow (plan, launch,
+collect) works on the local launcher."""
+import json, os, signal, subprocess, sys, time, uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dml_nb.experiment import run
+from dml_nb.repro import base_config, output_dirs, smoke
+from dml_nb.reproduce import reproduce_main
+from dml_nb.sweep import Plan, launch, plan_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _configs(epochs=2, batches=2, seeds=(0,)):
+    "Tiny shapes runs: two rows over `seeds`."
+    out = {}
+    for dim in (16, 32):
+        for s in seeds:
+            raw = smoke({**base_config(), "method": {"name": "baseline", "embedding_dim": dim}, "seed": s}, force=True)
+            raw["train"].update(epochs=epochs, batches_per_epoch=batches); raw["eval"]["every"] = epochs
+            out[f"dim {dim} seed {s}"] = raw
+    return out
+
+
+def _same_runs(a: Path, b: Path):
+    "metrics.json (less the wall time and the finishing time) and history.csv (less the time column) are equal."
+    assert (a / "done").exists() and (b / "done").exists()
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    for k in ("wall_time_s", "finished"): ma.pop(k), mb.pop(k)
+    assert ma == mb
+    ha, hb = (pd.read_csv(d / "history.csv").drop(columns=["time"]) for d in (a, b))
+    pd.testing.assert_frame_equal(ha, hb, check_exact=True)
+    assert (a / "config.yaml").read_text() == (b / "config.yaml").read_text()
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    "The sequential path: each config run in this process, one after another."
+    runs = tmp_path_factory.mktemp("sequential")
+    return {name: run(raw, runs_dir=runs, progress=False).run_dir for name, raw in _configs().items()}
+
+
+def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
+    plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
+    assert len(plan.pending()) == 2
+    launch(plan, "local", workers=2, progress=False)
+    assert plan.pending() == []
+    for job, name in zip(plan.jobs, _configs()):
+        assert Path(job.run_dir).name == sequential[name].name   # the same hashed folder
+        _same_runs(Path(job.run_dir), sequential[name])
+    assert {p.name for p in (tmp_path / "plan" / "logs").iterdir()} == {f"{j.hash}.log" for j in plan.jobs}
+
+
+def test_a_failed_run_is_named_with_its_log(tmp_path):
+    from dml_nb.sweep import SweepFailed
+    plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
+    plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")   # dml-train refuses it
+    with pytest.raises(SweepFailed) as e: launch(plan, "local", workers=1, progress=False)
+    (f,) = e.value.failures
+    assert f.job is plan.jobs[0] and f.error == "dml-train exit status 2" and "epochs" in f.log.read_text()
+    assert str(f.log) in str(e.value) and plan.jobs[0].uses[0] in str(e.value)
+
+
+def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
+    configs = _configs(epochs=4, batches=6, seeds=(0,))
+    plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
+    code = f"from dml_nb.sweep import Plan, launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, progress=False)"
+    sweep = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    first = Path(plan.jobs[0].run_dir)
+    try:
+        deadline = time.time() + 120
+        while not (first / "checkpoint.pt").exists() and time.time() < deadline and sweep.poll() is None: time.sleep(0.02)
+        os.killpg(sweep.pid, signal.SIGKILL)   # the launcher and its dml-train worker, mid-run
+    finally: sweep.wait()
+    assert (first / "checkpoint.pt").exists() and not (first / "done").exists(), "the kill must land inside the first run"
+    assert len(plan.pending()) == 2
+    launch(plan, "local", workers=2, progress=False)   # relaunch: the first run resumes, the second starts
+    assert plan.pending() == []
+    for job, raw in zip(plan.jobs, configs.values()):
+        fresh = run(raw, runs_dir=tmp_path / "sequential", progress=False).run_dir
+        _same_runs(Path(job.run_dir), fresh)
+
+
+def test_readme_cluster_workflow_on_the_local_launcher(tmp_path):
+    """Plan, launch, collect on a small notebook at smoke size: the plan lists exactly the run folders its
+    collect-only execution then reads, and nothing else is trained."""
+    nb = "repro_dnc_fig8"
+    runs = output_dirs()[1].parent / f"sweep-{uuid.uuid4().hex[:8]}"   # under pytest the notebooks keep to the smoke folder
+    plan_json = tmp_path / "plan.json"
+    assert reproduce_main([nb, "--plan", "--runs-dir", str(runs), "--plan-dir", str(tmp_path / "plan"), "--json", str(plan_json)]) == 0
+    plan = Plan.load(plan_json)
+    assert plan.jobs and all(j.status == "pending" for j in plan.jobs) and not runs.exists() or not any(runs.iterdir())
+    assert reproduce_main([nb, "--launch", "local", "--workers", "2", "--from-plan", str(plan_json), "--no-collect"]) == 0
+    assert reproduce_main([nb, "--collect-only", "--runs-dir", str(runs)]) == 0
+    assert {p for p in runs.iterdir() if p.is_dir()} == {Path(j.run_dir) for j in plan.jobs}
+    assert all((Path(j.run_dir) / "done").exists() for j in plan.jobs)
