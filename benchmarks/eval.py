@@ -21,7 +21,8 @@ retrieval and one k-means run, like for like with PML's single faiss run.
 from __future__ import annotations
 import argparse, logging, os, platform, re, time
 
-import faiss
+try: import faiss                 # optional: PML's calculator and the faiss rows need it
+except ImportError: faiss = None
 import numpy as np
 import torch
 
@@ -80,9 +81,9 @@ def machine(device) -> dict:
     flags = set((re.search(r"^flags\s*:(.*)$", info, re.M) or re.match("()", "")).group(1).split())
     m = dict(cpu=model.group(1) if model else platform.processor(), flags=[f for f in FLAGS if f in flags],
              cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads(),
-             faiss_threads=faiss.omp_get_max_threads(), torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+             faiss_threads=faiss.omp_get_max_threads() if faiss else None, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
              cache_MiB=_cache_bytes() >> 20, bf16_units=lowp_supported(device),
-             versions=f"torch {torch.__version__}, faiss {faiss.__version__}")
+             versions=f"torch {torch.__version__}, faiss {faiss.__version__ if faiss else 'not installed'}")
     if device.type == "cuda": m["gpu"] = torch.cuda.get_device_name(device)
     m["fp32_GFLOPs"] = round(gemm_rate(torch.float32, device), 1)
     m["bf16_GFLOPs"] = round(gemm_rate(torch.bfloat16, device), 1)
