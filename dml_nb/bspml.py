@@ -185,7 +185,7 @@ class BSPML(Method):
 # %% ../nbs/07d_bspml.ipynb #4df6b5db
 BSPML.SMOKE = {"solver_iters": 30}   # smoke size (`repro.smoke`, nbdev_test): an iterative weight solve of 30 steps
 
-# %% ../nbs/07d_bspml.ipynb
+# %% ../nbs/07d_bspml.ipynb #3efa3124
 # The age schedule and the weight solver, two named readings (07d's fidelity table, points 11 and 12):
 # dml_nb's (the library defaults: ages in units of the pair-loss floor, 0.5 -> 1.0, the exact solver) and the paper's
 # text (an absolute age, lambda_inf in the paper's tuning range [1, 5], Algorithm 3). The text gives neither lambda0
