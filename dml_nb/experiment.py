@@ -127,6 +127,19 @@ def tolerate_unreadable(ds, mode: str, what: str) -> None:
     'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
     ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load)
 
+def _warn_small_classes(train, k: int) -> None:
+    "A warning naming the training classes with fewer than `k` (train.samples_per_class) images: their images repeat in a batch."
+    import numpy as np
+    counts = np.bincount(np.asarray(train.labels), minlength=train.num_classes)
+    small = np.flatnonzero(counts < k)
+    if not len(small): return
+    ids = getattr(train, "class_ids", None)
+    name = lambda c: f"{ids[c]} ({counts[c]})" if ids is not None else f"{c} ({counts[c]})"
+    shown = ", ".join(name(c) for c in small[:8]) + (", ..." if len(small) > 8 else "")
+    warnings.warn(f"train.samples_per_class is {k}, but {len(small)} of {train.num_classes} training classes have fewer "
+                  f"images: {shown} (class id (images)); a batch repeats their images. Lower train.samples_per_class "
+                  "or leave those classes out")
+
 def _built(what: str, build):
     "`build()`; a ValueError / TypeError / KeyError (a value only the constructor checks) becomes a `ConfigError`."
     try: return build()
@@ -153,6 +166,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
         if torch.distributed.is_available() and torch.distributed.is_initialized() else (0, 1)
     t = cfg.train
+    _warn_small_classes(train, t.samples_per_class)
     sampler = _built("train", lambda: ClassBalancedBatchSampler(
         train.labels, t.batch_size, t.samples_per_class, batches_per_epoch=t.batches_per_epoch, seed=cfg.seed,
         rank=rank, world_size=world, draw=t.sampler))

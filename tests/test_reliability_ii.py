@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -329,3 +330,64 @@ def test_a_cub_classes_txt_that_is_a_folder_is_one_line(tmp_path, params, capsys
                        "-o", tmp_path / "run", "--no-progress")
     assert code == 2 and "classes.txt is a folder, not a file; expected" in one_line_error(err)   # was IsADirectoryError
     assert not (tmp_path / "run").exists()
+
+
+# 8. weak spots -------------------------------------------------------------------------------------------------------
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, params, capsys):
+    bomb = tmp_path / "bomb.yaml"; bomb.write_text(BOMB)
+    assert len(BOMB) < 600                                                  # the was 572 bytes; 9**9 values
+    code, _, err = cli(capsys, params, bomb, "-o", tmp_path / "run")
+    assert code == 2 and "its aliases (*name) expand to more than 100,000 values" in one_line_error(err)   # was a hang
+    assert not (tmp_path / "run").exists()
+    a = tmp_path / "a.yaml"; a.write_text("train: &t {epochs: 1, lr: 0.01}\n")   # anchors that stay small still read
+    assert load_config(a).train.epochs == 1
+    with pytest.raises(ConfigError, match="aliases"):
+        from dml_nb.config import parse_yaml
+        parse_yaml(BOMB, "bomb")
+
+
+def test_an_empty_parameter_file_is_an_error_not_every_default(tmp_path, params, capsys):
+    empty = tmp_path / "empty.yaml"; empty.write_text("# my settings\n\n")
+    code, _, err = cli(capsys, empty, "-o", tmp_path / "run")
+    assert code == 2 and "empty.yaml is empty (no option is set): write the options to change, or '{}'" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "all.yaml").write_text("{}\n")
+    assert load_config(tmp_path / "all.yaml") == make_config({})           # every default, said so
+
+
+def test_samples_per_class_above_a_class_size_warns_naming_the_classes(tmp_path):
+    from dml_nb.checks import write_fake_dataset
+    from dml_nb.experiment import build_learner
+    root = write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
+    f = root / "Ebay_train.txt"
+    f.write_text("\n".join(l for l in f.read_text().splitlines() if not l.startswith("2 1 ")) + "\n")   # class 1: 2 images
+    cfg = {**TINY, "data": {"name": "sop", "root": str(root), "size": 32, "preset": "small"},
+           "train": {**TINY["train"], "batch_size": 6, "samples_per_class": 3}}
+    with pytest.warns(UserWarning, match=r"train.samples_per_class is 3, but 1 of 2 training classes have fewer "
+                                         r"images: 1 \(2\) \(class id \(images\)\)"):
+        build_learner(make_config(cfg), progress=False)
+
+
+@pytest.mark.parametrize("scale", [1e18, 1e20, 1e30, 1e-30])
+def test_recall_at_k_of_huge_or_tiny_embeddings_is_that_of_the_same_directions(scale):
+    from dml_nb.metrics import map_at_r, recall_at_k
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(300, 512, generator=g), torch.arange(300) % 30
+    assert recall_at_k(x * scale, y, (1, 2, 4)) == recall_at_k(x, y, (1, 2, 4))    # 1e18 in 512 dims overflowed float32
+    assert map_at_r(x * scale, y) == map_at_r(x, y)
+    q = torch.randn(40, 512, generator=g)
+    assert recall_at_k(q * scale, y[:40], (1,), x * scale, y) == recall_at_k(q, y[:40], (1,), x, y)
+
+
+def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
+    import dml_nb.repro as R
+    nb = R.setup("repro_table3", table3_params())
+    monkeypatch.setattr(R, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
+    nb.run({"A": {"train": {"epochs": 100}, "method": {"name": "baseline"}},
+            "B": {"train": {"epochs": 350}, "method": {"name": "baseline"}}})
+    assert nb.note().startswith("Ours: finegrained, small_cnn, 100-350 epochs, seeds [0, 1, 2]")   # was "4 epochs"
