@@ -91,7 +91,12 @@ def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_clas
 # %% ../nbs/01d_checks.ipynb #2eac9e67
 class UnreadableImagesError(ValueError):
     "Some images of a dataset cannot be decoded; `bad` lists (path, reason) for each."
-    def __init__(self, bad: Sequence[tuple], total: int, what: str = "the dataset", how: str | None = None):
+    def __init__(self, bad: Sequence[tuple] | str, total: int | None = None, what: str = "the dataset", how: str | None = None):
+        if isinstance(bad, str):     # rebuilt from its message (a DataLoader worker's error): its last line, the message
+            lines = [l for l in bad.splitlines() if l.strip()]
+            msg = lines[-1].split(f"{type(self).__name__}: ", 1)[-1] if lines else bad
+            self.bad, self.total = [], total
+            return super().__init__(msg)
         self.bad, self.total = list(bad), total
         shown = "; ".join(f"{p} ({r})" for p, r in self.bad[:5]) + ("; ..." if len(self.bad) > 5 else "")
         how = how or ("Replace or remove them, or drop them with load_dataset(..., on_unreadable='skip') "
@@ -103,10 +108,12 @@ def image_check_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dml_nb" / "image-checks"
 
 def image_fingerprint(paths: Sequence) -> str:
-    "SHA-256 over every path, size and modification time (a missing file counts as such)."
+    """SHA-256 over every path, size, modification time, inode and change time (a missing file counts as such). The
+    change time moves with every write to a file and cannot be set back (`touch` and `os.utime` set only the
+    modification time), so a file rewritten in place with its old size and modification time gets a new fingerprint."""
     h = hashlib.sha256()
     for p in paths:
-        try: st = os.stat(p); h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        try: st = os.stat(p); h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\n".encode())
         except OSError: h.update(f"{p}\0missing\n".encode())
     return h.hexdigest()
 

@@ -15,9 +15,9 @@ from .registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_
 from .formats import DATASETS, SPLITS
 
 # %% auto #0
-__all__ = ['RANGES', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'ConfigError',
-           'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override',
-           'load_config']
+__all__ = ['RANGES', 'MAX_YAML_NODES', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',
+           'ConfigError', 'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml',
+           'apply_override', 'load_config']
 
 # %% ../nbs/09a_config.ipynb #dd7b8c31
 @dataclass
@@ -340,9 +340,36 @@ def _no_duplicates(loader, node, deep=False):
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 _Loader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _no_duplicates(loader, node))
 
+MAX_YAML_NODES = 100_000   # a parameter file has hundreds; aliases that expand past this are refused (an alias bomb)
+
+def _expanded_size(node, memo: dict) -> int:
+    "The number of nodes `node` stands for with every alias expanded, counted without expanding (memoised per node)."
+    if id(node) in memo: return memo[id(node)]
+    memo[id(node)] = 1                                  # a node that contains itself counts once
+    if isinstance(node, yaml.SequenceNode): n = 1 + sum(_expanded_size(c, memo) for c in node.value)
+    elif isinstance(node, yaml.MappingNode): n = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else: n = 1
+    memo[id(node)] = n
+    return n
+
+def _load_bounded(text: str, source: str):
+    "`text` composed, its expanded size checked against `MAX_YAML_NODES`, then constructed."
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None: return None
+        try: size = _expanded_size(node, {})
+        except RecursionError: size = MAX_YAML_NODES + 1
+        if size > MAX_YAML_NODES:
+            raise ConfigError(f"{source}: its aliases (*name) expand to more than {MAX_YAML_NODES:,} values (an alias "
+                              "bomb?); a parameter file needs far fewer: write the values out, or use 'base:' files")
+        return loader.construct_document(node)
+    finally: loader.dispose()
+
 def parse_yaml(text: str, source: str = "<string>"):
-    "YAML `text` with `_Loader`; a syntax error or a duplicate key is a one-line `ConfigError` naming `source` and the line."
-    try: return yaml.load(text, Loader=_Loader)
+    """YAML `text` with `_Loader`; a syntax error, a duplicate key or aliases that expand past `MAX_YAML_NODES` are a
+    one-line `ConfigError` naming `source` (and the line)."""
+    try: return _load_bounded(text, source)
     except yaml.MarkedYAMLError as e:
         mark, ctx = e.problem_mark or e.context_mark, e.context_mark
         where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
@@ -381,7 +408,9 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     try: text = path.read_text()
     except UnicodeDecodeError as e: raise ConfigError(f"{path}: not a text file ({e})") from None
     raw = parse_yaml(text, str(path))
-    if raw is None: raw = {}
+    if raw is None:           # nothing but comments: every default would train, which a user rarely means
+        raise ConfigError(f"{path} is empty (no option is set): write the options to change, or '{{}}' to train "
+                          "every default")
     if not isinstance(raw, dict): raise ConfigError(f"{path}: a parameter file must be a mapping, got {type(raw).__name__}")
     base = raw.pop("base", None)
     if base is None: return raw

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_experiment.ipynb #5022df0e
 from __future__ import annotations
-import datetime, json, os, platform, sys, time
+import datetime, functools, json, os, platform, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -20,8 +20,8 @@ from .config import Config, ConfigError, config_to_dict, make_config
 if TYPE_CHECKING: from dml_nb.learner import Learner   # annotations only: the learner (torch) is imported when a run is built
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'check_data', 'build_datasets', 'build_learner', 'RunResult', 'run_dir_for',
-           'load_result', 'run_key', 'run', 'run_seeds']
+__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'check_data', 'build_datasets', 'tolerate_unreadable', 'build_learner', 'RunResult',
+           'run_dir_for', 'load_result', 'run_key', 'run', 'run_seeds']
 
 # %% ../nbs/09_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -71,11 +71,14 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     if d.name in ("shapes", "finegrained"): opts["seed"] = 0   # the data set itself does not change with the run's seed
     kw = {"root": _data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress} if d.name in REAL_DATASETS else {}
     def load(split, **extra):
-        try: return load_dataset(d.name, split=split, **kw, **opts, **extra)
+        try: ds = load_dataset(d.name, split=split, **kw, **opts, **extra)
         except UnreadableImagesError as e:
             raise UnreadableImagesError(e.bad, e.total, f"{d.name} {split}", how=(
                 "Replace or remove them, or leave them out with --set data.on_unreadable=skip (data.on_unreadable: "
                 "skip); dml-train --check-data lists them all")) from None
+        if d.name in REAL_DATASETS:   # an image that stops decoding later follows on_unreadable too
+            tolerate_unreadable(ds, d.on_unreadable, f"{d.name} {split}")
+        return ds
     train = load("train")
     train.clean_labels = train.labels.copy()
     train.flipped = np.zeros(len(train), dtype=bool)
@@ -97,6 +100,49 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
         train = JpegImages(train)
         evals = {k: tuple(map(JpegImages, v)) if isinstance(v, tuple) else JpegImages(v) for k, v in evals.items()}
     return train, evals
+
+def _load_or_stand_in(ds, mode: str, what: str, load, i: int):
+    "`load(i)`; an image that no longer decodes is an `UnreadableImagesError` naming it, or with 'skip' the next readable image of its class."
+    import numpy as np
+    try: return load(i)
+    except OSError as e:
+        why = " ".join(str(e.__cause__ or e).split())
+        if mode != "skip":
+            raise UnreadableImagesError([(ds.paths[i], why)], len(ds), what, how=(
+                "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
+                "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all")) from None
+        labels = getattr(ds, "clean_labels", ds.labels)      # the true classes (label noise may have moved some)
+        same = np.flatnonzero(labels == labels[i])
+        for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
+            try: img = load(int(j))
+            except OSError: continue
+            if ds.paths[i] not in _STOOD_IN:
+                _STOOD_IN.add(ds.paths[i])
+                warnings.warn(f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
+                              f"{ds.paths[int(j)].name}, of the same class, stands in for it")
+            return img
+        raise UnreadableImagesError([(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read") from None
+
+_STOOD_IN: set = set()   # images already warned about (once per process)
+
+def tolerate_unreadable(ds, mode: str, what: str) -> None:
+    """Make an image list `ds` follow `data.on_unreadable` for an image that stops decoding after the check at the
+    start (rewritten meanwhile): 'error' stops with an `UnreadableImagesError` naming the file (one line in the CLI),
+    'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
+    ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load)
+
+def _warn_small_classes(train, k: int) -> None:
+    "A warning naming the training classes with fewer than `k` (train.samples_per_class) images: their images repeat in a batch."
+    import numpy as np
+    counts = np.bincount(np.asarray(train.labels), minlength=train.num_classes)
+    small = np.flatnonzero(counts < k)
+    if not len(small): return
+    ids = getattr(train, "class_ids", None)
+    name = lambda c: f"{ids[c]} ({counts[c]})" if ids is not None else f"{c} ({counts[c]})"
+    shown = ", ".join(name(c) for c in small[:8]) + (", ..." if len(small) > 8 else "")
+    warnings.warn(f"train.samples_per_class is {k}, but {len(small)} of {train.num_classes} training classes have fewer "
+                  f"images: {shown} (class id (images)); a batch repeats their images. Lower train.samples_per_class "
+                  "or leave those classes out")
 
 def _built(what: str, build):
     "`build()`; a ValueError / TypeError / KeyError (a value only the constructor checks) becomes a `ConfigError`."
@@ -124,6 +170,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
         if torch.distributed.is_available() and torch.distributed.is_initialized() else (0, 1)
     t = cfg.train
+    _warn_small_classes(train, t.samples_per_class)
     sampler = _built("train", lambda: ClassBalancedBatchSampler(
         train.labels, t.batch_size, t.samples_per_class, batches_per_epoch=t.batches_per_epoch, seed=cfg.seed,
         rank=rank, world_size=world, draw=t.sampler))

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_formats.ipynb #93580808
 from __future__ import annotations
-import hashlib, re, warnings
+import hashlib, os, re, warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -58,6 +58,9 @@ def _text(path: Path, what: str) -> list[str]:
     try: text = path.read_text()
     except UnicodeDecodeError as e:
         raise DatasetFormatError(f"{path} is not a text file ({e}); expected {what}") from None
+    except OSError as e:      # a folder, or a file that cannot be opened
+        why = "is a folder, not a file" if path.is_dir() else f"cannot be read ({e.strerror or e})"
+        raise DatasetFormatError(f"{path} {why}; expected {what}") from None
     if not text.strip(): raise DatasetFormatError(f"{path} is empty; expected {what}")
     return text.splitlines()
 
@@ -84,6 +87,16 @@ def _rows(path: Path, fields: Sequence[tuple[str, type]], lines: list[str] | Non
         out.append((n, values))
     if not out: raise DatasetFormatError(f"{path} lists nothing; expected {what}")
     return out
+
+def _inside(root: Path, rel: str, where: str) -> Path:
+    """`root / rel`, or a `DatasetFormatError` naming `where` (the file and line) when `rel` leads outside `root` (an
+    absolute path, or `..` past it). Checked on the path's text, so a dataset that is itself a symlink still reads."""
+    p = Path(root) / rel
+    norm, base = os.path.normpath(p), os.path.normpath(root)
+    if os.path.isabs(rel) or os.path.commonpath([norm, base]) != base:
+        raise DatasetFormatError(f"{where}: image path {rel!r} leads outside the dataset root {root} (to {norm}); "
+                                 "every image must lie under the root: correct or remove that line")
+    return p
 
 def _unique(path: Path, rows, key: int, what: str) -> dict:
     "{value of field `key`: line number}; a value on two lines is an error naming both."
@@ -171,7 +184,8 @@ def read_cub200(root: Path, split: str):
         _size_warning("CUB-200-2011", root, "the number of images in images.txt", len(images), rel["images"], rel["source"])
     keep = _first_half(folder, split)
     ids = sorted(i for i in name_of if cls[i] in keep)
-    return [root / "images" / name_of[i] for i in ids], np.array([cls[i] for i in ids], dtype=np.int64)
+    return ([_inside(root, f"images/{name_of[i]}", f"{f_img}, line {img_line[i]}") for i in ids],
+            np.array([cls[i] for i in ids], dtype=np.int64))
 
 # %% ../nbs/01a_formats.ipynb #c9bcff55
 def read_cars196(root: Path, split: str):
@@ -213,7 +227,7 @@ def read_cars196(root: Path, split: str):
         warnings.warn(f"{f} has no class_names: the class list is taken from the classes present", DatasetSizeWarning)
         keep = _first_half(np.unique(raw).tolist(), split)
     sel = np.isin(raw, list(keep))
-    return [root / p for p, k in zip(paths, sel) if k], raw[sel]
+    return [_inside(root, p, f"{f}, annotation {j + 1}") for j, (p, k) in enumerate(zip(paths, sel)) if k], raw[sel]
 
 # %% ../nbs/01a_formats.ipynb #2c926ec2
 _SOP_HEADER = ["image_id", "class_id", "super_class_id", "path"]
@@ -253,7 +267,8 @@ def read_sop(root: Path, split: str):
         for s in rows:
             _size_warning("SOP", root, f"the number of images in {files[s].name}", len(rows[s]), rel[s], rel["source"])
             _size_warning("SOP", root, f"the number of classes in {files[s].name}", len(cls[s]), rel[f"{s}_classes"], rel["source"])
-    return [root / v[3] for _, v in rows[split]], np.array([v[1] for _, v in rows[split]], dtype=np.int64)
+    return ([_inside(root, v[3], f"{files[split]}, line {n}") for n, v in rows[split]],
+            np.array([v[1] for _, v in rows[split]], dtype=np.int64))
 
 # %% ../nbs/01a_formats.ipynb #d392d5a2
 _INSHOP = "Eval/list_eval_partition.txt"
@@ -304,8 +319,9 @@ def read_inshop(root: Path, split: str):
     root = Path(root)
     _expect(root, "inshop", [_INSHOP, "img/"])
     status = {"train": {"train"}, "query": {"query"}, "gallery": {"gallery"}, "test": {"query", "gallery"}}[split]
-    sel = [v for _, v in _inshop_rows(root) if v[2] in status]
-    return [root / v[0] for v in sel], np.array([v[1] for v in sel], dtype=np.int64)
+    sel = [(n, v) for n, v in _inshop_rows(root) if v[2] in status]
+    return ([_inside(root, v[0], f"{root / _INSHOP}, line {n}") for n, v in sel],
+            np.array([v[1] for _, v in sel], dtype=np.int64))
 
 def inshop_test_classes(root: Path) -> np.ndarray:
     "Item ids of query and gallery together, so that both splits number their classes the same way."
@@ -339,7 +355,8 @@ def read_vehicleid(root: Path, split: str):
             if len(train_ids) >= rel["train_classes_at_least"]:
                 _size_warning("PKU VehicleID", root, f"the number of vehicles in {f.name}", len({v[1] for _, v in rows}),
                               rel["test" + f.stem.rsplit("_", 1)[1]], rel["source"])
-    return [root / "image" / f"{v[0]}.jpg" for _, v in rows], np.array([v[1] for _, v in rows], dtype=np.int64)
+    return ([_inside(root, f"image/{v[0]}.jpg", f"{f}, line {n}") for n, v in rows],
+            np.array([v[1] for _, v in rows], dtype=np.int64))
 
 READERS = {"cub200": read_cub200, "cars196": read_cars196, "sop": read_sop, "inshop": read_inshop,
            "vehicleid": read_vehicleid}

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_metrics.ipynb #7ed29a60
 from __future__ import annotations
-import warnings
+import math, warnings
 
 import numpy as np
 import torch
@@ -22,9 +22,19 @@ def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch", self_match="
     """(n_query, k) bool: does the j-th nearest reference share the query's label? The one search all retrieval metrics
     read. `self_match='first'` (query set = reference set): k + 1 neighbours with the first dropped, as DiVA's and MIC's
     code do; with ties by index that is the query itself or an earlier exact duplicate of it."""
+    q, r = _scaled(q, r)
     if exclude_self and self_match == "first": idx = knn(q, r, k + 1, False, backend)[1][:, 1:]
     else: _, idx = knn(q, r, k, exclude_self, backend)
     return rl[idx] == ql[:, None]
+
+def _scaled(q: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q` and `r` times one power of two that brings their largest |value| into [0.5, 1) when it lies outside
+    [2**-20, 2**20]: squared distances of embeddings of magnitude 1e18 or more overflow float32 (1e20 in 8 dimensions
+    already changed Recall@1), tiny ones underflow. A power of two is exact, so the neighbour order is the same."""
+    peak = max(float(q.abs().max()), float(r.abs().max()))
+    if peak == 0 or 2.0 ** -20 <= peak <= 2.0 ** 20: return q, r
+    s = 2.0 ** -math.frexp(peak)[1]
+    return (q * s, q * s if r is q else r * s)
 
 def _recall_from_hits(hits: torch.Tensor, k: int) -> float:
     return hits[:, :k].any(1).double().mean().item()

@@ -314,6 +314,8 @@ class Reproduction:
     def run(self, rows: Sequence[Row] | Mapping[str, Mapping], **kw) -> tuple[pd.DataFrame, dict]:
         "`run_rows` on this notebook's base, seeds and runs folder; `rows` are `Row`s or {name: spec} (`kw` to `Row`)."
         rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
+        self.epochs_run = sorted({int(job_config(r, self.base, s).get("train", {}).get("epochs", 10))
+                                  for r in rows for s in self.seeds})   # what the note says: rows may set their own
         return run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:
@@ -326,7 +328,9 @@ class Reproduction:
         reported), a `detail` on the rows, the paper's dataset (`paper`: another text), and on embedded data what to
         `compare` (None: no such sentence)."""
         b = self.base
-        text = f"Ours: {self.dataset}, {b['model']['backbone']}, {b['train']['epochs']} epochs, {ours + ', ' if ours else ''}seeds {list(self.seeds)}"
+        e = getattr(self, "epochs_run", None) or [b["train"]["epochs"]]
+        epochs = f"{e[0]}" if len(e) == 1 else f"{e[0]}-{e[-1]}"     # the rows' own epochs (a paper file sets each row's)
+        text = f"Ours: {self.dataset}, {b['model']['backbone']}, {epochs} epochs, {ours + ', ' if ours else ''}seeds {list(self.seeds)}"
         if per_seed is not None: text += f", {reported_as(per_seed)}"
         if "nmi" in b["eval"].get("metrics", []):
             n = b["eval"].get("nmi_seeds", 1)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -232,3 +233,161 @@ def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_p
     assert "runs: 100%|" in p.stderr and "3/3" in p.stderr
     outputs = [o for c in nbformat.read(tmp_path / "out.ipynb", 4).cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if "it/s" in json.dumps(o) or "it [" in json.dumps(o)], outputs
+
+
+# 5. an image damaged in place; a decode failure during training --------------------------------------------------------
+
+def sop(tmp_path):
+    from dml_nb.checks import write_fake_dataset
+    return write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
+
+
+def damage_in_place(path: Path) -> None:
+    "Rewrite `path` with garbage of the same size and set its modification time back, as the issue's probe did."
+    st = path.stat()
+    path.write_bytes(b"\0" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_check_data_finds_an_image_damaged_in_place_with_its_size_and_mtime_kept(tmp_path, params, capsys):
+    root = sop(tmp_path)
+    args = [params, "--set", "data.name=sop", "--set", f"data.root={root}", "--check-data", "--no-progress"]
+    code, out, _ = cli(capsys, *args)
+    assert code == 0 and "every image decodes" in out
+    bad = sorted((root / "bicycle_final").glob("*.JPG"))[2]
+    damage_in_place(bad)
+    code, out, _ = cli(capsys, *args)
+    assert code == 2 and f"unreadable: {bad} (" in out, out                # was "every image decodes" (the cache)
+
+
+SOP_RUN = ["--set", "data.name=sop", "--set", "model.backbone=small_cnn", "--set", "data.preset=small",
+           "--set", "data.size=32", "--set", "train.batch_size=4", "--set", "train.samples_per_class=2",
+           "--set", "eval.metrics=[recall@1]", "--no-progress"]
+
+
+def test_an_image_that_stops_decoding_after_the_check_follows_on_unreadable(tmp_path, params, capsys, monkeypatch):
+    root = sop(tmp_path)
+    bad = sorted((root / "bicycle_final").glob("*.JPG"))[1]                 # a training image (class 1)
+    bad.write_bytes(bad.read_bytes()[:150])
+    import dml_nb.data
+    monkeypatch.setattr(dml_nb.data, "check_images", lambda *a, **k: [])   # damaged after the check at the start
+    base = [params, "--set", f"data.root={root}", *SOP_RUN]
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "a")
+    assert code == 2 and "1 of 6 images of sop train cannot be read: " in one_line_error(err)   # was a traceback
+    assert str(bad) in err and "--set data.on_unreadable=skip" in err
+    with pytest.warns(UserWarning, match=f"sop train: {bad} cannot be read .*left out \\(data.on_unreadable: skip\\)"):
+        code, _, err = cli(capsys, *base, "-o", tmp_path / "b", "--set", "data.on_unreadable=skip")
+    assert code == 0, err                                                    # was the same traceback
+
+
+# 6. dataset paths stay inside their root; 7. an index file that is a folder ----------------------------------------------
+
+def outside(tmp_path) -> Path:
+    f = tmp_path / "elsewhere" / "x.jpg"; f.parent.mkdir()
+    from PIL import Image
+    Image.new("RGB", (24, 24)).save(f)
+    return f
+
+
+def test_an_index_line_leading_outside_the_root_is_refused_naming_file_and_line(tmp_path):
+    from dml_nb.checks import write_fake_dataset
+    from dml_nb.formats import DatasetFormatError, read_index
+    x = outside(tmp_path)
+    root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=4, per_class=2) / "CUB_200_2011"
+    f = root / "images.txt"
+    f.write_text(f.read_text().replace("1 001.Bird_1/Bird_1_0000.jpg", "1 001.Bird_1/../../../../elsewhere/x.jpg"))
+    assert (root / "images" / "001.Bird_1/../../../../elsewhere/x.jpg").resolve() == x.resolve()
+    with pytest.raises(DatasetFormatError, match=rf"images.txt, line 1: image path 'images/001.Bird_1/\.\./\.\./\.\./\.\./"
+                                                 rf"elsewhere/x.jpg' leads outside the dataset root {root}"):
+        read_index("cub200", root.parent, "train")
+    cases = {"sop": ("Ebay_train.txt", "bicycle_final/100001_0.JPG", "../elsewhere/x.jpg", "line 2"),
+             "inshop": ("Eval/list_eval_partition.txt", "img/WOMEN/Dresses/id_00000001/00_1_front.jpg", str(x), "line 3"),
+             "vehicleid": ("train_test_split/train_list.txt", "00000001 1", "../../elsewhere/x 1", "line 1")}
+    for name, (index, good, evil, line) in cases.items():
+        root = write_fake_dataset(name, tmp_path / name, n_classes=4, per_class=2)
+        (root / index).write_text((root / index).read_text().replace(good, evil, 1))
+        with pytest.raises(DatasetFormatError, match=f"{index}, {line}: image path .* leads outside the dataset root"):
+            read_index(name, root, "train")
+
+
+def test_an_outside_path_in_cars_annos_is_refused(tmp_path):
+    from scipy.io import loadmat, savemat
+    from dml_nb.checks import write_fake_dataset
+    from dml_nb.formats import DatasetFormatError, read_index
+    root = write_fake_dataset("cars196", tmp_path / "cars", n_classes=4, per_class=2)
+    mat = loadmat(root / "cars_annos.mat")
+    mat["annotations"][0, 0]["relative_im_path"] = np.array(["/etc/passwd"])
+    savemat(root / "cars_annos.mat", {k: v for k, v in mat.items() if not k.startswith("__")})
+    with pytest.raises(DatasetFormatError, match="annotation 1: image path '/etc/passwd' leads outside the dataset root"):
+        read_index("cars196", root, "train" if int(mat["annotations"][0, 0]["class"].item()) <= 2 else "test")
+
+
+def test_a_cub_classes_txt_that_is_a_folder_is_one_line(tmp_path, params, capsys):
+    root = cub(tmp_path)
+    (root / "classes.txt").unlink(); (root / "classes.txt").mkdir()
+    code, _, err = cli(capsys, params, "--set", "data.name=cub200", "--set", f"data.root={root.parent}",
+                       "-o", tmp_path / "run", "--no-progress")
+    assert code == 2 and "classes.txt is a folder, not a file; expected" in one_line_error(err)   # was IsADirectoryError
+    assert not (tmp_path / "run").exists()
+
+
+# 8. weak spots -------------------------------------------------------------------------------------------------------
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, params, capsys):
+    bomb = tmp_path / "bomb.yaml"; bomb.write_text(BOMB)
+    assert len(BOMB) < 600                                                  # the issue's was 572 bytes; 9**9 values
+    code, _, err = cli(capsys, params, bomb, "-o", tmp_path / "run")
+    assert code == 2 and "its aliases (*name) expand to more than 100,000 values" in one_line_error(err)   # was a hang
+    assert not (tmp_path / "run").exists()
+    a = tmp_path / "a.yaml"; a.write_text("train: &t {epochs: 1, lr: 0.01}\n")   # anchors that stay small still read
+    assert load_config(a).train.epochs == 1
+    with pytest.raises(ConfigError, match="aliases"):
+        from dml_nb.config import parse_yaml
+        parse_yaml(BOMB, "bomb")
+
+
+def test_an_empty_parameter_file_is_an_error_not_every_default(tmp_path, params, capsys):
+    empty = tmp_path / "empty.yaml"; empty.write_text("# my settings\n\n")
+    code, _, err = cli(capsys, empty, "-o", tmp_path / "run")
+    assert code == 2 and "empty.yaml is empty (no option is set): write the options to change, or '{}'" in one_line_error(err)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "all.yaml").write_text("{}\n")
+    assert load_config(tmp_path / "all.yaml") == make_config({})           # every default, said so
+
+
+def test_samples_per_class_above_a_class_size_warns_naming_the_classes(tmp_path):
+    from dml_nb.checks import write_fake_dataset
+    from dml_nb.experiment import build_learner
+    root = write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
+    f = root / "Ebay_train.txt"
+    f.write_text("\n".join(l for l in f.read_text().splitlines() if not l.startswith("2 1 ")) + "\n")   # class 1: 2 images
+    cfg = {**TINY, "data": {"name": "sop", "root": str(root), "size": 32, "preset": "small"},
+           "train": {**TINY["train"], "batch_size": 6, "samples_per_class": 3}}
+    with pytest.warns(UserWarning, match=r"train.samples_per_class is 3, but 1 of 2 training classes have fewer "
+                                         r"images: 1 \(2\) \(class id \(images\)\)"):
+        build_learner(make_config(cfg), progress=False)
+
+
+@pytest.mark.parametrize("scale", [1e18, 1e20, 1e30, 1e-30])
+def test_recall_at_k_of_huge_or_tiny_embeddings_is_that_of_the_same_directions(scale):
+    from dml_nb.metrics import map_at_r, recall_at_k
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(300, 512, generator=g), torch.arange(300) % 30
+    assert recall_at_k(x * scale, y, (1, 2, 4)) == recall_at_k(x, y, (1, 2, 4))    # 1e18 in 512 dims overflowed float32
+    assert map_at_r(x * scale, y) == map_at_r(x, y)
+    q = torch.randn(40, 512, generator=g)
+    assert recall_at_k(q * scale, y[:40], (1,), x * scale, y) == recall_at_k(q, y[:40], (1,), x, y)
+
+
+def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
+    import dml_nb.repro as R
+    nb = R.setup("repro_table3", table3_params())
+    monkeypatch.setattr(R, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
+    nb.run({"A": {"train": {"epochs": 100}, "method": {"name": "baseline"}},
+            "B": {"train": {"epochs": 350}, "method": {"name": "baseline"}}})
+    assert nb.note().startswith("Ours: finegrained, small_cnn, 100-350 epochs, seeds [0, 1, 2]")   # was "4 epochs"
