@@ -217,7 +217,8 @@ def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
 
 # %% ../nbs/01_data.ipynb #075af53b
 _OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": (),
-            "finegrained": ("images_per_class", "seed", "num_classes")}
+            "finegrained": ("images_per_class", "seed", "num_classes"),
+            "finegrained_novel": ("images_per_class", "seed", "num_classes")}
 ON_UNREADABLE = (None, "error", "skip")
 
 def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str, progress: bool = True):
@@ -249,9 +250,9 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
         tsize = (size or 32) if PRESET_ALIASES.get(preset, preset) == "small_cnn" else size
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
-        if name == "finegrained":
+        if name in ("finegrained", "finegrained_novel"):
             from dml_nb.finegrained import make_finegrained   # imported here: dml_nb.finegrained builds on this module
-            ds = make_finegrained(split, size=size or 32, **options)
+            ds = make_finegrained(split, size=size or 32, layout="novel" if name == "finegrained_novel" else "shared", **options)
         else: ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"
                     else make_digits(split, size=size or 32))
         ds.transform = transform

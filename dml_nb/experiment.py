@@ -67,8 +67,8 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     from dml_nb.data import add_label_noise, load_dataset
     d = cfg.data
     opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}   # the backbone's own preprocessing
-    if d.name in ("shapes", "finegrained") and d.images_per_class: opts["images_per_class"] = d.images_per_class
-    if d.name in ("shapes", "finegrained"): opts["seed"] = 0   # the data set itself does not change with the run's seed
+    if d.name in ("shapes", "finegrained", "finegrained_novel") and d.images_per_class: opts["images_per_class"] = d.images_per_class
+    if d.name in ("shapes", "finegrained", "finegrained_novel"): opts["seed"] = 0   # the data set itself does not change with the run's seed
     kw = {"root": _data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress} if d.name in REAL_DATASETS else {}
     def load(split, **extra):
         try: ds = load_dataset(d.name, split=split, **kw, **opts, **extra)

@@ -13,8 +13,8 @@ from .registry import unknown_name_error
 from .data import SHAPES, TEXTURES, ArrayDataset, _hsv_to_rgb, _shape_mask, _texture
 
 # %% auto #0
-__all__ = ['PALETTES', 'PARTS', 'FACTORS', 'FINEGRAINED_SPLITS', 'CLASSES_PER_SPLIT', 'factor_grid', 'finegrained_classes',
-           'render_finegrained', 'make_finegrained']
+__all__ = ['PALETTES', 'PARTS', 'FACTORS', 'FINEGRAINED_SPLITS', 'CLASSES_PER_SPLIT', 'LAYOUTS', 'NOVEL_FAMILY', 'factor_grid',
+           'finegrained_classes', 'render_finegrained', 'make_finegrained', 'novel_classes']
 
 # %% ../nbs/01c_finegrained.ipynb #c3317f65
 PALETTES = {"red/yellow": (0.0, 0.15), "orange/blue": (0.08, 0.62), "yellow/purple": (0.15, 0.78),
@@ -97,18 +97,44 @@ def _rendered(classes: tuple, images_per_class: int, size: int, seed: int) -> np
     "The images of `classes`, rendered once per process: a notebook's many runs on one split share them (callers copy)."
     return np.concatenate([render_finegrained(c, images_per_class, size, seed) for c in classes])
 
+LAYOUTS = {"shared": "finegrained", "novel": "finegrained_novel"}   # layout -> the dataset's name
+
 def make_finegrained(split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0,
-                     num_classes: int | None = None) -> ArrayDataset:
-    "Split `split` of `finegrained`: its first `num_classes` classes (default all), `images_per_class` images of `size` px."
-    classes = finegrained_classes(split)
+                     num_classes: int | None = None, layout: str = "shared") -> ArrayDataset:
+    """Split `split` of `finegrained` (`layout="shared"`) or of `finegrained_novel` (`"novel"`, below): its first
+    `num_classes` classes (default all), `images_per_class` images of `size` px."""
+    if layout not in LAYOUTS: raise unknown_name_error("finegrained layout", layout, LAYOUTS)
+    name = LAYOUTS[layout]
+    classes = finegrained_classes(split) if layout == "shared" else novel_classes(split)
     if num_classes is not None:
         if not 2 <= num_classes <= len(classes):
-            raise ValueError(f"num_classes of finegrained/{split} must be between 2 and {len(classes)}, got {num_classes}")
+            raise ValueError(f"num_classes of {name}/{split} must be between 2 and {len(classes)}, got {num_classes}")
         classes = classes[:num_classes]
     if not 32 <= size <= 64: raise ValueError(f"finegrained size must be between 32 and 64 px, got {size}")
     if images_per_class < 2: raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
     images = _rendered(tuple(int(c) for c in classes), images_per_class, size, seed).copy()
     cls = np.repeat(classes, images_per_class)
     f = factor_grid()[cls]
-    return ArrayDataset(images, cls, name="finegrained", split=split, shape_ids=f[:, 0], texture_ids=f[:, 1],
+    return ArrayDataset(images, cls, name=name, split=split, shape_ids=f[:, 0], texture_ids=f[:, 1],
                         palette_ids=f[:, 2], part_ids=f[:, 3])
+
+# %% ../nbs/01c_finegrained.ipynb #0748d941
+NOVEL_FAMILY = {"shape": ("crescent", "diamond", "heart", "arrow"), "texture": ("rings", "grid", "waves", "zigzag")}
+_NOVEL_LAYOUT_SEED = 2025
+
+def _novel_masks() -> tuple[np.ndarray, np.ndarray]:
+    "(in the family: every factor of `NOVEL_FAMILY` takes one of its values, in the pool: none does), one per class id."
+    grid = factor_grid()
+    novel = [np.isin(grid[:, i], [values.index(v) for v in NOVEL_FAMILY[f]])
+             for i, (f, values) in enumerate(FACTORS.items()) if f in NOVEL_FAMILY]
+    return np.logical_and.reduce(novel), ~np.logical_or.reduce(novel)
+
+def novel_classes(split: str) -> np.ndarray:
+    """Class ids of `split` of `finegrained_novel`: one fixed shuffle of all combinations; the family's first 100 train,
+    its next 100 test; the pretraining pool is every combination that uses none of the family's values."""
+    if split not in FINEGRAINED_SPLITS: raise unknown_name_error("split of 'finegrained_novel'", split, FINEGRAINED_SPLITS)
+    family, pool = _novel_masks()
+    order = np.random.default_rng(_NOVEL_LAYOUT_SEED).permutation(len(family))
+    if split == "pretrain": return order[pool[order]]
+    start = {"train": 0, "test": CLASSES_PER_SPLIT}[split]
+    return order[family[order]][start:start + CLASSES_PER_SPLIT]

@@ -18,12 +18,14 @@ __all__ = ['DATASETS', 'REAL_DATASETS', 'SPLITS', 'EXPECTED_FILES', 'RELEASES', 
            'read_inshop', 'inshop_test_classes', 'read_vehicleid', 'read_index']
 
 # %% ../nbs/01a_formats.ipynb #b4624a2f
-DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained")
+DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained",
+            "finegrained_novel")
 REAL_DATASETS = DATASETS[:5]
 SPLITS = {"cub200": ("train", "test"), "cars196": ("train", "test"), "sop": ("train", "test"),
           "inshop": ("train", "test", "query", "gallery"),
           "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
-          "shapes": ("train", "test"), "digits": ("train", "test"), "finegrained": ("train", "test")}
+          "shapes": ("train", "test"), "digits": ("train", "test"), "finegrained": ("train", "test"),
+          "finegrained_novel": ("train", "test")}
 # what a dataset root holds, as its authors distribute it (for the error when it is missing)
 EXPECTED_FILES = {"cub200": ["CUB_200_2011/images.txt", "CUB_200_2011/classes.txt",
                              "CUB_200_2011/image_class_labels.txt", "CUB_200_2011/images/"],

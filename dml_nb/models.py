@@ -310,7 +310,8 @@ class SmallCNN(Backbone):
     "Four conv-(pool)-BN-ReLU blocks (widths w, 2w, 4w, feature_dim) and global pooling, for small images on a CPU."
     def __init__(self, pretrained=None, width: int = 32, feature_dim: int = 256, in_channels: int = 3,
                  input_size: int = 32, pooling: str = "avg", frozen_bn: bool = False, frozen_bn_affine: bool = False,
-                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5)):
+                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5),
+                 weights: str = "fgpool"):   # which shipped weights pretrained=True loads (dml_nb.pretrain.RECIPES)
         super().__init__(pooling, frozen_bn, frozen_bn_affine)
         if width < 1 or feature_dim < 1: raise ValueError(f"width and feature_dim must be >= 1, got {width}, {feature_dim}")
         if len(mean) != in_channels or len(std) != in_channels:
@@ -324,16 +325,18 @@ class SmallCNN(Backbone):
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
         self.preprocessing = replace(self.preprocessing_for(input_size), mean=tuple(mean), std=tuple(std))
-        pretrained = self.weights_for(pretrained, "small_cnn", width=width, feature_dim=feature_dim, in_channels=in_channels)
+        pretrained = self.weights_for(pretrained, "small_cnn", width=width, feature_dim=feature_dim, in_channels=in_channels,
+                                      weights=weights)
         self._finish(pretrained, "small_cnn")
 
     @classmethod
     def weights_for(cls, pretrained, name: str = "small_cnn", width: int = 32, feature_dim: int = 256,
-                    in_channels: int = 3, **_) -> Path | None:
-        "`pretrained=True`: the weights shipped in the package (`dml_nb.pretrain`), their checksum and options checked."
+                    in_channels: int = 3, weights: str = "fgpool", **_) -> Path | None:
+        """`pretrained=True`: the weights shipped in the package as `small_cnn_<weights>.pt` (`dml_nb.pretrain`: `fgpool`
+        for `finegrained`, `novelpool` for `finegrained_novel`), their checksum and options checked."""
         if pretrained is True:
             from dml_nb.pretrain import shipped_weights
-            return shipped_weights(width, feature_dim, in_channels)
+            return shipped_weights(width, feature_dim, in_channels, tag=weights)
         return super().weights_for(pretrained, name)
 
     @classmethod
@@ -341,7 +344,7 @@ class SmallCNN(Backbone):
         "`pretrained=True`: the sha256 of the shipped weights, so that regenerated weights give new run folders."
         if pretrained is not True: return None
         from dml_nb.pretrain import shipped_checksum
-        return shipped_checksum()
+        return shipped_checksum(tag=options.get("weights", "fgpool"))
 
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:

@@ -20,7 +20,7 @@ from .metrics import recall_at_k
 from .models import build_backbone
 
 # %% auto #0
-__all__ = ['TAG', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pretrain', 'save_weights', 'shipped_weights',
+__all__ = ['TAG', 'RECIPES', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pretrain', 'save_weights', 'shipped_weights',
            'shipped_checksum', 'main', 'feature_recall']
 
 # %% ../nbs/04c_pretrain.ipynb #85990034
@@ -39,8 +39,11 @@ class PretrainRecipe:
     weight_decay: float = 5e-4
     seed: int = 0
     threads: int = 2                # part of the recipe: the bytes depend on it
+    layout: str = "shared"          # whose pool: finegrained's ("shared") or finegrained_novel's ("novel")
 
 TAG = "fgpool"                      # the shipped file: dml_nb/weights/small_cnn_fgpool.pt
+RECIPES = {TAG: PretrainRecipe(),    # small_cnn_<tag>.pt: `model.options.weights` of small_cnn picks one
+           "novelpool": PretrainRecipe(num_classes=300, images_per_class=16, epochs=3, threads=1, layout="novel")}
 WEIGHTS_DIR = Path(dml_nb.__file__).parent / "weights"
 
 # %% ../nbs/04c_pretrain.ipynb #e2e606b8
@@ -82,8 +85,9 @@ def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -
     "Train `small_cnn` on the pretraining pool as `recipe` says; returns (backbone, measurements)."
     r, threads, det = recipe, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     t0 = time.perf_counter()
-    pool = make_finegrained("pretrain", r.images_per_class, r.size, seed=r.seed, num_classes=r.num_classes)
-    held = make_finegrained("pretrain", r.heldout_per_class, r.size, seed=r.seed + 1, num_classes=r.num_classes)
+    pool = make_finegrained("pretrain", r.images_per_class, r.size, seed=r.seed, num_classes=r.num_classes, layout=r.layout)
+    held = make_finegrained("pretrain", r.heldout_per_class, r.size, seed=r.seed + 1, num_classes=r.num_classes,
+                            layout=r.layout)
     stats = {"generate_s": time.perf_counter() - t0}
     try:
         torch.set_num_threads(r.threads); torch.use_deterministic_algorithms(True)
@@ -99,6 +103,7 @@ def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -
 
 # %% ../nbs/04c_pretrain.ipynb #16415506
 def _sha256(path: Path) -> str: return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def _command(tag: str) -> str: return "python -m dml_nb.pretrain" + ("" if tag == TAG else f" --tag {tag}")
 def _files(folder, tag) -> tuple[Path, Path, Path]:
     p = Path(folder) / f"small_cnn_{tag}.pt"
     return p, p.with_name(p.name + ".sha256"), p.with_suffix(".json")
@@ -112,7 +117,7 @@ def save_weights(backbone: nn.Module, recipe: PretrainRecipe, heldout_accuracy: 
     sha.write_text(f"{_sha256(pt)}  {pt.name}\n")
     info = {"options": {"width": recipe.width, "feature_dim": recipe.feature_dim, "in_channels": 3},
             "recipe": asdict(recipe), "heldout_accuracy": round(heldout_accuracy, 4), "torch": torch.__version__,
-            "regenerate": "python -m dml_nb.pretrain"}
+            "regenerate": _command(tag)}
     meta.write_text(json.dumps(info, indent=1) + "\n")
     return pt
 
@@ -121,9 +126,12 @@ def shipped_weights(width: int = 32, feature_dim: int = 256, in_channels: int = 
                     folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> Path:
     "The shipped weights file for a `small_cnn` of these options, checked against its checksum and recipe."
     pt, sha, meta = _files(folder, tag)
+    if Path(folder) == WEIGHTS_DIR and tag not in RECIPES:
+        raise ValueError(f"no shipped small_cnn weights are called {tag!r}; the package ships {', '.join(RECIPES)} "
+                         "(small_cnn's option `weights`), or pass a file of your own as pretrained")
     if not (pt.is_file() and sha.is_file() and meta.is_file()):
         raise FileNotFoundError(f"the pretrained small_cnn weights {pt} (with {sha.name} and {meta.name}) are not "
-                                "there; regenerate them with `python -m dml_nb.pretrain` (or restore dml_nb/weights/ "
+                                f"there; regenerate them with `{_command(tag)}` (or restore dml_nb/weights/ "
                                 "from git), or use pretrained=None")
     want = {"width": width, "feature_dim": feature_dim, "in_channels": in_channels}
     have = json.loads(meta.read_text())["options"]
@@ -135,7 +143,7 @@ def shipped_weights(width: int = 32, feature_dim: int = 256, in_channels: int = 
     if actual != expected:
         raise ValueError(f"{pt} does not match its checksum ({sha.name}: {expected[:12]}..., file: {actual[:12]}...): "
                          "the file is damaged or was rewritten; restore it with `git checkout dml_nb/weights/`, or "
-                         "regenerate it and its checksum with `python -m dml_nb.pretrain`")
+                         f"regenerate it and its checksum with `{_command(tag)}`")
     return pt
 
 def shipped_checksum(folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> str | None:
@@ -150,15 +158,16 @@ def main(argv: list[str] | None = None) -> None:
                                 "(the stand-in for ImageNet) bit-identically on CPU.")
     p.add_argument("--out", default=str(WEIGHTS_DIR), help="folder for the weights (default: the package's)")
     p.add_argument("--check", action="store_true", help="regenerate into a temporary folder and compare with --out")
+    p.add_argument("--tag", default=TAG, choices=list(RECIPES), help=f"which shipped recipe (default: {TAG})")
     a = p.parse_args(argv)
-    recipe = PretrainRecipe()
+    recipe = RECIPES[a.tag]
     net, stats = pretrain(recipe)
     if a.check:
         import tempfile
         with tempfile.TemporaryDirectory() as d:
-            new = _sha256(save_weights(net, recipe, stats["heldout_accuracy"], d))
-        stats["identical"] = new == _files(a.out, TAG)[1].read_text().split()[0]
-    else: stats["file"] = str(save_weights(net, recipe, stats["heldout_accuracy"], a.out))
+            new = _sha256(save_weights(net, recipe, stats["heldout_accuracy"], d, a.tag))
+        stats["identical"] = new == _files(a.out, a.tag)[1].read_text().split()[0]
+    else: stats["file"] = str(save_weights(net, recipe, stats["heldout_accuracy"], a.out, a.tag))
     print(json.dumps(stats, indent=1))
     if a.check and not stats["identical"]: raise SystemExit("the regenerated weights differ from the shipped file")
 

@@ -25,13 +25,14 @@ from .config import ConfigError, make_config, merge_layers
 from .viz import markdown_table, save_figure, set_style
 
 # %% auto #0
-__all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'SECTIONS', 'CONFIG_SECTIONS', 'OUTPUT_KEYS', 'paper_variant',
-           'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner',
-           'portable', 'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table',
-           'collect_runs', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'user_folder', 'text_progress']
+__all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'SECTIONS', 'CONFIG_SECTIONS', 'OUTPUT_KEYS',
+           'paper_variant', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one',
+           'load_learner', 'portable', 'job_config', 'run_rows', 'reported_as', 'summarize', 'paper_numbers', 'compare',
+           'write_table', 'collect_runs', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'user_folder',
+           'text_progress']
 
 # %% ../nbs/10_repro.ipynb #485c4a64
-EMBEDDED = ("finegrained", "shapes", "digits")   # the data sets made here: every notebook's default run
+EMBEDDED = ("finegrained", "shapes", "digits", "finegrained_novel")   # the data sets made here: every notebook's default run
 
 def paper_variant(raw: Mapping) -> str | None:
     "None for a run on embedded data; else '<dataset>-<backbone>': the folder a paper-scale run's figures go to."
@@ -76,13 +77,22 @@ def base_config(dataset: str = "shapes", data: Mapping | None = None, model: Map
                 train: Mapping | None = None, eval: Mapping | None = None) -> dict:
     """The notebook's base config: `FINEGRAINED_BASE` for `finegrained`, `SHAPES_BASE` for the other embedded sets (and
     the model and schedule of the paper datasets until their parameter files replace them), overridden by the given sections."""
-    raw = copy.deepcopy(FINEGRAINED_BASE if dataset == "finegrained" else SHAPES_BASE)
-    if dataset not in ("shapes", "finegrained"): raw["data"] = {"name": dataset}
+    raw = copy.deepcopy(FINEGRAINED_BASE if dataset == "finegrained" else NOVEL_BASE if dataset == "finegrained_novel"
+                        else SHAPES_BASE)
+    if dataset not in ("shapes", "finegrained", "finegrained_novel"): raw["data"] = {"name": dataset}
     if dataset == "digits":   # five training classes: a batch of 40 = 5 classes x 8 images
         raw["train"].update(batch_size=40, samples_per_class=8)
     for sec, upd in (("data", data), ("model", model), ("train", train), ("eval", eval)):
         if upd: raw = merge_layers(raw, {sec: dict(upd)})
     return raw
+
+# %% ../nbs/10_repro.ipynb #bf4283d8
+NOVEL_BASE = {   # regime v2 (#37): training matters; chosen on the margin baseline alone, nbs/10b_regime.ipynb
+    "data": {"name": "finegrained_novel", "images_per_class": 16, "size": 32},
+    "model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 32, "feature_dim": 256, "weights": "novelpool"}},
+    "train": {"epochs": 8, "batch_size": 60, "samples_per_class": 4, "lr": 3e-3, "weight_decay": 4e-4, "schedule": {"kind": "cosine"}},
+    "eval": {"every": 8, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"], "nmi_seeds": 3},
+}
 
 # %% ../nbs/10_repro.ipynb #b0c6ae1d
 def _shrink_options(cls, m: dict) -> None:
@@ -98,7 +108,7 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     raw = copy.deepcopy(dict(raw))
     if not (force or in_test()): return raw
     data = raw.setdefault("data", {})
-    if data.get("name", "shapes") in ("shapes", "finegrained"): data["images_per_class"] = 6
+    if data.get("name", "shapes") in ("shapes", "finegrained", "finegrained_novel"): data["images_per_class"] = 6
     t = raw.setdefault("train", {})
     t["epochs"] = min(int(t.get("epochs", 2)), 2); t["batches_per_epoch"] = 2
     raw.setdefault("eval", {})["every"] = t["epochs"]

@@ -63,3 +63,35 @@ def test_config_images_per_class_reaches_the_finegrained_set():
     from dml_nb.experiment import build_datasets
     train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)
     assert len(train) == 100 * 4 and len(evals["test"]) == 100 * 4
+
+
+def test_novel_family_is_never_shown_to_the_pretraining_pool():
+    "`finegrained_novel`: train and test are combinations of the family's shapes and textures, the pool uses none of them."
+    from dml_nb.finegrained import NOVEL_FAMILY, novel_classes
+    sets = {s: novel_classes(s) for s in ("train", "test", "pretrain")}
+    assert [len(v) for v in sets.values()] == [CLASSES_PER_SPLIT, CLASSES_PER_SPLIT, 8 * 6 * 8 * 4]
+    assert len(np.unique(np.concatenate(list(sets.values())))) == 2 * CLASSES_PER_SPLIT + 8 * 6 * 8 * 4   # disjoint
+    grid = factor_grid()
+    for f, values in NOVEL_FAMILY.items():
+        i, ids = list(FACTORS).index(f), {FACTORS[f].index(v) for v in values}
+        assert set(grid[sets["pretrain"], i]).isdisjoint(ids)
+        assert set(grid[sets["train"], i]) == ids == set(grid[sets["test"], i])   # every family value, in both splits
+    for i, f in enumerate(FACTORS):   # palettes and parts are shared, as colour is between ImageNet and birds
+        if f not in NOVEL_FAMILY: assert len(np.unique(grid[sets["pretrain"], i])) == len(FACTORS[f])
+    np.testing.assert_array_equal(novel_classes("test"), sets["test"])   # fixed, no seed involved
+    np.testing.assert_array_equal(finegrained_classes("train")[:3], [3354, 1351, 489])   # finegrained's layout unchanged
+
+
+def test_finegrained_novel_loads_by_name_and_from_a_config():
+    from dml_nb.experiment import build_datasets
+    from dml_nb.finegrained import novel_classes
+    ds = load_dataset("finegrained_novel", split="test", images_per_class=2, num_classes=3)
+    assert ds.name == "finegrained_novel" and set(ds.class_ids) == set(novel_classes("test")[:3])
+    assert ds[0][0].shape == (3, 32, 32)
+    np.testing.assert_array_equal(make_finegrained("train", 2, num_classes=2, layout="novel").images,
+                                  load_dataset("finegrained_novel", images_per_class=2, num_classes=2).images)
+    train, evals = build_datasets(make_config({"data": {"name": "finegrained_novel", "images_per_class": 3}}), progress=False)
+    assert len(train) == 100 * 3 and len(evals["test"]) == 100 * 3 and set(train.class_ids) == set(novel_classes("train"))
+    with pytest.raises(ValueError, match="novel, shared"): make_finegrained("train", layout="other")
+    with pytest.raises(ValueError, match="finegrained_novel/test must be between 2 and 100"):
+        make_finegrained("test", num_classes=101, layout="novel")

@@ -59,3 +59,33 @@ def test_the_shipped_weights_checksum_is_part_of_the_run_hash(monkeypatch):
     monkeypatch.setattr("dml_nb.pretrain.shipped_checksum", lambda *a, **k: "0" * 64)   # regenerated weights
     assert run_dir_for(make_config(raw)) != before
     assert run_dir_for(make_config(scratch)) == scratch_before
+
+
+def test_novelpool_ships_loads_offline_and_differs_from_fgpool():
+    "`finegrained_novel`'s weights: small_cnn's option `weights` picks them, checked and loaded with weights_only."
+    from dml_nb.pretrain import RECIPES
+    assert RECIPES["novelpool"].layout == "novel" and RECIPES["fgpool"] == PretrainRecipe()   # fgpool's recipe unchanged
+    pt, sha, meta = _files(WEIGHTS_DIR, "novelpool")
+    assert sha.read_text().split()[0] == _sha256(pt) and pt.stat().st_size < 4 * 2**20
+    assert shipped_weights(tag="novelpool") == pt
+    net = build_backbone("small_cnn", pretrained=True, weights="novelpool")
+    ref, old = torch.load(pt, weights_only=True), build_backbone("small_cnn", pretrained=True).state_dict()
+    torch.testing.assert_close(net.state_dict()["body.0.weight"], ref["body.0.weight"])
+    assert not torch.equal(ref["body.0.weight"], old["body.0.weight"])
+    with pytest.raises(ValueError, match="fgpool, novelpool"): build_backbone("small_cnn", pretrained=True, weights="imagenet")
+
+
+def test_each_shipped_file_has_its_own_run_hash():
+    from dml_nb.config import make_config
+    from dml_nb.experiment import run_dir_for
+    raw = {"data": {"name": "finegrained_novel", "images_per_class": 4}, "model": {"backbone": "small_cnn", "pretrained": True}}
+    novel = {**raw, "model": {**raw["model"], "options": {"weights": "novelpool"}}}
+    assert run_dir_for(make_config(raw)) != run_dir_for(make_config(novel))
+
+
+def test_a_novel_layout_recipe_pretrains_on_the_novel_pool(tmp_path):
+    "A tiny recipe of the novel layout is deterministic and differs from the shared layout's (another pool)."
+    novel = replace(TINY, layout="novel")
+    a, b, c = (save_weights(pretrain(r, progress=False)[0], r, 0.0, tmp_path / n).read_bytes()
+               for n, r in (("a", novel), ("b", novel), ("c", TINY)))
+    assert a == b and a != c
