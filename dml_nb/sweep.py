@@ -413,6 +413,7 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
     if not (args.plan or args.launch or args.collect_only): return None
     root = Path(root) if root is not None else project_root()
     notebooks = list(args.notebooks) or [p.stem for p in _reproduction_notebooks(root)]
+    if not notebooks: raise FileNotFoundError(f"no reproduction notebooks in {root / 'nbs'}: run dml-reproduce in the project's folder")
     pp = dict(params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root)
     plan = None
     if args.plan or (args.launch and not args.from_plan):
@@ -437,7 +438,13 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
         if args.no_collect: return 0
     if args.collect_only or args.launch:
         import papermill
-        try: collect(notebooks if (args.notebooks or plan is None) else plan.notebooks, **pp)
+        from dml_nb.reproduce import reproduce
+        defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
+        names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
+        try:
+            if defaults:   # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
+                with collecting(): reproduce(names, force=True, root=root)
+            else: collect(names, **pp)
         except papermill.PapermillExecutionError as e:
             print(f"dml-reproduce: collect-only stopped: {e.ename}: {e.evalue}", file=sys.stderr)
             return 2

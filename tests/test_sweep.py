@@ -93,8 +93,58 @@ def test_readme_cluster_workflow_on_the_local_launcher(tmp_path):
     plan_json = tmp_path / "plan.json"
     assert reproduce_main([nb, "--plan", "--runs-dir", str(runs), "--plan-dir", str(tmp_path / "plan"), "--json", str(plan_json)]) == 0
     plan = Plan.load(plan_json)
-    assert plan.jobs and all(j.status == "pending" for j in plan.jobs) and not runs.exists() or not any(runs.iterdir())
+    assert plan.jobs and all(j.status == "pending" for j in plan.jobs)
+    assert not runs.exists() or not any(runs.iterdir()), "planning trains nothing"
     assert reproduce_main([nb, "--launch", "local", "--workers", "2", "--from-plan", str(plan_json), "--no-collect"]) == 0
     assert reproduce_main([nb, "--collect-only", "--runs-dir", str(runs)]) == 0
     assert {p for p in runs.iterdir() if p.is_dir()} == {Path(j.run_dir) for j in plan.jobs}
     assert all((Path(j.run_dir) / "done").exists() for j in plan.jobs)
+
+
+def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
+    "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/10c_sweep.ipynb."
+    pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
+    from dml_nb.sweep import slurm_executor
+    plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
+    ex = slurm_executor(tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus=0, cpus=1, cluster="local")
+    launch(plan, "slurm", threads=1, executor=ex, progress=False)
+    for job, name in zip(plan.jobs, _configs()): _same_runs(Path(job.run_dir), sequential[name])
+
+
+def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
+    "No GPU here: the commands and environments the multi_gpu launcher starts are recorded by a stand-in for Popen."
+    import dml_nb.sweep as S
+    started, busy = [], set()
+    class FakeProcess:
+        def __init__(self, cmd, env, stdout, stderr):
+            gpu = env["CUDA_VISIBLE_DEVICES"]
+            assert gpu not in busy, "two processes on one GPU"
+            busy.add(gpu); started.append((cmd, gpu, env["OMP_NUM_THREADS"])); self.cmd, self.gpu, self.polls = cmd, gpu, 0
+            self.returncode = None
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2: return None
+            run_dir = Path(self.cmd[self.cmd.index("-o") + 1]); run_dir.mkdir(parents=True); (run_dir / "done").write_text("")
+            busy.discard(self.gpu); self.returncode = 0
+            return 0
+    monkeypatch.setattr(S.subprocess, "Popen", FakeProcess)
+    configs = _configs(seeds=(0, 1, 2))
+    plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
+    launch(plan, "multi_gpu", gpus=["0", "3"], threads=4, progress=False)
+    assert [c[3:] for c, _, _ in started] == [j.command(plan.plan_dir)[1:] for j in plan.jobs]   # dml-train's arguments, in plan order
+    assert all(c[:3] == [sys.executable, "-c", S._DML_TRAIN] for c, _, _ in started)
+    assert [g for _, g, _ in started[:2]] == ["0", "3"] and {g for _, g, _ in started} == {"0", "3"}
+    assert {t for _, _, t in started} == {"4"} and len(started) == 6
+
+
+def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypatch):
+    "The sbatch header submitit writes for the launcher's options (a stand-in `srun` on PATH: submitit looks for it)."
+    pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
+    from dml_nb.sweep import slurm_executor
+    (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n"); (tmp_path / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    ex = slurm_executor(tmp_path / "slurm", partition="gpu", time_min=720, gpus=2, mem_gb=64, cpus=10, parallel=4, cluster="slurm")
+    text = ex._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")   # submitit's own sbatch file
+    for line in ("--partition=gpu", "--time=720", "--gpus-per-node=2", "--mem=64GB", "--cpus-per-task=10", "--job-name=dml-train"):
+        assert f"#SBATCH {line}\n" in text, line
+    assert ex._executor.parameters["array_parallelism"] == 4
