@@ -148,3 +148,13 @@ def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypa
     for line in ("--partition=gpu", "--time=720", "--gpus-per-node=2", "--mem=64GB", "--cpus-per-task=10", "--job-name=dml-train"):
         assert f"#SBATCH {line}\n" in text, line
     assert ex._executor.parameters["array_parallelism"] == 4
+
+
+def test_dml_runs_is_the_default_run_cache(tmp_path, monkeypatch):
+    "Every worker and notebook finds the shared cache through $DML_RUNS; an explicit runs_dir still wins."
+    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
+    (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
+    monkeypatch.chdir(tmp_path)
+    assert output_dirs()[1] == tmp_path / "runs"
+    monkeypatch.setenv("DML_RUNS", str(tmp_path / "shared"))
+    assert output_dirs()[1] == tmp_path / "shared" and output_dirs(runs_dir=tmp_path / "mine")[1] == tmp_path / "mine"
