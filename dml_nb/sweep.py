@@ -437,8 +437,11 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
     elif args.from_plan: plan = Plan.load(args.from_plan)
     if plan is not None:
         import pandas as pd
-        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-            print(plan.table().drop(columns=["command"]).to_string(index=False))
+        table = plan.table().drop(columns=["command"])
+        table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
+        with pd.option_context("display.max_colwidth", 80, "display.width", 200): print(table.to_string(index=False))
+        for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
+            print(f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)")
         print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
         if args.json_out: plan.save(args.json_out)
     if args.launch:
