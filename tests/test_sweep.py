@@ -65,6 +65,14 @@ def test_a_failed_run_is_named_with_its_log(tmp_path):
     assert str(f.log) in str(e.value) and plan.jobs[0].uses[0] in str(e.value)
 
 
+def test_a_failed_launch_exits_non_zero_naming_runs_and_logs(tmp_path, capsys):
+    plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
+    plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")
+    assert reproduce_main(["--launch", "local", "--from-plan", str(tmp_path / "plan" / "plan.json"), "--no-collect"]) == 1
+    err = capsys.readouterr().err
+    assert "these runs failed" in err and str(plan.jobs[0].log_file(plan.plan_dir)) in err and plan.jobs[0].uses[0] in err
+
+
 def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
     configs = _configs(epochs=4, batches=6, seeds=(0,))
     plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
