@@ -195,7 +195,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
     """Run every row for every seed (smoke size under nbdev_test). Returns the per-seed frame that `collect_runs`
     reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained."""
-    from .sweep import sweep_mode
+    from dml_nb.sweep import sweep_mode
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
     results, skipped, mode = {}, {}, sweep_mode()
     bar = tqdm([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)

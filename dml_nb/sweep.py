@@ -4,7 +4,7 @@
 
 # %% ../nbs/10c_sweep.ipynb #978cfa7a
 from __future__ import annotations
-import json, os, subprocess, sys, tempfile, time
+import json, os, shutil, subprocess, sys, tempfile, time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -20,10 +20,10 @@ from .experiment import load_result, run_dir_for
 
 
 # %% auto #0
-__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'LAUNCHERS', 'MissingRunsError', 'SweepMode', 'sweep_mode', 'collecting', 'Job', 'Plan',
-           'notebook_parameters', 'execute', 'plan_configs', 'plan_notebook', 'Failure', 'SweepFailed', 'local_slots',
-           'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'add_sweep_arguments',
-           'sweep_command']
+__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'LAUNCHERS', 'MissingRunsError', 'PlanStop', 'SweepMode', 'sweep_mode', 'collecting', 'Job',
+           'Plan', 'notebook_parameters', 'execute', 'plan_configs', 'plan_notebook', 'Failure', 'SweepFailed',
+           'local_slots', 'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm', 'launch', 'collect',
+           'add_sweep_arguments', 'sweep_command']
 
 # %% ../nbs/10c_sweep.ipynb #76aba256
 PLAN_ENV, COLLECT_ENV = "DML_PLAN", "DML_COLLECT_ONLY"   # set by the planner / for collect-only; read by `repro.run_rows`
@@ -31,12 +31,16 @@ PLAN_ENV, COLLECT_ENV = "DML_PLAN", "DML_COLLECT_ONLY"   # set by the planner / 
 class MissingRunsError(RuntimeError):
     "Collect-only: runs a notebook needs are not finished in the run cache."
 
+class PlanStop(RuntimeError):
+    "Planning: the notebook's runs are listed and some are not finished; what follows needs them, so the notebook stops here."
+
 @dataclass
 class SweepMode:
     "What `repro.run_rows` does with a run that is not finished: list it in `plan` (a JSON-lines file), or (`collect`) report it missing."
     plan: Path | None = None
     collect: bool = False
     missing: list = field(default_factory=list)
+    planned: int = 0
 
     def job(self, row, seed: int, raw: Mapping, runs_dir: Path, why: str | None):
         """One (row, seed) job of `run_rows`: its `RunResult` when finished, else the status that replaces training
@@ -50,14 +54,21 @@ class SweepMode:
             with open(self.plan, "a") as f: f.write(json.dumps(rec) + "\n")
         if done: return load_result(run_dir)
         if why: return None
-        if self.plan is not None: return "planned: not trained yet (dml-reproduce --plan lists it)"
+        if self.plan is not None:
+            self.planned += 1
+            return "planned: not trained yet (dml-reproduce --plan lists it)"
         if self.collect:
             self.missing.append(f"{row.name} (seed {seed}): {run_dir}")
             return f"missing: no finished run in {run_dir.name}"
         return None
 
     def finish(self) -> None:
-        "After the jobs of one `run_rows`: collect-only raises `MissingRunsError` naming every run not finished."
+        """After the jobs of one `run_rows`: planning stops the notebook (`PlanStop`) when some of its runs are not
+        finished (the cells after `nb.run` need them); collect-only raises `MissingRunsError` naming every run not finished."""
+        if self.plan is not None and self.planned:
+            n, self.planned = self.planned, 0
+            raise PlanStop(f"planned: {n} run(s) of this notebook are not finished; the plan ({self.plan}) lists them, "
+                           "and the notebook stops here since what follows reads them")
         if self.missing and self.plan is None:
             n, self.missing = self.missing, []
             raise MissingRunsError(f"collect-only ({COLLECT_ENV} is set): {len(n)} run(s) this notebook needs are not finished: "
@@ -98,12 +109,12 @@ class Job:
     run_dir: str
     config: dict
     uses: list                 # ["notebook: row (seed s)", ...]
-    done: bool = False
+    done: bool = False         # finished when planned
     unavailable: str | None = None   # why this machine cannot start it (no GPU, data or weights here); a launcher elsewhere may
 
     @property
     def status(self) -> str:
-        if (Path(self.run_dir) / "done").exists() or self.done: return "done"
+        if (Path(self.run_dir) / "done").exists(): return "done"   # read from the run folder each time
         return f"pending (not here: {self.unavailable})" if self.unavailable else "pending"
 
     def config_file(self, plan_dir: str | Path) -> Path: return Path(plan_dir) / "configs" / f"{self.hash}.yaml"
@@ -160,7 +171,7 @@ def notebook_parameters(params_file: str | Path | None = None, overrides: str | 
         if not isinstance(extra, Mapping): raise ValueError(f"-y must be a YAML mapping of notebook parameters, e.g. 'seeds: [0, 1]'; got {overrides!r}")
         params.update(extra)
     if seeds is not None: params["seeds"] = [int(s) for s in seeds]
-    runs = runs_dir or params.get("output", {}).get("runs_dir") or os.environ.get("DML_RUNS")
+    runs = runs_dir or (params.get("output") or {}).get("runs_dir") or os.environ.get("DML_RUNS")
     params["output"] = {**(params.get("output") or {}), "progress": False, **({"runs_dir": str(runs)} if runs else {})}
     return params
 
@@ -210,8 +221,10 @@ def plan_notebook(notebooks: Sequence[str | Path] | str | Path, plan_dir: str | 
                   overrides: str | Mapping | None = None, seeds: Sequence[int] | None = None,
                   runs_dir: str | Path | None = None, root: str | Path | None = None, progress: bool = True) -> Plan:
     """Every run `notebooks` need with these parameters, without training: each is executed by papermill with
-    `$DML_PLAN` set, so `run_rows` lists its jobs (finished runs are read as usual, the others are not trained) and
-    the notebook's later cells see the rows as not run. Figures go to a temporary folder. The configs are written to
+    `$DML_PLAN` set, so `run_rows` lists its jobs: finished runs are read as usual, and where some are not finished
+    the notebook stops after listing them (`PlanStop`: what follows needs them). Figures go to a temporary folder.
+    A notebook whose later `nb.run` depends on the results of an earlier one (none does today) lists those runs
+    once the earlier ones are trained: plan again after a launch, or collect-only names them. The configs are written to
     `plan_dir/configs/<hash>.yaml`, the plan to `plan_dir/plan.json`."""
     root = Path(root) if root is not None else project_root()
     notebooks = [notebooks] if isinstance(notebooks, (str, Path)) else list(notebooks)
@@ -224,7 +237,10 @@ def plan_notebook(notebooks: Sequence[str | Path] | str | Path, plan_dir: str | 
         params["output"]["figures_dir"] = str(figures)
         records = plan_dir / "records" / f"{nb.stem}.jsonl"
         records.parent.mkdir(exist_ok=True); records.unlink(missing_ok=True); records.touch()
-        execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
+        try: execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
+        except Exception as e:   # papermill's error for an exception in a cell: `PlanStop` is the expected end
+            if getattr(e, "ename", None) != "PlanStop": raise
+        finally: shutil.rmtree(figures, ignore_errors=True)
         _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], nb.stem, plan_dir)
     plan = Plan(plan_dir, list(jobs.values()), [p.stem for p in paths])
     plan.save()
@@ -413,6 +429,7 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
     if not (args.plan or args.launch or args.collect_only): return None
     root = Path(root) if root is not None else project_root()
     notebooks = list(args.notebooks) or [p.stem for p in _reproduction_notebooks(root)]
+    if not notebooks: raise FileNotFoundError(f"no reproduction notebooks in {root / 'nbs'}: run dml-reproduce in the project's folder")
     pp = dict(params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root)
     plan = None
     if args.plan or (args.launch and not args.from_plan):
@@ -420,8 +437,11 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
     elif args.from_plan: plan = Plan.load(args.from_plan)
     if plan is not None:
         import pandas as pd
-        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-            print(plan.table().drop(columns=["command"]).to_string(index=False))
+        table = plan.table().drop(columns=["command"])
+        table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
+        with pd.option_context("display.max_colwidth", 80, "display.width", 200): print(table.to_string(index=False))
+        for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
+            print(f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)")
         print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
         if args.json_out: plan.save(args.json_out)
     if args.launch:
@@ -437,7 +457,13 @@ def sweep_command(args, root: str | Path | None = None) -> int | None:
         if args.no_collect: return 0
     if args.collect_only or args.launch:
         import papermill
-        try: collect(notebooks if (args.notebooks or plan is None) else plan.notebooks, **pp)
+        from dml_nb.reproduce import reproduce
+        defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
+        names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
+        try:
+            if defaults:   # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
+                with collecting(): reproduce(names, force=True, root=root)
+            else: collect(names, **pp)
         except papermill.PapermillExecutionError as e:
             print(f"dml-reproduce: collect-only stopped: {e.ename}: {e.evalue}", file=sys.stderr)
             return 2
