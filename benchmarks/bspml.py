@@ -1,5 +1,5 @@
 """Time of one BSPML weight update (Algorithm 1, step 4): the per-sample terms xi+/xi- of every training sample
-against the whole training set (`dml_nb.balanced_spl.sample_terms`, chunked, O(N^2 d)) and the weight solver
+against the whole training set (`dml_nb.methods.balanced_spl.sample_terms`, chunked, O(N^2 d)) and the weight solver
 (`solve_spl_weights`: the exact projected-gradient default and the paper's stochastic Algorithm 3), on the CPU and,
 when one is present, on a CUDA GPU.
 
@@ -18,8 +18,8 @@ import argparse, os, platform, time
 import torch
 import torch.nn.functional as F
 
-from dml_nb.balanced_spl import ClassIndex, pair_loss_floor, sample_terms, solve_spl_weights
-from dml_nb.losses import WeightedMultiSimilarityLoss
+from dml_nb.methods.balanced_spl import ClassIndex, pair_loss_floor, sample_terms, solve_spl_weights
+from dml_nb.blocks.losses import WeightedMultiSimilarityLoss
 
 
 def sop_like(n: int, dim: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

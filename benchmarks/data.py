@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dml_nb.cache import RawItems, cache_images, pad_collate
-from dml_nb.data import ImageListDataset, make_transform
-from dml_nb.batches import SeededViews
+from dml_nb.data.cache import RawItems, cache_images, pad_collate
+from dml_nb.data.datasets import ImageListDataset, make_transform
+from dml_nb.data.batches import SeededViews
 
 
 def write_jpegs(folder: Path, n: int, seed: int = 0) -> list[Path]:
@@ -54,7 +54,7 @@ def loader_rate(dataset, batch: int, workers: int, collate=None, consume=None) -
 
 def model_rate(device, batch: int, steps: int) -> float:
     "Bare ResNet50 forward + backward + Adam at 224 px (bf16 + channels_last on CUDA)."
-    from dml_nb.models import build_backbone
+    from dml_nb.blocks.models import build_backbone
     torch.manual_seed(0)
     bb = build_backbone("resnet50", frozen_bn=True).to(device)
     cuda = device.type == "cuda"

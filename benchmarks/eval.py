@@ -1,4 +1,4 @@
-"""Time dml_nb.metrics against pytorch-metric-learning's AccuracyCalculator on the same embeddings.
+"""Time dml_nb.evaluation.metrics against pytorch-metric-learning's AccuracyCalculator on the same embeddings.
 
 Metrics: Recall@1,2,4,8 + MAP@R (ours: one shared neighbour search) and NMI (k-means with k = number of classes).
 PML computes precision_at_1 (= Recall@1), mean_average_precision_at_r and r_precision from its faiss k-NN with
@@ -28,9 +28,9 @@ import torch
 
 from sklearn.metrics import normalized_mutual_info_score
 
-from dml_nb.metrics import evaluate
-from dml_nb.clustering import _assign, _auto_nredo, kmeans
-from dml_nb.neighbours import _block_rows, _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
+from dml_nb.evaluation.metrics import evaluate
+from dml_nb.evaluation.clustering import _assign, _auto_nredo, kmeans
+from dml_nb.evaluation.neighbours import block_rows, _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),
@@ -117,7 +117,7 @@ def breakdown(emb, labels, repeats: int):
     (the same blocks, nothing else); one k-means assignment pass (k = classes, centroids a fixed sample of the rows)
     against faiss's flat search of the same size (what `faiss.Kmeans` runs each iteration)."""
     x, n, d = emb, len(emb), emb.shape[1]
-    K, B, sq = int(labels.bincount().max()) + 1, _block_rows(len(emb), emb.device), emb.pow(2).sum(1)
+    K, B, sq = int(labels.bincount().max()) + 1, block_rows(len(emb), emb.device), emb.pow(2).sum(1)
     blocks = [(s, t) for s in range(0, n, B) for t in range(s, n, B)]
     def products():
         for s, t in blocks: torch.addmm(sq[t:t + B], x[s:s + B], x[t:t + B].T, alpha=-2)
@@ -190,7 +190,7 @@ def main():
     ap.add_argument("--scale", choices=("cub", "sop", "all"), default="cub")
     ap.add_argument("--threads", type=int, default=2, help="torch and faiss threads (set together)")
     ap.add_argument("--repeats", type=int, default=None, help="best of this many runs (default: 3 at CUB scale, 1 at SOP)")
-    ap.add_argument("--no-pml", action="store_true", help="time only dml_nb.metrics")
+    ap.add_argument("--no-pml", action="store_true", help="time only dml_nb.evaluation.metrics")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (embeddings, our torch back end and PML there)")
     ap.add_argument("--bf16", action="store_true", help="also time the self-search with bf16 candidates (opt-in "
                     "backend 'torch_bf16') against float32, with its certified share of rows")

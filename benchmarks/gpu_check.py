@@ -75,11 +75,11 @@ def environment(c: Check, limit, device):
         p = torch.cuda.get_device_properties(device)
         c.add("environment", "device", p.name, f"{p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} GPU(s)")
     else: c.add("environment", "device", "cpu", "rehearsal")
-    from dml_nb.batches import nvjpeg_available
+    from dml_nb.data.batches import nvjpeg_available
     c.add("environment", "nvJPEG decode", nvjpeg_available(device) if device.type == "cuda" else "n/a", "torchvision.io.decode_jpeg on the device")
     try:
         import faiss
-        from dml_nb.neighbours import faiss_gpus
+        from dml_nb.evaluation.neighbours import faiss_gpus
         c.add("environment", "faiss", faiss.__version__, f"{faiss_gpus()} GPU(s) for faiss")
     except ImportError: c.add("environment", "faiss", "absent", "DiVA, D&C and Sharing cluster with faiss: carry a faiss wheel in .whl/")
     try:
@@ -117,7 +117,7 @@ def write_cub(root: Path, classes: int, per_class: int) -> Path:
 
 
 def paper_config(method: str, root: Path, device, tiny: bool, steps: int, extra=()):
-    from dml_nb.config import load_config
+    from dml_nb.training.config import load_config
     over = [f"data.root={root}", "model.pretrained=false", "train.epochs=1", f"train.batches_per_epoch={steps}",
             f"train.device={device.type}", "data.eval_train=false", f"train.num_workers={2 if tiny else 14}", *extra]
     if tiny: over += ["data.size=32", "train.batch_size=8",           # ResNet50 with random weights at 32 px;
@@ -148,7 +148,7 @@ def bare_rate(device, batch: int, size: int, steps: int, channels_last: bool, li
 
 def step_clock(device):
     "A callback that records the time after every training step, the device synchronised."
-    from dml_nb.callbacks import Callback
+    from dml_nb.training.callbacks import Callback
     class StepClock(Callback):
         def __init__(self): self.times = []
         def after_step(self, learner, logs): sync(device); self.times.append(time.perf_counter())
@@ -157,7 +157,7 @@ def step_clock(device):
 
 def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object]:
     "(img/s of the steps after `warmup`, peak GPU memory GiB, learner) of one short epoch of `cfg` (no evaluation)."
-    from dml_nb.experiment import build_learner
+    from dml_nb.reproduction.experiment import build_learner
     learn = build_learner(cfg, run_dir=None, progress=False)
     learn.eval_sets = {}                                        # steps only: no evaluation at the epoch's end
     clock = step_clock(device)
@@ -197,8 +197,8 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
 
 def data_path(c: Check, limit, device, tiny, root: Path):
     from jpeg import pipeline_rate
-    from dml_nb.batches import JpegImages, SeededViews, jpeg_collate, to_device
-    from dml_nb.data import load_dataset
+    from dml_nb.data.batches import JpegImages, SeededViews, jpeg_collate, to_device
+    from dml_nb.data.datasets import load_dataset
     workers, batch = (2, 8) if tiny else (14, 112)
     src = load_dataset("cub200", root=root, split="train", size=32 if tiny else None)
     ji = JpegImages(src, decode_on="device" if device.type == "cuda" else "worker")
@@ -213,9 +213,9 @@ def data_path(c: Check, limit, device, tiny, root: Path):
 
 
 def projection(c: Check, limit, device, tiny, root: Path, results: dict):
-    from dml_nb.data import load_dataset
-    from dml_nb.batches import JpegImages
-    from dml_nb.metrics import evaluate
+    from dml_nb.data.datasets import load_dataset
+    from dml_nb.data.batches import JpegImages
+    from dml_nb.evaluation.metrics import evaluate
     from eval import synthetic
     learn = results.get("diva_learner")
     if learn is None or "diva" not in results:
@@ -238,8 +238,8 @@ def projection(c: Check, limit, device, tiny, root: Path, results: dict):
 
 def sop_eval(c: Check, limit, device, tiny):
     from eval import RETRIEVAL, SCALES, synthetic
-    from dml_nb.metrics import evaluate
-    from dml_nb.neighbours import FaissMissingError, faiss_gpus, knn
+    from dml_nb.evaluation.metrics import evaluate
+    from dml_nb.evaluation.neighbours import FaissMissingError, faiss_gpus, knn
     scale = dict(n=3000, classes=560, noise=0.1, min_size=2) if tiny else SCALES["sop"]
     emb, labels = synthetic(**scale)
     emb, labels = emb.to(device), labels.to(device)
@@ -274,9 +274,9 @@ dev = torch.device(sys.argv[1])
 backend = "nccl" if dev.type == "cuda" else "gloo"
 if dev.type == "cuda": torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 dist.init_process_group(backend)
-from dml_nb.distributed import all_reduce_logs, data_parallel, gather_rows, mean_over_processes
-from dml_nb.methods import BaselineMethod
-from dml_nb.models import build_backbone
+from dml_nb.training.distributed import all_reduce_logs, data_parallel, gather_rows, mean_over_processes
+from dml_nb.methods.base import BaselineMethod
+from dml_nb.blocks.models import build_backbone
 x = torch.arange(6.0, device=dev).view(3, 2)
 assert torch.equal(gather_rows(x, 3, 3), x) and mean_over_processes(torch.tensor([2.0, 4.0], device=dev)).tolist() == [2.0, 4.0]
 sums, counts = all_reduce_logs({"loss": torch.tensor(3.0, device=dev)}, {"loss": 1}, dev)
@@ -308,12 +308,12 @@ def torchrun(c: Check, limit, device):
 
 def resume(c: Check, limit, device, tiny):
     "A small run (shapes, small CNN) on the device, killed at epoch 2 step 3 and resumed, against the uninterrupted run."
-    from dml_nb.callbacks import Callback
-    from dml_nb.data import load_dataset
-    from dml_nb.learner import Learner
-    from dml_nb.methods import BaselineMethod
-    from dml_nb.models import build_backbone
-    from dml_nb.samplers import ClassBalancedBatchSampler
+    from dml_nb.training.callbacks import Callback
+    from dml_nb.data.datasets import load_dataset
+    from dml_nb.training.learner import Learner
+    from dml_nb.methods.base import BaselineMethod
+    from dml_nb.blocks.models import build_backbone
+    from dml_nb.data.samplers import ClassBalancedBatchSampler
     train = load_dataset("shapes", split="train", images_per_class=4)
     class Kill(Callback):
         def after_step(self, learner, logs):

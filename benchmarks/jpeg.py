@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import write_jpegs                                   # noqa: E402  (CUB-sized generated JPEGs)
-from dml_nb.batches import JpegImages, SeededViews, jpeg_collate, to_device   # noqa: E402
-from dml_nb.data import ImageListDataset, make_transform      # noqa: E402
+from dml_nb.data.batches import JpegImages, SeededViews, jpeg_collate, to_device   # noqa: E402
+from dml_nb.data.datasets import ImageListDataset, make_transform      # noqa: E402
 
 
 def cpu_seconds() -> float:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dml_nb.registry import LOSSES, MINERS
+from dml_nb.core.registry import LOSSES, MINERS
 
 
 @dataclass
@@ -65,7 +65,7 @@ def core_cases(n_classes: int) -> list[Case]:
 
 def dance_case() -> Case:
     "DaNCE as DiVA runs it: 112 queries of one 128-d head against a 3,360-key queue (30 batches); no PML equivalent."
-    import dml_nb.proxy_nce  # noqa: F401  (registers DaNCE into LOSSES)
+    import dml_nb.blocks.proxy_nce  # noqa: F401  (registers DaNCE into LOSSES)
     dance = LOSSES.build("dance")
     g = torch.Generator().manual_seed(1)
     keys = F.normalize(torch.randn(112, 128, generator=g), dim=1)

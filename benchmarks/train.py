@@ -3,7 +3,7 @@ the same batch size; the ratio is the method's overhead (loss, mining, extra hea
 per-epoch work such as D&C re-clustering or BSPML's weight update).
 
 CPU (default): the recipes of params/train/shapes_<method>.yaml (small CNN, embedded `shapes`, batch 60), built by
-dml_nb.experiment.build_learner, once with the per-item augmentation (PIL/v2 path) and once with the image cache
+dml_nb.reproduction.experiment.build_learner, once with the per-item augmentation (PIL/v2 path) and once with the image cache
 (`data.cache: true`: augmentation in batches). GPU (`--variant resnet50 --device cuda`): the recipes of
 params/train/cub200_<method>.yaml (ResNet50 with frozen BN, batch 112, bf16, channels_last) on generated 256 x 256
 uint8 images through the cache path (real data are not needed); `--compile` adds torch.compile.
@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import dml_nb.experiment as X
-from dml_nb.config import load_config
-from dml_nb.data import ArrayDataset, make_transform
-from dml_nb.callbacks import Callback
-from dml_nb.models import build_backbone
+import dml_nb.reproduction.experiment as X
+from dml_nb.training.config import load_config
+from dml_nb.data.datasets import ArrayDataset, make_transform
+from dml_nb.training.callbacks import Callback
+from dml_nb.blocks.models import build_backbone
 
 PARAMS = Path(__file__).resolve().parent.parent / "params" / "train"
 METHODS = ("baseline", "diva", "dnc", "sharing", "bspml")
@@ -80,7 +80,7 @@ def generated_sets(n_classes: int, per_class: int, size: int = 224, side: int = 
 def method_rate(cfg, epochs: int, sets=None) -> tuple[float, float, int]:
     "(images/s of the best of epochs 2.. (whole epoch), of the best of their step loops, batch) of one recipe, built as dml-train builds it."
     if sets is not None:   # the generated-image variant: the same builder, with these datasets
-        from dml_nb.cache import cache_images
+        from dml_nb.data.cache import cache_images
         train, test = sets
         X.build_datasets = lambda cfg, progress=True: (cache_images(train), {"test": cache_images(test)})
     learner = X.build_learner(cfg, run_dir=None, progress=False)

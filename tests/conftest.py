@@ -1,7 +1,7 @@
 "Fixtures shared by several test modules: the procedural `shapes` sets that the training tests run on."
 import pytest
 
-from dml_nb.data import load_dataset
+from dml_nb.data.datasets import load_dataset
 
 
 def shapes_sets(images_per_class: int, test_images_per_class: int = 4) -> tuple:
@@ -48,7 +48,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if HAS_FAISS or call.excinfo is None: return
-    from dml_nb.neighbours import FaissMissingError
+    from dml_nb.evaluation.neighbours import FaissMissingError
     e = call.excinfo.value      # dml_nb's error, or `import faiss` itself failing (pytorch-metric-learning's calculator)
     if isinstance(e, FaissMissingError) or (isinstance(e, ImportError) and e.name == "faiss"):
         rep.outcome = "skipped"

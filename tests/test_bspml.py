@@ -1,4 +1,4 @@
-"""dml_nb.bspml: the SPL weight sub-problem (objective, exact and stochastic gradients of eq. 8 against autograd and
+"""dml_nb.methods.bspml: the SPL weight sub-problem (objective, exact and stochastic gradients of eq. 8 against autograd and
 finite differences, the per-sample terms of either scope and their floor, the stationary-point bound on MAW, the exact
 projected-gradient solver and the paper's stochastic Algorithm 3, KKT conditions, the mu = 0 threshold rule, brute
 force on tiny problems) and the BSPML recipe (weights looked up by batch index, history fields, flipped mask,
@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb.bspml import BSPML
-from dml_nb.balanced_spl import (SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor, projected_gradient_norm, sample_terms,
+from dml_nb.methods.bspml import BSPML
+from dml_nb.methods.balanced_spl import (SOLVERS, XI_SCOPES, ClassIndex, pair_loss_floor, projected_gradient_norm, sample_terms,
                                  solve_spl_weights, spl_gradient, spl_objective, spl_stochastic_gradient, terms_chunk_rows)
-from dml_nb.losses import WeightedMultiSimilarityLoss
-from dml_nb.learner import eval_view
-from dml_nb.data import add_label_noise, load_dataset, make_transform
-from dml_nb.callbacks import Callback
-from dml_nb.learner import Learner
-from dml_nb.checkpoint import load_checkpoint
-from dml_nb.metrics import maw_sdaw
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
+from dml_nb.blocks.losses import WeightedMultiSimilarityLoss
+from dml_nb.training.learner import eval_view
+from dml_nb.data.datasets import add_label_noise, load_dataset, make_transform
+from dml_nb.training.callbacks import Callback
+from dml_nb.training.learner import Learner
+from dml_nb.training.checkpoint import load_checkpoint
+from dml_nb.evaluation.metrics import maw_sdaw
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
 
 torch.set_num_threads(1)   # tiny tensors: one thread avoids thread-pool overhead on a shared machine
 F64 = torch.float64
@@ -365,7 +365,7 @@ def learner(ds, run_dir=None, epochs=2, steps=3, callbacks=(), m=None, **kw):
 
 
 def test_registered():
-    from dml_nb.registry import METHODS
+    from dml_nb.core.registry import METHODS
     try:
         cls = METHODS.get("bspml")
     except ModuleNotFoundError as e:      # METHODS imports every recipe module; another one may not exist yet
@@ -463,7 +463,7 @@ def test_labels_must_match_the_training_set(noisy):
 
 def test_terms_use_test_transforms_and_the_current_model(noisy):
     L = learner(noisy, epochs=1)
-    L._setup(); L.method.on_fit_start(L.context)
+    L.prepare_fit(); L.method.on_fit_start(L.context)
     view = L.method.terms_dataset
     clean_view = load_dataset("shapes", split="train", images_per_class=4, augment=False)
     assert torch.equal(view[5][0], clean_view[5][0]) and view.labels is noisy.labels
@@ -472,13 +472,13 @@ def test_terms_use_test_transforms_and_the_current_model(noisy):
     ref = L.method.loss.per_sample_terms(emb["embedding"], torch.as_tensor(noisy.labels))
     torch.testing.assert_close((xp, xn), ref)
     Lb = learner(noisy, epochs=1, xi_scope="batch", xi_batch=(4, 3))                 # the batch reading reaches the update
-    Lb._setup(); Lb.method.on_fit_start(Lb.context)
+    Lb.prepare_fit(); Lb.method.on_fit_start(Lb.context)
     torch.testing.assert_close(Lb.method.per_sample_terms(Lb.context),
                                sample_terms(Lb.embed(clean_view)[0]["embedding"], torch.as_tensor(noisy.labels), scope="batch", batch=(4, 3)))
 
 
 def test_test_view_for_imagenet_presets():
-    from dml_nb.data import ArrayDataset
+    from dml_nb.data.datasets import ArrayDataset
     imgs = np.random.default_rng(0).integers(0, 255, (3, 80, 80, 3), dtype=np.uint8)
     ds = ArrayDataset(imgs, np.array([0, 1, 1]), transform=make_transform("resnet50", train=True, size=64))
     ref = make_transform("resnet50", train=False, size=64)
@@ -519,8 +519,8 @@ def test_resume_is_exact_with_spl_state(noisy, tmp_path, kill, solver):
 def test_named_readings_of_the_age_and_solver():
     "dml_nb's reading (the defaults) and the paper text's (absolute age, Algorithm 3) are named presets that build."
     import inspect
-    from dml_nb.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
-    from dml_nb.models import build_backbone
+    from dml_nb.methods.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
+    from dml_nb.blocks.models import build_backbone
     assert {k: inspect.signature(BSPML).parameters[k].default for k in BSPML_DML_NB} == BSPML_DML_NB
     labels = np.repeat(np.arange(6), 10)
     floor = BSPML(build_backbone("small_cnn", width=4, feature_dim=16), 6, labels, embedding_dim=8, **BSPML_DML_NB)

@@ -1,4 +1,4 @@
-"""Checks of dml_nb.cache: the batched crop/resize against torchvision, the box sampler against torchvision's,
+"""Checks of dml_nb.data.cache: the batched crop/resize against torchvision, the box sampler against torchvision's,
 the cache file against the PIL path (same crop boxes, same pixels up to the cache's extra resampling), reuse,
 invalidation, loader workers, and the errors for bad input. All on the CPU."""
 import os
@@ -10,10 +10,10 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from dml_nb.cache import (BatchAugment, RawItems, cache_images, center_crop_boxes, crop_resize,
+from dml_nb.data.cache import (BatchAugment, RawItems, cache_images, center_crop_boxes, crop_resize,
                           pad_collate, random_resized_crop_boxes)
-from dml_nb.data import ImageListDataset, load_dataset, make_transform
-from dml_nb.checks import write_fake_dataset
+from dml_nb.data.datasets import ImageListDataset, load_dataset, make_transform
+from dml_nb.data.checks import write_fake_dataset
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

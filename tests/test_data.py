@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-from dml_nb.formats import DATASETS, SPLITS
-from dml_nb.data import add_label_noise, load_dataset, make_shapes
-from dml_nb.checks import write_fake_dataset
+from dml_nb.data.formats import DATASETS, SPLITS
+from dml_nb.data.datasets import add_label_noise, load_dataset, make_shapes
+from dml_nb.data.checks import write_fake_dataset
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ _CAFFE = ((0.502, 0.4588, 0.4078), (1 / 255,) * 3)
     ("small", 32, 32, 32, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1)),
     ("small_cnn", 48, 48, 48, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1))])
 def test_the_papers_transform_numbers(preset, size, crop, resize, norm, bgr, scale, ratio):
-    from dml_nb.data import make_transform
+    from dml_nb.data.datasets import make_transform
     train, test = make_transform(preset, train=True, size=size), make_transform(preset, size=size)
     names = lambda t: [type(o).__name__ for o in t.transforms]
     tail = ["Normalize"] + (["ToBGR"] if bgr else [])
@@ -189,6 +189,6 @@ def test_the_papers_transform_numbers(preset, size, crop, resize, norm, bgr, sca
 
 
 def test_unknown_preset_and_missing_size_are_errors():
-    from dml_nb.data import make_transform
+    from dml_nb.data.datasets import make_transform
     with pytest.raises(ValueError, match="Did you mean 'resnet50'"): make_transform("resnet")
     with pytest.raises(ValueError, match="needs size="): make_transform("small")

@@ -65,9 +65,9 @@ NO_FAISS = """
 import sys
 sys.modules["faiss"] = None            # import faiss raises ImportError, as where it is not installed
 import numpy as np, torch
-from dml_nb.metrics import evaluate
-from dml_nb.neighbours import FaissMissingError, knn
-from dml_nb.clustering import kmeans
+from dml_nb.evaluation.metrics import evaluate
+from dml_nb.evaluation.neighbours import FaissMissingError, knn
+from dml_nb.evaluation.clustering import kmeans
 g = np.random.default_rng(0)
 y = np.repeat(np.arange(10), 8)
 x = torch.from_numpy(g.normal(size=(10, 16))[y] + 0.3 * g.normal(size=(80, 16))).float()
@@ -79,7 +79,7 @@ for call in (lambda: knn(x, x, 3, exclude_self=True, backend="faiss"), lambda: k
     except FaissMissingError as e:
         assert "dml_nb[faiss-cpu]" in str(e) and "dml_nb[faiss-gpu]" in str(e) and "backend='torch'" in str(e), e
     else: raise AssertionError("a faiss back end ran without faiss")
-from dml_nb.experiment import run
+from dml_nb.reproduction.experiment import run
 import tempfile
 cfg = {"data": {"name": "shapes", "images_per_class": 4, "size": 32},
        "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
@@ -101,7 +101,7 @@ def test_the_default_evaluation_and_training_run_without_faiss():
 
 def test_two_faiss_distributions_installed_together_are_named(monkeypatch):
     import importlib.metadata as md
-    from dml_nb import neighbours as N
+    from dml_nb.evaluation import neighbours as N
     have = {"faiss-cpu": "1.15.1", "faiss-gpu": "1.15.1"}
     def version(dist):
         if dist in have: return have[dist]

@@ -67,10 +67,10 @@ class HalfBatches:
 def _half_batch_learner(rank=0, world_size=1):
     "Baseline + Proxy-NCA (a mean over samples, no mining) on the small CNN with frozen BatchNorm, SGD."
     import torch
-    from dml_nb.data import load_dataset
-    from dml_nb.learner import Learner
-    from dml_nb.methods import BaselineMethod
-    from dml_nb.models import build_backbone
+    from dml_nb.data.datasets import load_dataset
+    from dml_nb.training.learner import Learner
+    from dml_nb.methods.base import BaselineMethod
+    from dml_nb.blocks.models import build_backbone
     train = load_dataset("shapes", split="train", images_per_class=4, augment=False)   # no random transforms
     torch.manual_seed(0)
     bb = build_backbone("small_cnn", width=8, feature_dim=32, frozen_bn=True)
@@ -99,7 +99,7 @@ def test_two_processes_with_half_batches_equal_one_process_with_the_whole_batch(
     The two processes are forked from this one (they inherit its imports: the test stays fast)."""
     import torch
     import torch.multiprocessing as mp
-    import dml_nb.learner, dml_nb.methods   # noqa: F401  (imported once, here: the forked processes inherit them)
+    import dml_nb.training.learner, dml_nb.methods.base   # noqa: F401  (imported once, here: the forked processes inherit them)
     mp.start_processes(_half_batch_worker, args=(2, str(tmp_path)), nprocs=2, start_method="fork")
     two = torch.load(tmp_path / "ddp.pt", weights_only=True)
     one = _half_batch_learner()

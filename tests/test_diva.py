@@ -1,4 +1,4 @@
-"""Checks of dml_nb.diva: task wiring, decorrelation, the DaNCE queue and momentum encoder through the learner,
+"""Checks of dml_nb.methods.diva: task wiring, decorrelation, the DaNCE queue and momentum encoder through the learner,
 exact resume, and one training run of every ablation / auxiliary task."""
 import math
 import tempfile
@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb.core import seed_everything
-from dml_nb.data import load_dataset
-from dml_nb.diva import DeepClusterTask, DiVA, QueueTask, RotNetTask
-from dml_nb.callbacks import Callback
-from dml_nb.learner import Learner
-from dml_nb.miners import check_triplets
-from dml_nb.clustering import kmeans
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
+from dml_nb.core.base import seed_everything
+from dml_nb.data.datasets import load_dataset
+from dml_nb.methods.diva import DeepClusterTask, DiVA, QueueTask, RotNetTask
+from dml_nb.training.callbacks import Callback
+from dml_nb.training.learner import Learner
+from dml_nb.blocks.miners import check_triplets
+from dml_nb.evaluation.clustering import kmeans
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -129,7 +129,7 @@ def test_queue_filled_before_training_then_fifo_and_momentum_updates():
 def test_fill_from_learner_is_deterministic():
     a, b = diva(), diva()
     la, lb = learner(a), learner(b)
-    la._setup(); lb._setup()
+    la.prepare_fit(); lb.prepare_fit()
     a.tasks["dance"].fill_from_learner(a, la.context); b.tasks["dance"].fill_from_learner(b, lb.context)
     assert torch.equal(a.tasks["dance"].queue.queue, b.tasks["dance"].queue.queue)
     assert a.tasks["dance"].queue.is_full
@@ -227,7 +227,7 @@ class RecordingCE(torch.nn.CrossEntropyLoss):
 
 
 def test_rotnet_predicts_rotation_labels():
-    from dml_nb.methods import MultiTaskMethod
+    from dml_nb.methods.base import MultiTaskMethod
     m = DiVA(backbone(), 4, tasks=("discriminative", "rotnet"), embedding_dim=16)
     t = m.tasks["rotnet"]
     t.loss = RecordingCE()
@@ -252,7 +252,7 @@ def test_queue_task_needs_second_view():
 
 
 def test_discriminative_only_diva_is_the_baseline():
-    from dml_nb.methods import BaselineMethod
+    from dml_nb.methods.base import BaselineMethod
     seed_everything(0); base = BaselineMethod(backbone(), TRAIN.num_classes, embedding_dim=16, loss_options={"pair_count": "triplets"})
     seed_everything(0); only = DiVA(backbone(), TRAIN.num_classes, tasks=("discriminative",), embedding_dim=16)
     learner(base, steps=3).fit(); learner(only, steps=3).fit()
@@ -266,8 +266,8 @@ def test_discriminative_only_diva_is_the_baseline():
 # ---------------------------------------------------------------- golden tests against the authors' code
 from golden import arr, load_golden                     # noqa: E402
 import torch.nn.functional as F                          # noqa: E402
-from dml_nb.diva import combine_heads, embed_weight_list  # noqa: E402
-from dml_nb.metrics import recall_at_k                   # noqa: E402
+from dml_nb.methods.diva import combine_heads, embed_weight_list  # noqa: E402
+from dml_nb.evaluation.metrics import recall_at_k                   # noqa: E402
 
 AUTHORS_HEAD = {"discriminative": "discriminative", "selfsimilarity": "dance", "shared": "shared", "intra": "intra"}
 
@@ -405,7 +405,7 @@ def test_tuple_options_reach_the_miners():
 def test_queue_is_sized_in_batches_of_the_learner():
     m = diva(queue_size=None)                            # default: 30 batches
     lrn = learner(m, steps=1)
-    lrn._setup(); m.on_fit_start(lrn.context)
+    lrn.prepare_fit(); m.on_fit_start(lrn.context)
     assert m.tasks["dance"].queue.size == 30 * 16 and m.tasks["dance"].queue.is_full
     assert diva(queue_size=None, queue_batches=2).tasks["dance"].fill(m, [torch.randn(8, 3, 32, 32)] * 5) == 16
 
@@ -419,7 +419,7 @@ def test_short_shapes_run_gives_every_task_a_signal():
     """K = 2 (the paper's batches): the intra task gets triplets in every batch (three distinct images of a class would
     give none), and DaNCE logs the share of query-negative pairs with a non-zero weight. DaNCE's loss is non-zero while
     the DaNCE head's embeddings are spread; on `shapes` they concentrate within the lambda = 0.5 clamp after a few
-    steps and the loss becomes 0 in float32, in the authors' code as well (nbs/07a_diva.ipynb, point 14)."""
+    steps and the loss becomes 0 in float32, in the authors' code as well (nbs/51_diva.ipynb, point 14)."""
     seed_everything(0)
     m = DiVA(build_backbone("small_cnn", width=4, feature_dim=16), TRAIN.num_classes, TRAIN.labels, embedding_dim=32, rho=10.0)
     sampler = ClassBalancedBatchSampler(TRAIN.labels, batch_size=16, samples_per_class=2, seed=1, batches_per_epoch=3)

@@ -1,4 +1,4 @@
-"""Divide and Conquer (dml_nb.dnc): cluster re-matching and k-means against the authors' code (golden fixture
+"""Divide and Conquer (dml_nb.methods.dnc): cluster re-matching and k-means against the authors' code (golden fixture
 `dnc_rematch`), cluster-restricted batches, slice-local gradients, the three phases, K = 1 = baseline, the Table 6
 groupings, proxies merged for the finetune, degenerate settings refused, and exact resume of a killed run."""
 import tempfile
@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from golden import load_golden, arr
-from dml_nb.registry import METHODS, Registry
-from dml_nb.clustering import cluster_statistics, match_clusters
-from dml_nb.dnc import ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, label_grouping, random_partition
-from dml_nb.callbacks import Callback
-from dml_nb.learner import Learner, NoTuplesError
-from dml_nb.checkpoint import load_checkpoint
-from dml_nb.methods import BaselineMethod
-from dml_nb.clustering import kmeans_assign
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler, usable_members
+from dml_nb.core.registry import METHODS, Registry
+from dml_nb.evaluation.clustering import cluster_statistics, match_clusters
+from dml_nb.methods.dnc import ClusterError, DivideAndConquer, PhaseSampler, cluster_batch_sampler, label_grouping, random_partition
+from dml_nb.training.callbacks import Callback
+from dml_nb.training.learner import Learner, NoTuplesError
+from dml_nb.training.checkpoint import load_checkpoint
+from dml_nb.methods.base import BaselineMethod
+from dml_nb.evaluation.clustering import kmeans_assign
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler, usable_members
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from dml_nb.core import config_hash
-from dml_nb.experiment import run
-from dml_nb.config import ConfigError, config_to_dict, make_config
+from dml_nb.core.base import config_hash
+from dml_nb.reproduction.experiment import run
+from dml_nb.training.config import ConfigError, config_to_dict, make_config
 
 TINY = {"data": {"name": "shapes", "images_per_class": 4, "size": 32},
         "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
@@ -67,7 +67,7 @@ def test_on_unreadable_at_its_default_keeps_the_hash():
 
 def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
     "A default that changes what an unchanged config trains bumps RECIPES_VERSION: the run folder moves."
-    import dml_nb.experiment as ex
+    import dml_nb.reproduction.experiment as ex
     cfg = make_config(TINY)
     now = ex.run_dir_for(cfg, tmp_path)
     assert now.name != f"baseline-shapes-{config_hash(config_to_dict(cfg))}"     # the name before the fidelity defaults
@@ -77,7 +77,7 @@ def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
 
 def test_named_random_streams_move_run_folders_only_through_recipes_version(monkeypatch, tmp_path):
     "Named random streams (RECIPES_VERSION 3) change the draws, not the configs: the config hash is the one of before."
-    import dml_nb.experiment as ex
+    import dml_nb.reproduction.experiment as ex
     cfg = make_config(TINY)
     assert config_hash(config_to_dict(cfg)) == "56ad0a368312"                   # unchanged since RECIPES_VERSION 2
     assert ex.RECIPES_VERSION == 3
@@ -103,8 +103,8 @@ def test_saved_embeddings_are_those_of_the_final_weights(tmp_path, method, monke
     """`embeddings.pt` reuses the last evaluation's feature pass instead of a second one: it must hold exactly what a
     fresh pass of the restored final weights gives, for every method and every head, and take no extra pass."""
     import torch
-    from dml_nb.learner import Learner
-    from dml_nb.repro import load_learner, smoke
+    from dml_nb.training.learner import Learner
+    from dml_nb.reproduction.repro import load_learner, smoke
     raw = smoke({**TINY, "method": method, "train": {**TINY["train"], "epochs": 2},
                  "eval": {**TINY["eval"], "every": 2, "save_embeddings": True}}, force=True)
     passes, during_save = [], []
@@ -125,7 +125,7 @@ def test_saved_embeddings_are_those_of_the_final_weights(tmp_path, method, monke
 
 def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
     "eval.nmi_kmeans / nmi_average: checked by the schema, passed to every evaluation, left out of the hash at the default."
-    from dml_nb.experiment import build_learner
+    from dml_nb.reproduction.experiment import build_learner
     assert not {"nmi_kmeans", "nmi_average"} & set(config_to_dict(make_config(TINY))["eval"])
     for bad in ({"nmi_kmeans": "faiss20"}, {"nmi_average": "max"}):
         with pytest.raises(ConfigError, match=f"eval.{next(iter(bad))}"):
@@ -140,10 +140,10 @@ def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
 def test_config_eval_names_are_the_library_readings():
     "The schema's allowed values for the eval readings and reports are exactly those the library defines."
     import typing
-    from dml_nb.config import EvalConfig
-    from dml_nb.clustering import NMI_AVERAGES, NMI_KMEANS
-    from dml_nb.metrics import NMI_ON, SELF_MATCH
-    from dml_nb.learner import REPORTS
+    from dml_nb.training.config import EvalConfig
+    from dml_nb.evaluation.clustering import NMI_AVERAGES, NMI_KMEANS
+    from dml_nb.evaluation.metrics import NMI_ON, SELF_MATCH
+    from dml_nb.training.learner import REPORTS
     hints = typing.get_type_hints(EvalConfig)
     for key, names in (("nmi_kmeans", tuple(NMI_KMEANS)), ("nmi_average", NMI_AVERAGES), ("nmi_on", NMI_ON),
                        ("self_match", SELF_MATCH), ("report", REPORTS)):
@@ -153,7 +153,7 @@ def test_config_eval_names_are_the_library_readings():
 def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
     "report='best_each' (DiVA's and MIC's summaries): each metric's maximum over the evaluated epochs, NaN rows skipped."
     from types import SimpleNamespace
-    from dml_nb.evaluation import EvaluationMixin
+    from dml_nb.evaluation.evaluator import EvaluationMixin
     history = [{"epoch": 0, "test/recall@1": 0.50, "test/nmi": 0.70}, {"epoch": 1, "test/recall@1": float("nan")},
                {"epoch": 2, "test/recall@1": 0.60, "test/nmi": 0.65}, {"epoch": 3, "test/recall@1": 0.55, "test/nmi": 0.66}]
     fake = SimpleNamespace(latest_metrics={"test/recall@1": 0.55, "test/nmi": 0.66}, eval_sets={"test": None},
@@ -169,11 +169,11 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     """train.sampler builds the named draw; D&C, whose cluster batches follow its own code (distinct classes), refuses
     class_random and mic, and passes reshuffle on to every cluster's sampler."""
     import typing
-    import dml_nb.dnc as dnc_module
-    from dml_nb.config import TrainConfig
-    from dml_nb.experiment import build_learner
-    from dml_nb.samplers import SAMPLER_DRAWS
-    from dml_nb.learner import ZERO_GRADS
+    import dml_nb.methods.dnc as dnc_module
+    from dml_nb.training.config import TrainConfig
+    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.data.samplers import SAMPLER_DRAWS
+    from dml_nb.training.learner import ZERO_GRADS
     assert typing.get_args(typing.get_type_hints(TrainConfig)["sampler"]) == SAMPLER_DRAWS
     assert typing.get_args(typing.get_type_hints(TrainConfig)["zero_grad"]) == ZERO_GRADS
     assert not {"sampler", "zero_grad"} & set(config_to_dict(make_config(TINY))["train"])   # defaults: the hash is unchanged

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from dml_nb.data import load_dataset
-from dml_nb.config import make_config
-from dml_nb.finegrained import (CLASSES_PER_SPLIT, FACTORS, factor_grid, finegrained_classes, make_finegrained,
+from dml_nb.data.datasets import load_dataset
+from dml_nb.training.config import make_config
+from dml_nb.data.finegrained import (CLASSES_PER_SPLIT, FACTORS, factor_grid, finegrained_classes, make_finegrained,
                                 render_finegrained)
 
 
@@ -59,15 +59,15 @@ def test_load_dataset_and_config_know_the_name():
 
 def test_config_images_per_class_reaches_the_finegrained_set():
     "`data.images_per_class` in a config is passed to the embedded fine-grained set (it was once silently ignored)."
-    from dml_nb.config import make_config
-    from dml_nb.experiment import build_datasets
+    from dml_nb.training.config import make_config
+    from dml_nb.reproduction.experiment import build_datasets
     train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)
     assert len(train) == 100 * 4 and len(evals["test"]) == 100 * 4
 
 
 def test_novel_family_is_never_shown_to_the_pretraining_pool():
     "`finegrained_novel`: train and test are combinations of the family's shapes and textures, the pool uses none of them."
-    from dml_nb.finegrained import NOVEL_FAMILY, novel_classes
+    from dml_nb.data.finegrained import NOVEL_FAMILY, novel_classes
     sets = {s: novel_classes(s) for s in ("train", "test", "pretrain")}
     assert [len(v) for v in sets.values()] == [CLASSES_PER_SPLIT, CLASSES_PER_SPLIT, 8 * 6 * 8 * 4]
     assert len(np.unique(np.concatenate(list(sets.values())))) == 2 * CLASSES_PER_SPLIT + 8 * 6 * 8 * 4   # disjoint
@@ -83,8 +83,8 @@ def test_novel_family_is_never_shown_to_the_pretraining_pool():
 
 
 def test_finegrained_novel_loads_by_name_and_from_a_config():
-    from dml_nb.experiment import build_datasets
-    from dml_nb.finegrained import novel_classes
+    from dml_nb.reproduction.experiment import build_datasets
+    from dml_nb.data.finegrained import novel_classes
     ds = load_dataset("finegrained_novel", split="test", images_per_class=2, num_classes=3)
     assert ds.name == "finegrained_novel" and set(ds.class_ids) == set(novel_classes("test")[:3])
     assert ds[0][0].shape == (3, 32, 32)

@@ -12,14 +12,14 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.batches import JpegImages, to_device
-from dml_nb.checkpoint import load_checkpoint, rng_state, set_rng_state
-from dml_nb.core import seed_everything
-from dml_nb.learner import Learner
-from dml_nb.methods import BaselineMethod
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
-from dml_nb.callbacks import Callback
+from dml_nb.data.batches import JpegImages, to_device
+from dml_nb.training.checkpoint import load_checkpoint, rng_state, set_rng_state
+from dml_nb.core.base import seed_everything
+from dml_nb.training.learner import Learner
+from dml_nb.methods.base import BaselineMethod
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
+from dml_nb.training.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def learner(sets, run_dir=None, epochs=2, steps=3, device="cpu", **kw):
 
 def first_step(learn) -> tuple[float, torch.Tensor]:
     "The loss and the gradient of the learner's first training batch (the same batch and draws whatever its settings)."
-    learn._setup()
+    learn.prepare_fit()
     batches, _ = learn._epoch_batches(0)
     learn._batches.batches = [[(i, 100 + j) for j, i in enumerate(batches[0])]]
     batch = to_device(next(iter(learn._loader)), learn.device, learn.channels_last)
@@ -73,8 +73,8 @@ def test_channels_last_trains_the_same_run(sets):
 def test_every_view_of_an_on_device_batch_is_channels_last(tmp_path):
     "The JPEG path's device stage and the cache's BatchAugment give every view ('x', 'extra_views') in the model's layout."
     from PIL import Image
-    from dml_nb.cache import cache_images
-    from dml_nb.data import ImageListDataset, make_transform
+    from dml_nb.data.cache import cache_images
+    from dml_nb.data.datasets import ImageListDataset, make_transform
     paths = []
     for k in range(4):
         paths.append(tmp_path / f"{k}.jpg")
@@ -84,7 +84,7 @@ def test_every_view_of_an_on_device_batch_is_channels_last(tmp_path):
     items, collate = ji.loader_items(2, "cpu")
     b = to_device(collate([items[(k, k)] for k in range(4)]), "cpu", channels_last=True, transform=ji.batch_transform)
     cached = cache_images(src, cache_dir=tmp_path / "cache", progress=False)
-    from dml_nb.cache import RawItems, pad_collate
+    from dml_nb.data.cache import RawItems, pad_collate
     c = to_device(pad_collate([RawItems(cached)[(k, 0)] for k in range(4)]), "cpu", channels_last=True,
                   transform=cached.batch_transform, views=2, generator=torch.Generator().manual_seed(0))
     for batch in (b, c):
@@ -137,7 +137,7 @@ def _dml_train():
 @pytest.mark.skipif(_torchrun() is None or _dml_train() is None, reason="torchrun / dml-train not installed")
 def test_two_gloo_processes_train_the_same_on_the_jpeg_and_pil_paths(tmp_path):
     "dml-train under torchrun, 2 processes, gloo, on CUB-format JPEGs: the JPEG path's run equals the PIL path's."
-    from dml_nb.checks import write_fake_dataset
+    from dml_nb.data.checks import write_fake_dataset
     root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=8, per_class=4, size=40)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     runs = {}

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from dml_nb.registry import METHODS
-from dml_nb.config import make_config, read_yaml
-from dml_nb.repro import Row, params_base
+from dml_nb.core.registry import METHODS
+from dml_nb.training.config import make_config, read_yaml
+from dml_nb.reproduction.repro import Row, params_base
 
 ROOT = Path(__file__).resolve().parents[1]
 HPARAMS = ROOT / "params" / "hparams"

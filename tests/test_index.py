@@ -9,7 +9,7 @@ def _cells():
     return [(c["cell_type"], "".join(c["source"]).strip()) for c in nb["cells"]]
 
 def _as_in_readme(text: str) -> str:
-    "The notebook links its siblings (`07a_diva.ipynb`); the README links them under `nbs/`."
+    "The notebook links its siblings (`51_diva.ipynb`); the README links them under `nbs/`."
     return re.sub(r"\]\(([0-9a-z_]+\.ipynb)\)", r"](nbs/\1)", text)
 
 def test_index_has_a_title_and_runs_something():

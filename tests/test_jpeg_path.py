@@ -1,4 +1,4 @@
-"""The JPEG path (`data.decode: jpeg_batch`, dml_nb.batches.JpegImages): for the same seeds it gives the PIL path's crop
+"""The JPEG path (`data.decode: jpeg_batch`, dml_nb.data.batches.JpegImages): for the same seeds it gives the PIL path's crop
 boxes and flips, and on the CPU its pixels equal the PIL path's to the bit (both decode with libjpeg-turbo and crop,
 resize and normalise with the same torchvision functions; measured tolerance: 0). A run trains identically on both
 paths. On a GPU (nvJPEG) the decode differs by a few levels: the `gpu` test bounds it and gpu_check.sh measures it."""
@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from dml_nb.batches import JpegDecode, JpegImages, JpegItems, SeededViews, jpeg_size, random_resized_crop_params, to_device
-from dml_nb.config import ConfigError, make_config
-from dml_nb.core import seed_everything
-from dml_nb.data import ImageListDataset, make_transform
+from dml_nb.data.batches import JpegDecode, JpegImages, JpegItems, SeededViews, jpeg_size, random_resized_crop_params, to_device
+from dml_nb.training.config import ConfigError, make_config
+from dml_nb.core.base import seed_everything
+from dml_nb.data.datasets import ImageListDataset, make_transform
 
 SIZES = [(375, 500), (500, 375), (333, 500), (500, 281), (41, 900), (900, 41), (60, 60), (224, 224), (17, 23)]
 
@@ -108,8 +108,8 @@ def test_pixels_equal_the_pil_path(files, preset, size):
 
 def test_a_run_trains_identically_on_both_paths(tmp_path, monkeypatch):
     "A short run on CUB-format JPEGs: the same losses and metrics on the PIL path and the JPEG path (both of its modes)."
-    from dml_nb.checks import write_fake_dataset
-    from dml_nb.experiment import run
+    from dml_nb.data.checks import write_fake_dataset
+    from dml_nb.reproduction.experiment import run
     root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=8, per_class=4, size=40)
     cfg = {"data": {"name": "cub200", "root": str(root), "size": 32},
            "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
@@ -131,7 +131,7 @@ def test_bad_settings_are_clear_errors(files):
         make_config({"data": {"name": "cub200", "decode": "jpeg_batch", "cache": True}})
     with pytest.raises(ConfigError, match="data.decode"):
         make_config({"data": {"name": "cub200", "decode": "nvjpeg"}})
-    from dml_nb.data import load_dataset
+    from dml_nb.data.datasets import load_dataset
     with pytest.raises(TypeError, match="data.decode: pil"):
         JpegImages(load_dataset("shapes", split="train", images_per_class=2))
     with pytest.raises(ValueError, match="make_transform"):
@@ -148,7 +148,7 @@ def test_bad_settings_are_clear_errors(files):
 def test_nvjpeg_path_on_the_gpu(files):
     """On a CUDA device: the same boxes; pixels within the decode's difference. The bounds (normalised units; one
     8-bit level is 1/255/0.225 = 0.017) are provisional until gpu_check.sh has measured nvJPEG against libjpeg-turbo."""
-    from dml_nb.batches import nvjpeg_available
+    from dml_nb.data.batches import nvjpeg_available
     if not nvjpeg_available("cuda"): pytest.skip("torchvision has no nvJPEG decode here")
     src = dataset(files, train=True)
     ji = JpegImages(src, decode_on="device")

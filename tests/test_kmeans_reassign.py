@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb import clustering as M
+from dml_nb.evaluation import clustering as M
 
 
 def data(n, k, dim, noise, seed):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dml_nb import neighbours as M
-from dml_nb.metrics import evaluate, map_at_r, recall_at_k
-from dml_nb.neighbours import knn
+from dml_nb.evaluation import neighbours as M
+from dml_nb.evaluation.metrics import evaluate, map_at_r, recall_at_k
+from dml_nb.evaluation.neighbours import knn
 
 from test_metrics import brute_map_at_r, brute_neighbours, brute_recall
 
@@ -46,7 +46,7 @@ def clustered_unit(n=400, dim=32, classes=40, seed=0):
 @pytest.mark.parametrize("data", [hard, clustered_unit])
 @pytest.mark.parametrize("block", [None, 64, 100])
 def test_self_search_equals_brute_force(backend, data, block, monkeypatch):
-    if block: monkeypatch.setattr(M, "_block_rows", lambda n, device: block)
+    if block: monkeypatch.setattr(M, "block_rows", lambda n, device: block)
     x, y = data()
     expected = brute_neighbours(x, x, True)
     for k in (1, 5, 23):

@@ -1,4 +1,4 @@
-"""Checks of dml_nb.learner beyond the notebook: learning, schedules, parameter groups, callbacks, history,
+"""Checks of dml_nb.training.learner beyond the notebook: learning, schedules, parameter groups, callbacks, history,
 non-finite stops, bit-identical resume after a kill (with and without step checkpoints, with loader workers),
 checkpoint format (weights_only, atomic writes), multi-embedding evaluation, method state, and bad input.
 All on small shapes sets on the CPU."""
@@ -11,18 +11,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dml_nb.data import ArrayDataset, load_dataset
-from dml_nb.core import stream_seed
-from dml_nb.callbacks import Callback, ProgressCallback, history_csv
-from dml_nb.registry import LOSSES
-from dml_nb.learner import Learner
-from dml_nb.context import Method
-from dml_nb.checkpoint import NonFiniteLossError, load_checkpoint
-from dml_nb.methods import BaselineMethod
-from dml_nb.schedule import Schedule
-from dml_nb.heads import EmbeddingHead, EmbeddingModel, MultiHead
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
+from dml_nb.data.datasets import ArrayDataset, load_dataset
+from dml_nb.core.base import stream_seed
+from dml_nb.training.callbacks import Callback, ProgressCallback, history_csv
+from dml_nb.core.registry import LOSSES
+from dml_nb.training.learner import Learner
+from dml_nb.training.context import Method
+from dml_nb.training.checkpoint import NonFiniteLossError, load_checkpoint
+from dml_nb.methods.base import BaselineMethod
+from dml_nb.training.schedule import Schedule
+from dml_nb.blocks.heads import EmbeddingHead, EmbeddingModel, MultiHead
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -409,7 +409,7 @@ def test_bad_input_is_a_clear_error(sets):
         learner(sets, amp="fp16")
     with pytest.raises(ValueError, match="unknown optimizer 'adamm'"):
         learner(sets, optimizer="adamm").fit()
-    with pytest.raises(TypeError, match="must be a dml_nb.learner.Method"):
+    with pytest.raises(TypeError, match="must be a dml_nb.training.learner.Method"):
         Learner(model(), sets[0], sampler_for(sets[0]))
     other = load_dataset("shapes", split="train", images_per_class=8)
     with pytest.raises(IndexError, match="build the sampler from this dataset's labels"):
@@ -427,12 +427,12 @@ def test_bad_input_is_a_clear_error(sets):
 DDP_SCRIPT = r'''
 import sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
-from dml_nb.data import load_dataset
-from dml_nb.learner import Learner
-from dml_nb.methods import BaselineMethod
-from dml_nb.heads import EmbeddingHead, EmbeddingModel
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
+from dml_nb.data.datasets import load_dataset
+from dml_nb.training.learner import Learner
+from dml_nb.methods.base import BaselineMethod
+from dml_nb.blocks.heads import EmbeddingHead, EmbeddingModel
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 out = sys.argv[1]
@@ -473,7 +473,7 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path):
 
 @pytest.fixture(scope="module")
 def cached_sets(sets):
-    from dml_nb.cache import cache_images
+    from dml_nb.data.cache import cache_images
     return tuple(cache_images(s) for s in sets)
 
 
@@ -498,7 +498,7 @@ def test_cached_training_set_is_augmented_on_the_device_in_batches(cached_sets):
     assert b["x"].shape == (16, 3, 32, 32) and b["x"].dtype == torch.float32 and "sizes" not in b
     assert len(b["extra_views"]) == 1 and not torch.equal(b["x"], b["extra_views"][0])
     # the views are BatchAugment of the raw images with the generator of stream 'augment' at (epoch, step, rank)
-    from dml_nb.cache import RawItems, pad_collate
+    from dml_nb.data.cache import RawItems, pad_collate
     raw = pad_collate([RawItems(train)[int(i)] for i in b["index"]])
     g = torch.Generator().manual_seed(stream_seed(3, "augment", 0, 0, 0))
     x = train.batch_transform(raw["x"], raw["sizes"], g)

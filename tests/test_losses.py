@@ -1,6 +1,6 @@
-"""Losses in dml_nb.losses against pytorch-metric-learning (PML, a test-only reference), gradchecks and edge cases.
+"""Losses in dml_nb.blocks.losses against pytorch-metric-learning (PML, a test-only reference), gradchecks and edge cases.
 
-Intended differences from PML, also written in nbs/03_losses.ipynb:
+Intended differences from PML, also written in nbs/22_losses.ipynb:
 * NPair / FastAP / MS / triplet / contrastive / SNR: none for `tuples=None` (and for tuples given as PML indices).
 * Margin loss: identical with per-class beta; with a single shared beta PML adds nu*beta unnormalised, we add
   nu * sum over triplets of beta / (number of non-zero terms) (Wu et al.'s form), so that case is tested with nu=0.
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
-from dml_nb.registry import LOSSES
-from dml_nb.losses import (ContrastiveLoss, FastAPLoss, MarginLoss, MultiSimilarityLoss, NPairLoss, RDMLLoss,
+from dml_nb.core.registry import LOSSES
+from dml_nb.blocks.losses import (ContrastiveLoss, FastAPLoss, MarginLoss, MultiSimilarityLoss, NPairLoss, RDMLLoss,
                            SNRContrastiveLoss, SoftTripletLoss, TripletLoss, WeightedMultiSimilarityLoss)
-from dml_nb.miners import MultiSimilarityMiner, SemiHardMiner
+from dml_nb.blocks.miners import MultiSimilarityMiner, SemiHardMiner
 
 
 def batch(n_classes=8, k=4, dim=16, seed=0, dtype=torch.float64, spread=1.0):
@@ -232,7 +232,7 @@ def test_margin_beta_readings():
 
 
 def test_fixed_beta_never_reaches_an_optimiser():
-    from dml_nb.context import Method
+    from dml_nb.training.context import Method
 
     class Tiny(Method):
         def __init__(self, **loss_options):
@@ -269,7 +269,7 @@ def test_margin_distance_has_the_authors_epsilon():
 import numpy as np
 from golden import arr, load_golden
 
-from dml_nb.miners import DnCNearestMiner
+from dml_nb.blocks.miners import DnCNearestMiner
 
 
 def test_golden_margin_diva_per_class_beta():
@@ -336,7 +336,7 @@ def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
 def test_losses_take_pml_distances():
     "A loss given a distance matches PML's loss given PML's same distance; the default is the loss's own."
     from pytorch_metric_learning import distances as pml_d
-    from dml_nb.distances import CosineSimilarity, DotProductSimilarity, EuclideanDistance
+    from dml_nb.blocks.distances import CosineSimilarity, DotProductSimilarity, EuclideanDistance
     emb, labels = batch(seed=21, spread=0.5)
     for ours_d, theirs_d in [(CosineSimilarity(), pml_d.CosineSimilarity()),
                              (EuclideanDistance(squared=True), pml_d.LpDistance(power=2))]:

@@ -1,4 +1,4 @@
-"""Checks of dml_nb.methods: task wiring, the weighted sum, decorrelation gradients, separate backbones,
+"""Checks of dml_nb.methods.base: task wiring, the weighted sum, decorrelation gradients, separate backbones,
 the baseline's regularisers, and an exact resume through the learner."""
 import tempfile
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dml_nb.core import seed_everything
-from dml_nb.callbacks import Callback
-from dml_nb.learner import Learner
-from dml_nb.methods import BaselineMethod, MultiTaskMethod, Task, build_loss
-from dml_nb.miners import check_triplets
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
+from dml_nb.core.base import seed_everything
+from dml_nb.training.callbacks import Callback
+from dml_nb.training.learner import Learner
+from dml_nb.methods.base import BaselineMethod, MultiTaskMethod, Task, build_loss
+from dml_nb.blocks.miners import check_triplets
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -173,7 +173,7 @@ class KillAt(Callback):
 
 
 def _run(run_dir, callbacks=()):
-    from dml_nb.data import load_dataset
+    from dml_nb.data.datasets import load_dataset
     train = load_dataset("shapes", split="train", images_per_class=4)
     sampler = ClassBalancedBatchSampler(train.labels, batch_size=16, samples_per_class=4, seed=1, batches_per_epoch=3)
     m = MultiTaskMethod(tiny_backbone(2), {"d": 8, "s": 8},
@@ -196,7 +196,7 @@ def test_resume_is_exact():
 
 
 def test_registered_and_built_by_name():
-    from dml_nb.registry import METHODS
+    from dml_nb.core.registry import METHODS
     m = METHODS.build("baseline", backbone=tiny_backbone(), num_classes=4, train_labels=None, embedding_dim=8, dropout=0.1)
     assert isinstance(m, BaselineMethod) and m.dims == {"embedding": 8}
     with pytest.raises(TypeError, match="Did you mean 'dropout'"):

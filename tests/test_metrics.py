@@ -1,4 +1,4 @@
-"""dml_nb.metrics against brute-force NumPy, scikit-learn and pytorch-metric-learning (PML, a test reference only).
+"""dml_nb.evaluation.metrics against brute-force NumPy, scikit-learn and pytorch-metric-learning (PML, a test reference only).
 
 Intended differences from PML, checked below:
 - Recall@k counts every query; PML's precision_at_1 leaves out "lone" queries (no other sample of their class).
@@ -18,10 +18,10 @@ import pytest
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from dml_nb.metrics import (evaluate, generalization_gap, map_at_r, maw_sdaw, recall_at_k, singular_value_spectrum,
+from dml_nb.evaluation.metrics import (evaluate, generalization_gap, map_at_r, maw_sdaw, recall_at_k, singular_value_spectrum,
                             spectral_decay)
-from dml_nb.clustering import NMI_KMEANS, kmeans, nmi, nmi_kmeans_args
-from dml_nb.neighbours import knn
+from dml_nb.evaluation.clustering import NMI_KMEANS, kmeans, nmi, nmi_kmeans_args
+from dml_nb.evaluation.neighbours import knn
 from golden import load_golden
 
 BACKENDS = ("torch", "faiss")
@@ -93,7 +93,7 @@ def test_recall_matches_brute_force(backend, dtype, as_torch):
 
 def test_knn_chunks_match_one_block():
     "Queries split over many chunks (tiny max_chunk) give the same neighbours as one exact computation."
-    from dml_nb.neighbours import _knn_torch
+    from dml_nb.evaluation.neighbours import _knn_torch
     g = torch.Generator().manual_seed(3)
     q, r = torch.randn(50, 6, generator=g), torch.randn(5000, 6, generator=g)
     d, i = _knn_torch(q, r, 5, False, max_chunk=3 * 5000)  # 3 queries per chunk, last chunk shorter
@@ -341,7 +341,7 @@ def test_cuda_matches_cpu():
 try: import faiss                               # optional: the [faiss-cpu] / [faiss-gpu] extras
 except ImportError: faiss = None
 
-from dml_nb import neighbours as M
+from dml_nb.evaluation import neighbours as M
 
 HAS_FAISS_GPU = faiss is not None and M.faiss_gpus() > 0
 

@@ -1,4 +1,4 @@
-"""Miners in dml_nb.miners: validity of every tuple, determinism, empty and NaN cases, and agreement with
+"""Miners in dml_nb.blocks.miners: validity of every tuple, determinism, empty and NaN cases, and agreement with
 pytorch-metric-learning (PML, a test-only reference) where the definitions coincide."""
 import math
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dml_nb.registry import MINERS
-from dml_nb.distances import pairwise_distance
-from dml_nb.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
+from dml_nb.core.registry import MINERS
+from dml_nb.blocks.distances import pairwise_distance
+from dml_nb.blocks.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
                            distance_weights)
 
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
@@ -261,7 +261,7 @@ def test_dnc_nearest_never_returns_masked_entries():
 import numpy as np
 from golden import arr, load_golden
 
-from dml_nb.miners import DnCNearestMiner, IntraClassTripletMiner, SharedRandomMiner, negative_mask
+from dml_nb.blocks.miners import DnCNearestMiner, IntraClassTripletMiner, SharedRandomMiner, negative_mask
 
 
 OUR_DRAWS, FREQ_TOL = 2000, 0.06   # vs their 4000 draws: the worst cell (p = 1/3) has sd 0.013; wrong readings differ > 0.25

@@ -1,4 +1,4 @@
-"""Checks of dml_nb.models too heavy for the notebook: full-size forwards, ImageNet weight files, and the
+"""Checks of dml_nb.blocks.models too heavy for the notebook: full-size forwards, ImageNet weight files, and the
 two-process all_gather path of MemoryQueue."""
 import time
 from pathlib import Path
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dml_nb.core import seed_everything
-from dml_nb.models import (Backbone, BNInception, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
+from dml_nb.core.base import seed_everything
+from dml_nb.blocks.models import (Backbone, BNInception, ResNet50, SmallCNN, batchnorm_modules, build_backbone,
                            global_pool)
-from dml_nb.heads import EmbeddingModel, MultiHead
-from dml_nb.momentum import MemoryQueue, MomentumEncoder
-from dml_nb.preprocessing import Preprocessing
+from dml_nb.blocks.heads import EmbeddingModel, MultiHead
+from dml_nb.blocks.momentum import MemoryQueue, MomentumEncoder
+from dml_nb.data.preprocessing import Preprocessing
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -255,7 +255,7 @@ def test_memory_queue_all_gather_two_processes(tmp_path):
 # Divide and Conquer's sliced head against the authors' lib/model.py and train.py (golden fixture) -------------------
 
 from golden import load_golden, arr
-from dml_nb.heads import SlicedHead, slice_bounds
+from dml_nb.blocks.heads import SlicedHead, slice_bounds
 
 
 def _golden_head(case, **options):
@@ -330,7 +330,7 @@ def test_sliced_head_xavier_init_statistics(K):
 
 @pytest.mark.parametrize("name,size", [("resnet50", 250), ("googlenet", 227), ("bninception", 224), ("small_cnn", 48)])
 def test_an_instance_states_the_preprocessing_its_data_pipeline_uses(name, size):
-    from dml_nb.data import make_transform
+    from dml_nb.data.datasets import make_transform
     assert build_backbone(name, input_size=size).preprocessing == make_transform(name, size=size).preprocessing
 
 
@@ -349,7 +349,7 @@ class _ToyBGR(Backbone):
 @pytest.fixture
 def toy_backbone(monkeypatch):
     "`toy_bgr` registered as a backbone for the test only."
-    from dml_nb.registry import BACKBONES
+    from dml_nb.core.registry import BACKBONES
     BACKBONES.get("resnet50")                               # the package's backbones are registered first
     monkeypatch.setitem(BACKBONES._items, "toy_bgr", _ToyBGR)
     return _ToyBGR
@@ -357,11 +357,11 @@ def toy_backbone(monkeypatch):
 
 def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
     from torchvision.transforms.v2 import functional as TF
-    from dml_nb.cache import BatchAugment
-    from dml_nb.data import ArrayDataset, make_transform
-    from dml_nb.experiment import build_datasets
-    from dml_nb.config import make_config
-    from dml_nb.learner import eval_view
+    from dml_nb.data.cache import BatchAugment
+    from dml_nb.data.datasets import ArrayDataset, make_transform
+    from dml_nb.reproduction.experiment import build_datasets
+    from dml_nb.training.config import make_config
+    from dml_nb.training.learner import eval_view
     pp = toy_backbone.preprocessing_for()
     train, test = make_transform("toy_bgr", train=True), make_transform("toy_bgr")
     assert train.preprocessing == test.preprocessing == build_backbone("toy_bgr").preprocessing == pp
@@ -392,9 +392,9 @@ def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
 def test_a_transform_without_the_backbone_record_is_not_guessed():
     "Hand-built pipelines with ImageNet's mean were once matched to `resnet50` by that mean; now the error says what to pass."
     from torchvision.transforms import v2
-    from dml_nb.cache import BatchAugment
-    from dml_nb.data import ArrayDataset
-    from dml_nb.learner import eval_view
+    from dml_nb.data.cache import BatchAugment
+    from dml_nb.data.datasets import ArrayDataset
+    from dml_nb.training.learner import eval_view
     hand = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.RandomResizedCrop(32, antialias=True),
                        v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
     with pytest.raises(ValueError, match=r"make_transform\(<backbone>, train=True\).*preprocessing="):
@@ -404,8 +404,8 @@ def test_a_transform_without_the_backbone_record_is_not_guessed():
 
 
 def test_a_backbone_without_preprocessing_is_an_error_saying_what_to_add(monkeypatch):
-    from dml_nb.registry import BACKBONES
-    from dml_nb.data import make_transform
+    from dml_nb.core.registry import BACKBONES
+    from dml_nb.data.datasets import make_transform
     BACKBONES.get("resnet50")
     class Bare(Backbone): pass
     monkeypatch.setitem(BACKBONES._items, "bare", Bare)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dml_nb.checks import write_fake_dataset
+from dml_nb.data.checks import write_fake_dataset
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def _shrink_train(t: dict | None) -> dict:
 
 @pytest.mark.parametrize("path", TRAIN_FILES, ids=[f.name for f in TRAIN_FILES])
 def test_dml_train_runs_every_paper_file(path, data_root, tmp_path):
-    from dml_nb.config import load_config
+    from dml_nb.training.config import load_config
     cfg = load_config(path)
     k = cfg.train.samples_per_class
     sets = [f"data.root={data_root / cfg.data.name}", "data.size=32", "model.pretrained=false", "train.epochs=1",
@@ -104,7 +104,7 @@ def smoke_scratch(tmp_path, monkeypatch):
     removed afterwards: each of these runs leaves ResNet50 checkpoints of 100-300 MB, and the whole test used to leave
     about 60 GB in the smoke folder until the disk was full."""
     for k, v in _env(IN_TEST="1").items(): monkeypatch.setenv(k, v)
-    from dml_nb.repro import output_dirs
+    from dml_nb.reproduction.repro import output_dirs
     scratch = output_dirs()[1].parent / "paper_path" / tmp_path.name
     yield scratch
     shutil.rmtree(scratch, ignore_errors=True)

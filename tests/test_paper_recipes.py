@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.checks import write_fake_dataset
-from dml_nb.experiment import run
-from dml_nb.config import config_to_dict, make_config, merge_layers, read_yaml
-from dml_nb.repro import Row, params_base
+from dml_nb.data.checks import write_fake_dataset
+from dml_nb.reproduction.experiment import run
+from dml_nb.training.config import config_to_dict, make_config, merge_layers, read_yaml
+from dml_nb.reproduction.repro import Row, params_base
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES_PER_BATCH = 6

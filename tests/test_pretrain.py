@@ -4,8 +4,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dml_nb.models import build_backbone
-from dml_nb.pretrain import WEIGHTS_DIR, PretrainRecipe, _files, _sha256, pretrain, save_weights, shipped_weights
+from dml_nb.blocks.models import build_backbone
+from dml_nb.blocks.pretrain import WEIGHTS_DIR, PretrainRecipe, _files, _sha256, pretrain, save_weights, shipped_weights
 
 TINY = PretrainRecipe(num_classes=5, images_per_class=4, heldout_per_class=2, width=4, feature_dim=8, epochs=2,
                       batch_size=8, threads=1)
@@ -27,9 +27,9 @@ def test_checks_name_the_fix(tmp_path):
     assert shipped_weights(4, 8, folder=tmp_path) == pt
     with pytest.raises(ValueError, match="width: 4, feature_dim: 8"): shipped_weights(32, 256, folder=tmp_path)
     pt.write_bytes(pt.read_bytes()[:-1] + b"x")
-    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.pretrain"):
+    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.blocks.pretrain"):
         shipped_weights(4, 8, folder=tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m dml_nb.pretrain"): shipped_weights(folder=tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="python -m dml_nb.blocks.pretrain"): shipped_weights(folder=tmp_path / "none")
 
 
 def test_shipped_weights_load_offline_and_refuse_other_options():
@@ -44,26 +44,26 @@ def test_shipped_weights_load_offline_and_refuse_other_options():
 
 def test_reproductions_see_the_shipped_weights():
     "`repro.availability` asks the backbone (`weights_for`): small_cnn + pretrained: true is runnable, a width the weights do not fit is not."
-    from dml_nb.repro import availability
+    from dml_nb.reproduction.repro import availability
     assert availability({"model": {"backbone": "small_cnn", "pretrained": True}}) is None
     why = availability({"model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 16}}})
     assert why is not None and "width: 32" in why
 
 
 def test_the_shipped_weights_checksum_is_part_of_the_run_hash(monkeypatch):
-    from dml_nb.config import make_config
-    from dml_nb.experiment import run_dir_for
+    from dml_nb.training.config import make_config
+    from dml_nb.reproduction.experiment import run_dir_for
     raw = {"data": {"name": "finegrained", "images_per_class": 4}, "model": {"backbone": "small_cnn", "pretrained": True}}
     scratch = {**raw, "model": {"backbone": "small_cnn"}}                                  # random init: no checksum
     before, scratch_before = run_dir_for(make_config(raw)), run_dir_for(make_config(scratch))
-    monkeypatch.setattr("dml_nb.pretrain.shipped_checksum", lambda *a, **k: "0" * 64)   # regenerated weights
+    monkeypatch.setattr("dml_nb.blocks.pretrain.shipped_checksum", lambda *a, **k: "0" * 64)   # regenerated weights
     assert run_dir_for(make_config(raw)) != before
     assert run_dir_for(make_config(scratch)) == scratch_before
 
 
 def test_novelpool_ships_loads_offline_and_differs_from_fgpool():
     "`finegrained_novel`'s weights: small_cnn's option `weights` picks them, checked and loaded with weights_only."
-    from dml_nb.pretrain import RECIPES
+    from dml_nb.blocks.pretrain import RECIPES
     assert RECIPES["novelpool"].layout == "novel" and RECIPES["fgpool"] == PretrainRecipe()   # fgpool's recipe unchanged
     pt, sha, meta = _files(WEIGHTS_DIR, "novelpool")
     assert sha.read_text().split()[0] == _sha256(pt) and pt.stat().st_size < 4 * 2**20
@@ -76,8 +76,8 @@ def test_novelpool_ships_loads_offline_and_differs_from_fgpool():
 
 
 def test_each_shipped_file_has_its_own_run_hash():
-    from dml_nb.config import make_config
-    from dml_nb.experiment import run_dir_for
+    from dml_nb.training.config import make_config
+    from dml_nb.reproduction.experiment import run_dir_for
     raw = {"data": {"name": "finegrained_novel", "images_per_class": 4}, "model": {"backbone": "small_cnn", "pretrained": True}}
     novel = {**raw, "model": {**raw["model"], "options": {"weights": "novelpool"}}}
     assert run_dir_for(make_config(raw)) != run_dir_for(make_config(novel))

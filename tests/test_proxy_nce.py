@@ -1,4 +1,4 @@
-"""Tests for dml_nb.proxy_nce: agreement with pytorch-metric-learning (PML, a dev-only reference), float64
+"""Tests for dml_nb.blocks.proxy_nce: agreement with pytorch-metric-learning (PML, a dev-only reference), float64
 gradient checks, DaNCE against an independent loop implementation of DiVA eq. 6, and edge cases.
 
 Intended differences from PML (not tested as equalities):
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from dml_nb.decorrelation import Decorrelation
-from dml_nb.heads import grad_reverse
-from dml_nb.proxy_nce import DaNCELoss, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss
+from dml_nb.blocks.decorrelation import Decorrelation
+from dml_nb.blocks.heads import grad_reverse
+from dml_nb.blocks.proxy_nce import DaNCELoss, InfoNCELoss, ProxyAnchorLoss, ProxyNCALoss, QueueNCELoss
 
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 
@@ -408,7 +408,7 @@ def test_golden_decorrelation_mic():
 
 
 def test_has_proxies_reads_the_loss_itself():
-    from dml_nb.sharing import has_proxies
+    from dml_nb.methods.sharing import has_proxies
     assert has_proxies("proxy_nca") and has_proxies("proxy_anchor") and has_proxies(ProxyAnchorLoss(3, 4))
     assert has_proxies(ProxyNCALoss) and not has_proxies("margin") and not has_proxies("triplet")   # margin: num_classes, no proxies
     assert not has_proxies(InfoNCELoss())

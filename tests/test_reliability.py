@@ -18,16 +18,16 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.core import RunLockedError
-from dml_nb.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
-from dml_nb.experiment import run, run_dir_for
-from dml_nb.config import ConfigError, config_to_dict, load_config, make_config
-from dml_nb.cli import main
-from dml_nb.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
+from dml_nb.core.base import RunLockedError
+from dml_nb.core.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
+from dml_nb.reproduction.experiment import run, run_dir_for
+from dml_nb.training.config import ConfigError, config_to_dict, load_config, make_config
+from dml_nb.reproduction.cli import main
+from dml_nb.data.formats import (DatasetFormatError, DatasetSizeWarning, read_cars196, read_cub200, read_index, read_inshop,
                             read_sop, read_vehicleid)
-from dml_nb.checks import write_fake_dataset
-from dml_nb.checkpoint import load_checkpoint
-from dml_nb.metrics import map_at_r, recall_at_k
+from dml_nb.data.checks import write_fake_dataset
+from dml_nb.training.checkpoint import load_checkpoint
+from dml_nb.evaluation.metrics import map_at_r, recall_at_k
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -200,7 +200,7 @@ def test_full_releases_are_checked_against_the_official_sizes(tmp_path):
 
 def hold_lock(run_dir: Path, seconds: float) -> subprocess.Popen:
     "Another process holding the run directory's lock, as a dml-train in progress does."
-    code = (f"import time\nfrom dml_nb.core import lock_dir\nwith lock_dir({str(run_dir)!r}):\n"
+    code = (f"import time\nfrom dml_nb.core.base import lock_dir\nwith lock_dir({str(run_dir)!r}):\n"
             f"    print('locked', flush=True); time.sleep({seconds})")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
     assert p.stdout.readline().strip() == "locked"
@@ -245,7 +245,7 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, params, capsys)
 
 
 def test_the_reproduction_harness_waits_for_the_lock(tmp_path):
-    from dml_nb.repro import run_one
+    from dml_nb.reproduction.repro import run_one
     run_dir = run_dir_for(make_config(TINY), tmp_path)
     holder = hold_lock(run_dir, 3)
     t0 = time.time()
@@ -271,7 +271,7 @@ def test_check_data_lists_unreadable_images_once_and_caches_the_verdict(sop_with
     code, out, _ = cli(capsys, *args)
     assert code == 2 and f"unreadable: {bad} (" in out and "--set data.on_unreadable=skip" in out, out
     assert "sop at " in out and "train 6 images / 2 classes, test 6 images / 2 classes" in out
-    import dml_nb.checks as F
+    import dml_nb.data.checks as F
     monkeypatch.setattr(F, "_decode", lambda p: pytest.fail("decoded again"))   # the verdict comes from the cache
     code, out2, _ = cli(capsys, *args)
     assert code == 2 and out2 == out
@@ -364,10 +364,10 @@ def test_missing_dataset_and_bad_values_are_one_line_for_the_cli_and_leave_no_ru
 
 
 def test_help_and_config_errors_answer_without_importing_torch(tmp_path):
-    "`import dml_nb.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
+    "`import dml_nb.reproduction.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
     (tmp_path / "bad.yaml").write_text("train: {epochs: 3\nseed: 1\n")
     shapes = ROOT / "params/train/shapes_baseline.yaml"
-    code = ("import sys, time\nt = time.time()\nfrom dml_nb.cli import main\n"
+    code = ("import sys, time\nt = time.time()\nfrom dml_nb.reproduction.cli import main\n"
             "try: rc = main(sys.argv[1:])\nexcept SystemExit as e: rc = e.code\n"
             "heavy = [m for m in ('torch', 'torchvision', 'sklearn', 'faiss', 'pandas') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, file=sys.stderr)")
@@ -394,7 +394,7 @@ def test_disk_full_and_read_only_are_one_line(tmp_path, params, capsys, monkeypa
     # (resuming it under another config, train.epochs=2, is refused since issue 35)
     (run_dir / "done").unlink(); (run_dir / "metrics.json").unlink()
     before = snapshot(run_dir)
-    import dml_nb.core as core
+    import dml_nb.core.base as core
     real = os.fsync
     def full(fd): raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(core.os, "fsync", full)
@@ -456,7 +456,7 @@ def test_orphan_temporary_files_are_removed_at_the_next_start(tmp_path, params, 
 def test_a_write_killed_midway_leaves_a_temporary_that_the_next_start_removes(tmp_path):
     "A real SIGKILL during atomic_write."
     target = tmp_path / "run" / "big.bin"
-    code = (f"from dml_nb.core import atomic_write\nimport time\n"
+    code = (f"from dml_nb.core.base import atomic_write\nimport time\n"
             f"def slow(f):\n    f.write(b'x' * 1000); f.flush(); print('writing', flush=True); time.sleep(60)\n"
             f"atomic_write({str(target)!r}, slow)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
@@ -464,7 +464,7 @@ def test_a_write_killed_midway_leaves_a_temporary_that_the_next_start_removes(tm
     p.send_signal(signal.SIGKILL); p.wait()
     left = [q for q in target.parent.iterdir() if q.name.endswith(".tmp")]
     assert len(left) == 1
-    from dml_nb.core import remove_temp_files
+    from dml_nb.core.base import remove_temp_files
     assert remove_temp_files(target.parent) == left                         # a dead process's, without the lock
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.config import ConfigError, RANGES, _numeric_fields, load_config, make_config
-from dml_nb.experiment import run
+from dml_nb.training.config import ConfigError, RANGES, _numeric_fields, load_config, make_config
+from dml_nb.reproduction.experiment import run
 
 from test_reliability import TINY, cli, cub, one_line_error, snapshot   # noqa: F401 (fixtures below)
 from test_reliability import image_cache, params                        # noqa: F401
@@ -147,7 +147,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     "A project folder with repro_table3's notebook, outside the test mode (as a user's papermill run sees it)."
-    import dml_nb.repro as R
+    import dml_nb.reproduction.repro as R
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
     (tmp_path / "nbs").mkdir()
     (tmp_path / "nbs" / "repro_table3.ipynb").write_bytes((ROOT / "nbs" / "repro_table3.ipynb").read_bytes())
@@ -160,12 +160,12 @@ def project(tmp_path, monkeypatch):
 
 
 def table3_params(**changes) -> dict:
-    from dml_nb.repro import notebook_defaults
+    from dml_nb.reproduction.repro import notebook_defaults
     return {**notebook_defaults("repro_table3"), "output": {"progress": False}, **changes}
 
 
 def test_a_users_reproduction_run_never_writes_the_committed_figures(project):
-    from dml_nb.repro import setup
+    from dml_nb.reproduction.repro import setup
     nb = setup("repro_table3", table3_params(config={"train": {"epochs": 1}}, seeds=[0]))
     assert nb.figures == project / "figures" / "local-config-train_epochs_1-seeds-0"   # was figures/ itself
     assert setup("repro_table3", table3_params()).figures == project / "figures" / "local"   # the README's command
@@ -177,7 +177,7 @@ def test_a_users_reproduction_run_never_writes_the_committed_figures(project):
 
 def test_dml_reproduce_alone_names_figures(project, monkeypatch):
     import papermill
-    from dml_nb.reproduce import reproduce
+    from dml_nb.reproduction.reproduce import reproduce
     seen = []
     monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, parameters, **kw: seen.append(parameters))
     reproduce(["repro_table3"], root=project, progress=False)
@@ -191,7 +191,7 @@ def test_dml_reproduce_alone_names_figures(project, monkeypatch):
     ({"seed": [1]}, "unknown parameter(s) 'seed'; the parameters of repro_table3 are: dataset, config, seeds,"),
 ])
 def test_reproduction_parameters_are_checked_in_setup(project, capfd, change, expected):
-    from dml_nb.repro import setup
+    from dml_nb.reproduction.repro import setup
     with pytest.raises(ValueError) as e:
         setup("repro_table3", table3_params(**change))
     assert expected in str(e.value)
@@ -201,7 +201,7 @@ def test_reproduction_parameters_are_checked_in_setup(project, capfd, change, ex
 
 
 def test_a_figures_dir_that_cannot_be_written_stops_in_setup(project, tmp_path):
-    from dml_nb.repro import setup
+    from dml_nb.reproduction.repro import setup
     locked = tmp_path / "locked"; locked.mkdir(); locked.chmod(0o500)
     target = "/proc" if os.geteuid() == 0 else str(locked)                 # root writes anywhere but /proc
     with pytest.raises(ValueError, match=f"cannot write to {target}"):
@@ -209,7 +209,7 @@ def test_a_figures_dir_that_cannot_be_written_stops_in_setup(project, tmp_path):
 
 
 def test_a_paper_scale_run_without_its_data_stops_before_training(project, capfd):
-    from dml_nb.repro import setup
+    from dml_nb.reproduction.repro import setup
     raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
     with pytest.raises(ConfigError, match=r"data.name is 'cub200', a dataset on disk, but neither data.root nor \$DML_DATA"):
         setup("repro_table3", table3_params(**raw))
@@ -221,7 +221,7 @@ def test_a_paper_scale_run_without_its_data_stops_before_training(project, capfd
 def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_path):
     import nbformat, subprocess, sys
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("from dml_nb.repro import text_progress\ntext_progress()"),
+    nb.cells = [nbformat.v4.new_code_cell("from dml_nb.reproduction.repro import text_progress\ntext_progress()"),
                 nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(3), desc='runs'): pass\n"
                                           "bar = tqdm(total=0); bar.close()")]    # the learner's bar starts at total=0
     nbformat.write(nb, tmp_path / "in.ipynb")
@@ -238,7 +238,7 @@ def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_p
 # 5. an image damaged in place; a decode failure during training --------------------------------------------------------
 
 def sop(tmp_path):
-    from dml_nb.checks import write_fake_dataset
+    from dml_nb.data.checks import write_fake_dataset
     return write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
 
 
@@ -270,8 +270,8 @@ def test_an_image_that_stops_decoding_after_the_check_follows_on_unreadable(tmp_
     root = sop(tmp_path)
     bad = sorted((root / "bicycle_final").glob("*.JPG"))[1]                 # a training image (class 1)
     bad.write_bytes(bad.read_bytes()[:150])
-    import dml_nb.data
-    monkeypatch.setattr(dml_nb.data, "check_images", lambda *a, **k: [])   # damaged after the check at the start
+    import dml_nb.data.datasets
+    monkeypatch.setattr(dml_nb.data.datasets, "check_images", lambda *a, **k: [])   # damaged after the check at the start
     base = [params, "--set", f"data.root={root}", *SOP_RUN]
     code, _, err = cli(capsys, *base, "-o", tmp_path / "a")
     assert code == 2 and "1 of 6 images of sop train cannot be read: " in one_line_error(err)   # was a traceback
@@ -291,8 +291,8 @@ def outside(tmp_path) -> Path:
 
 
 def test_an_index_line_leading_outside_the_root_is_refused_naming_file_and_line(tmp_path):
-    from dml_nb.checks import write_fake_dataset
-    from dml_nb.formats import DatasetFormatError, read_index
+    from dml_nb.data.checks import write_fake_dataset
+    from dml_nb.data.formats import DatasetFormatError, read_index
     x = outside(tmp_path)
     root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=4, per_class=2) / "CUB_200_2011"
     f = root / "images.txt"
@@ -313,8 +313,8 @@ def test_an_index_line_leading_outside_the_root_is_refused_naming_file_and_line(
 
 def test_an_outside_path_in_cars_annos_is_refused(tmp_path):
     from scipy.io import loadmat, savemat
-    from dml_nb.checks import write_fake_dataset
-    from dml_nb.formats import DatasetFormatError, read_index
+    from dml_nb.data.checks import write_fake_dataset
+    from dml_nb.data.formats import DatasetFormatError, read_index
     root = write_fake_dataset("cars196", tmp_path / "cars", n_classes=4, per_class=2)
     mat = loadmat(root / "cars_annos.mat")
     mat["annotations"][0, 0]["relative_im_path"] = np.array(["/etc/passwd"])
@@ -347,7 +347,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, params, capsys):
     a = tmp_path / "a.yaml"; a.write_text("train: &t {epochs: 1, lr: 0.01}\n")   # anchors that stay small still read
     assert load_config(a).train.epochs == 1
     with pytest.raises(ConfigError, match="aliases"):
-        from dml_nb.config import parse_yaml
+        from dml_nb.training.config import parse_yaml
         parse_yaml(BOMB, "bomb")
 
 
@@ -361,8 +361,8 @@ def test_an_empty_parameter_file_is_an_error_not_every_default(tmp_path, params,
 
 
 def test_samples_per_class_above_a_class_size_warns_naming_the_classes(tmp_path):
-    from dml_nb.checks import write_fake_dataset
-    from dml_nb.experiment import build_learner
+    from dml_nb.data.checks import write_fake_dataset
+    from dml_nb.reproduction.experiment import build_learner
     root = write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
     f = root / "Ebay_train.txt"
     f.write_text("\n".join(l for l in f.read_text().splitlines() if not l.startswith("2 1 ")) + "\n")   # class 1: 2 images
@@ -375,7 +375,7 @@ def test_samples_per_class_above_a_class_size_warns_naming_the_classes(tmp_path)
 
 @pytest.mark.parametrize("scale", [1e18, 1e20, 1e30, 1e-30])
 def test_recall_at_k_of_huge_or_tiny_embeddings_is_that_of_the_same_directions(scale):
-    from dml_nb.metrics import map_at_r, recall_at_k
+    from dml_nb.evaluation.metrics import map_at_r, recall_at_k
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(300, 512, generator=g), torch.arange(300) % 30
     assert recall_at_k(x * scale, y, (1, 2, 4)) == recall_at_k(x, y, (1, 2, 4))    # 1e18 in 512 dims overflowed float32
@@ -385,7 +385,7 @@ def test_recall_at_k_of_huge_or_tiny_embeddings_is_that_of_the_same_directions(s
 
 
 def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
-    import dml_nb.repro as R
+    import dml_nb.reproduction.repro as R
     nb = R.setup("repro_table3", table3_params())
     monkeypatch.setattr(R, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
     nb.run({"A": {"train": {"epochs": 100}, "method": {"name": "baseline"}},

@@ -8,9 +8,9 @@ import papermill
 import pytest
 import yaml
 
-from dml_nb.claims import Claims, Verdict, better
-from dml_nb.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, params_base, smoke, setup
-from dml_nb.config import ConfigError, make_config
+from dml_nb.reproduction.claims import Claims, Verdict, better
+from dml_nb.reproduction.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, params_base, smoke, setup
+from dml_nb.training.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "nbs").glob("repro_*.ipynb"))
@@ -89,7 +89,7 @@ def test_paper_numbers_of_the_flagship():
 
 
 def test_smoke_shrinks_only_when_asked(monkeypatch):
-    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
+    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)
     raw = {**base_config(), "method": {"name": "bspml"}}
     # pytest sets PYTEST_CURRENT_TEST, so in_test() is true here: force=False still shrinks; check the sizes
     s = smoke(raw, force=True)
@@ -104,7 +104,7 @@ def test_row_spec_errors_name_the_sections():
 
 def test_status_messages_name_no_machine_folders():
     import torch.hub
-    from dml_nb.repro import portable
+    from dml_nb.reproduction.repro import portable
     msg = f"weights missing: none of a.pth is in {torch.hub.get_dir()}/checkpoints (home {Path.home()})"
     out = portable(msg)
     assert "$TORCH_HOME/hub/checkpoints" in out and str(Path.home()) not in out
@@ -120,7 +120,7 @@ def test_committed_figures_hold_no_machine_specific_paths():
 
 
 def test_tables_say_which_epoch_their_runs_report():
-    from dml_nb.repro import reported_as
+    from dml_nb.reproduction.repro import reported_as
     last, best = "last epoch", "best epoch by test/recall@1"
     assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [best, best]})) == best
     assert reported_as(pd.DataFrame({"row": ["a", "b"], "reported": [last, best]})) == f"mixed: {last} (a) / {best} (b)"
@@ -128,12 +128,12 @@ def test_tables_say_which_epoch_their_runs_report():
 
 
 def test_paper_scale_runs_write_their_own_figure_folder(tmp_path, monkeypatch):
-    from dml_nb.repro import output_dirs, paper_variant
+    from dml_nb.reproduction.repro import output_dirs, paper_variant
     assert paper_variant(base_config("shapes")) is None and paper_variant(base_config("digits")) is None
     raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
     variant = paper_variant(params_base(raw))
     assert variant == "cub200-resnet50"
-    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
+    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
     monkeypatch.chdir(tmp_path)
     f, _ = output_dirs(variant=variant)
@@ -192,7 +192,7 @@ def _setup_defaults(nb: Path) -> dict | None:
 def _smoke_cases():
     "Every method spec of the parameter files and of the notebooks' parameters cells, on its base: {case id: config}."
     import json
-    from dml_nb.registry import METHODS
+    from dml_nb.core.registry import METHODS
     def specs(obj, path=""):
         if isinstance(obj, dict):
             if isinstance(obj.get("name"), str) and obj["name"] in METHODS: yield path, obj; return
@@ -201,8 +201,12 @@ def _smoke_cases():
             for i, v in enumerate(obj): yield from specs(v, f"{path}/{i}")
     sources = [(f"{f.parent.name}/{f.name}", yaml.safe_load(f.read_text()) or {}) for f in PARAM_FILES]
     for nb in NOTEBOOKS:
-        cell = next(c for c in json.loads(nb.read_text())["cells"] if "parameters" in c["metadata"].get("tags", []))
-        ns = {}; exec("".join(cell["source"]), ns)
+        cells = json.loads(nb.read_text())["cells"]
+        k = next(i for i, c in enumerate(cells) if "parameters" in c["metadata"].get("tags", []))
+        ns = {}; exec("".join(cells[k]["source"]), ns)
+        if "defaults" in cells[k + 1]["metadata"].get("tags", []):     # the long defaults of the parameters
+            exec("".join(cells[k + 1]["source"]), ns)
+        ns = {n: v for n, v in ns.items() if not n.startswith("DEFAULT_")}
         sources.append((nb.stem, {k: v for k, v in ns.items() if not k.startswith("__")}, _setup_defaults(nb)))
     out = {}
     for cid, p, *defaults in sources:
@@ -236,7 +240,7 @@ def test_smoke_queue_alternatives_and_phase_epochs():
 
 
 def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
-    from dml_nb.checks import write_fake_dataset
+    from dml_nb.data.checks import write_fake_dataset
     monkeypatch.setenv("DML_DATA", str(tmp_path / "data"))               # setup checks a paper dataset is there
     write_fake_dataset("cars196", tmp_path / "data" / "cars196")
     params = {"dataset": "cars196", "config": {"model": {"backbone": "resnet50"}},
@@ -248,7 +252,7 @@ def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
     assert nb.note(compare="the ordering").endswith("paper: cars196."), "no embedded-data sentence on a paper dataset"
     with pytest.raises(KeyError, match="not a parameter"):
         setup("repro_sharing_table7", dict(params), shrink={"gamma": 1})
-    monkeypatch.setattr("dml_nb.repro.in_test", lambda: False)
+    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)
     params = {"dataset": "shapes", "seeds": [0, 1], "paper_dataset": "cars196",
               "output": {"figures_dir": tmp_path, "runs_dir": tmp_path}}
     nb = setup("repro_sharing_table7", params, shrink={"seeds": 1})
@@ -257,8 +261,8 @@ def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
 
 def test_a_run_the_method_cannot_train_is_a_row_with_its_reason(monkeypatch, tmp_path):
     "A D&C run whose clusters cannot form batches (or a run with no tuples) is shown as stopped with the reason; the table goes on."
-    import dml_nb.repro as R
-    from dml_nb.dnc import ClusterError
+    import dml_nb.reproduction.repro as R
+    from dml_nb.methods.dnc import ClusterError
     def stop(raw, runs_dir, progress=True): raise ClusterError("1 of 2 clusters cannot form a batch with negatives")
     monkeypatch.setattr(R, "run_one", stop)
     per_seed, results = R.run_rows([Row("D&C", {"name": "dnc", "num_learners": 2})], base_config("digits"), seeds=[0],

@@ -1,11 +1,11 @@
-"""Batch samplers (dml_nb.samplers): the class-balanced sampler's extra length, the cluster schedules of Divide
+"""Batch samplers (dml_nb.data.samplers): the class-balanced sampler's extra length, the cluster schedules of Divide
 and Conquer, and the code draws (`class_random`, `reshuffle`, `mic`), pinned against the authors' data loaders
 (golden fixtures `dnc_round_robin`, `sampler_dnc`, `sampler_mic`)."""
 import numpy as np
 import pytest
 
 from golden import load_golden, arr
-from dml_nb.samplers import (CLUSTER_SCHEDULES, MIC_WORKERS, ClassBalancedBatchSampler,
+from dml_nb.data.samplers import (CLUSTER_SCHEDULES, MIC_WORKERS, ClassBalancedBatchSampler,
                              RoundRobinBatchSampler, mic_blocks, usable_members)
 
 
@@ -169,7 +169,7 @@ def _block_statistics(labels, blocks):
 def test_golden_reshuffle_draw_matches_dncs_sampler():
     """draw='reshuffle' against D&C's ClassBalancedSampler (20,000 batches of their code): no image twice in a block
     of a class of at least K, the same overlap of a class's consecutive blocks, the same even use of its images.
-    One long epoch here: every dml_nb epoch starts from new pools, their sampler carries them over (02_samplers)."""
+    One long epoch here: every dml_nb epoch starts from new pools, their sampler carries them over (16_samplers)."""
     g = load_golden("sampler_dnc")
     x, ref = g["inputs"], g["outputs"]
     labels, K = arr(x["labels"], np.int64), x["samples_per_class"]
@@ -217,7 +217,7 @@ def test_golden_class_random_draw_matches_divas_sampler():
 def test_reshuffle_draw_fills_a_batch_from_fewer_classes_as_dncs_sampler():
     """D&C's sampler draws the classes with replacement when there are fewer than a batch needs (a small cluster):
     draw='reshuffle' keeps the full batch; 'balanced' refuses, and D&C's cluster batches shrink under it instead."""
-    from dml_nb.dnc import cluster_batch_sampler
+    from dml_nb.methods.dnc import cluster_batch_sampler
     labels = np.repeat(np.arange(6), 9)
     s = ClassBalancedBatchSampler(labels[:27], 32, 4, draw="reshuffle", batches_per_epoch=50)   # 3 classes, 8 blocks
     blocks = np.asarray(s.batches(0)).reshape(50, 8, 4)

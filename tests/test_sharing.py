@@ -1,4 +1,4 @@
-"""Sharing Matters / MIC (dml_nb.sharing): Algorithm 1's update budget (and the older alternation), the decorrelation
+"""Sharing Matters / MIC (dml_nb.methods.sharing): Algorithm 1's update budget (and the older alternation), the decorrelation
 term and the regressor's optimiser settings, T^G grouping (the paper's and MIC's readings), MIC's group batches, the
 unique-classes statistic, the architecture switches, Table 8 setups, exact resume of a killed run, and golden fixtures
 from MIC's code (tests/fixtures/golden/sharing_*.json)."""
@@ -10,19 +10,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dml_nb.registry import METHODS, Registry
-from dml_nb.data import load_dataset
-from dml_nb.clustering import cluster_statistics, match_clusters
-from dml_nb.callbacks import Callback
-from dml_nb.learner import Learner
-from dml_nb.checkpoint import load_checkpoint
-from dml_nb.miners import check_triplets
-from dml_nb.models import build_backbone
-from dml_nb.samplers import ClassBalancedBatchSampler
-import dml_nb.sharing as sharing_module
-from dml_nb.sharing import ARCHITECTURES, MIC, MIC_DEFAULTS, TG_PAPER_TEXT, SharingMatters, shared_miner
-from dml_nb.shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
-from dml_nb.grouping import assign_to_centroids, group_samples, standardize_per_class
+from dml_nb.core.registry import METHODS, Registry
+from dml_nb.data.datasets import load_dataset
+from dml_nb.evaluation.clustering import cluster_statistics, match_clusters
+from dml_nb.training.callbacks import Callback
+from dml_nb.training.learner import Learner
+from dml_nb.training.checkpoint import load_checkpoint
+from dml_nb.blocks.miners import check_triplets
+from dml_nb.blocks.models import build_backbone
+from dml_nb.data.samplers import ClassBalancedBatchSampler
+import dml_nb.methods.sharing as sharing_module
+from dml_nb.methods.sharing import ARCHITECTURES, MIC, MIC_DEFAULTS, TG_PAPER_TEXT, SharingMatters, shared_miner
+from dml_nb.methods.shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
+from dml_nb.methods.grouping import assign_to_centroids, group_samples, standardize_per_class
 from golden import arr, load_golden
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -578,8 +578,8 @@ def test_golden_shared_update_probability_matches_mic_schedule():
 def test_shared_flip_false_trains_the_shared_batches_unflipped(shapes):
     """shared_flip=False: the shared updates' items are loaded as (index, seed, False), i.e. with the training
     transform minus its flip (the same crop); the discriminative batches keep their flips."""
-    from dml_nb.batches import SeededViews, without_flips
-    from dml_nb.data import make_transform
+    from dml_nb.data.batches import SeededViews, without_flips
+    from dml_nb.data.datasets import make_transform
     train = shapes[0]
     learn = run(shapes, cls=Recording, epochs=1, shared_flip=False)
     learn.fit()
@@ -610,7 +610,7 @@ def test_shared_flip_false_trains_the_shared_batches_unflipped(shapes):
 
 def test_batch_augment_without_flips_keeps_the_crops():
     "BatchAugment(flip=False): the boxes of the flipped call, no image mirrored."
-    from dml_nb.cache import BatchAugment
+    from dml_nb.data.cache import BatchAugment
     aug = BatchAugment(16, train=True, flip=0.5)
     imgs = torch.randint(0, 256, (12, 3, 24, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     a = aug(imgs, None, torch.Generator().manual_seed(5))

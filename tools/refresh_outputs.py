@@ -2,7 +2,7 @@
 """Run library notebooks and keep their outputs, so that JupyterLab or a web viewer shows the pictures and results.
 
     python tools/refresh_outputs.py                 # every library notebook (nbs/[0-9]*.ipynb and nbs/index.ipynb)
-    python tools/refresh_outputs.py nbs/08_viz.ipynb
+    python tools/refresh_outputs.py nbs/62_viz.ipynb
 
 Cells flagged with a test flag of settings.ini (`#| slow`, `#| gpu`) and `#| eval: false` cells are skipped, as
 `nbdev_test` skips them; their old outputs are dropped. Figures are stored at 72 dpi to keep the files small, and
