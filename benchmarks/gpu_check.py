@@ -363,7 +363,7 @@ def main(argv=None):
         c.section("data path", lim(40, 20), data_path, device, tiny, root)
         c.section("projection", lim(25, 15), projection, device, tiny, root, results)
         c.section("evaluation", lim(60, 20), sop_eval, device, tiny)
-        c.section("torchrun", lim(40, 40), torchrun, device)
+        c.section("torchrun", lim(50, 90), torchrun, device)   # its start-up alone took > 40 s at a load of 20-30
         c.section("resume", lim(25, 30), resume, device, tiny)
     c.write()
     print(f"\n{c.table()}\n\nwritten to {c.out} ({time.perf_counter() - c.t0:.0f} s)")

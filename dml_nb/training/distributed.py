@@ -69,8 +69,13 @@ class TrainingStep(nn.Module):
 def data_parallel(method: nn.Module) -> nn.Module:
     """`TrainingStep(method)` under torch's DistributedDataParallel: copies rank 0's parameters and buffers to
     every process now; each backward then averages the gradients over the processes, bucket by bucket."""
+    import inspect
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, forward_sync_buffers=False)
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:   # torch >= 2.13
+        return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, forward_sync_buffers=False)
+    # torch < 2.13 has only broadcast_buffers, whose False also leaves the buffers out of DDP's first copy: copy them here
+    broadcast_buffers(method)
+    return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, broadcast_buffers=False)
 
 def mean_over_processes(x: torch.Tensor) -> torch.Tensor:
     "The mean of `x` over the processes (the step's loss and gradient norm: the same stop decision everywhere)."
