@@ -143,6 +143,11 @@ def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
     assert all(c[:3] == [sys.executable, "-c", S._DML_TRAIN] for c, _, _ in started)
     assert [g for _, g, _ in started[:2]] == ["0", "3"] and {g for _, g, _ in started} == {"0", "3"}
     assert {t for _, _, t in started} == {"4"} and len(started) == 6
+    started.clear()
+    plan = plan_configs(_configs(seeds=(7,)), tmp_path / "plan2", tmp_path / "runs")
+    plan.jobs[0].unavailable = "needs weights not on disk"   # as the plan found it: left out here, not a failure
+    launch(plan, "multi_gpu", gpus=["0"], progress=False)
+    assert [c[c.index("-o") + 1] for c, _, _ in started] == [plan.jobs[1].run_dir]
 
 
 def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypatch):

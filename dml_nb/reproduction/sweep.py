@@ -372,15 +372,20 @@ LAUNCHERS = ("local", "multi_gpu", "slurm")
 def launch(plan: Plan, launcher: str = "local", workers: int = 1, threads: int | None = None,
            gpus: Sequence[str] | None = None, progress: bool = True, **slurm) -> list[Failure]:
     """Run the plan's pending runs into their run folders: `local` (`workers` processes), `multi_gpu` (one per GPU),
-    `slurm` (a submitit job array; `slurm` options to `slurm_executor`). Raises `SweepFailed` naming the runs that
+    `slurm` (a submitit job array; `slurm` options to `slurm_executor`). `local` and `multi_gpu` leave out the runs
+    the plan found this machine cannot start (the notebook shows them as not run); `slurm` submits them, since its
+    nodes may have what the submitting machine lacks. Raises `SweepFailed` naming the runs that
     failed and their logs. A run another process is training is waited for (its lock); a killed run resumes."""
     if launcher not in LAUNCHERS: raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if launcher == "slurm":
         ex = slurm.pop("executor", None) or slurm_executor(Path(plan.plan_dir) / "slurm", **slurm)
         failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads, progress)
-    else:
+    else:   # this machine: a run it cannot start (no data, weights) is left out, as the notebook's own path leaves it out
         slots = local_slots(workers, threads) if launcher == "local" else gpu_slots(gpus, threads)
-        failures = run_pool(plan.jobs, plan.plan_dir, slots, progress)
+        here = [j for j in plan.jobs if not (j.unavailable and j.status != "done")]
+        if len(here) < len(plan.jobs):
+            print(f"{len(plan.jobs) - len(here)} run(s) cannot start on this machine and are left out (the plan says why)", file=sys.stderr)
+        failures = run_pool(here, plan.plan_dir, slots, progress)
     if failures: raise SweepFailed(failures)
     return failures
 
@@ -438,6 +443,7 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
     if plan is not None:
         import pandas as pd
         table = plan.table().drop(columns=["command"])
+        table["uses"] = [j.uses[0] + (f" (+{len(j.uses) - 1} more)" if len(j.uses) > 1 else "") for j in plan.jobs]
         table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
         with pd.option_context("display.max_colwidth", 80, "display.width", 200): print(table.to_string(index=False))
         for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
