@@ -466,6 +466,9 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
         defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
         names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
         try:
+            if defaults and reproduce is None:
+                raise TypeError("sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
+                                "to collect the default reproduction; `dml-reproduce` passes it")
             if defaults:   # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
                 with collecting(): reproduce(names, force=True, root=root)
             else: collect(names, **pp)
