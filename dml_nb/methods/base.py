@@ -17,7 +17,7 @@ from ..blocks.heads import EmbeddingModel, MultiHead
 from ..blocks.decorrelation import Decorrelation
 
 # %% auto #0
-__all__ = ['build_loss', 'build_miner', 'Task', 'TaskBackbones', 'MultiTaskMethod', 'BaselineMethod']
+__all__ = ['build_loss', 'build_miner', 'Task', 'TaskBackbones', 'MultiTaskMethod', 'BaselineMethod', 'task_health']
 
 # %% ../../nbs/50_methods.ipynb #029e2368
 def build_loss(loss: str | nn.Module, options: Mapping | None = None, *, num_classes: int | None = None,
@@ -191,6 +191,7 @@ class MultiTaskMethod(Method):
             out = task(embs[task.head], batch, self)
             total = task.weight * out["loss"] if total is None else total + task.weight * out["loss"]
             logs[f"loss/{task.name}"] = out["loss"].detach()
+            logs[f"grad/{task.name}"] = self._task_gradient(out["loss"], embs[task.head])
             logs.update({f"{k}/{task.name}": (v.detach() if isinstance(v, torch.Tensor) else v)
                          for k, v in out.items() if k != "loss"})
         for key in self.decorrelations_for_batch(batch):
@@ -201,6 +202,15 @@ class MultiTaskMethod(Method):
         if total is None: raise RuntimeError(f"no task and no decorrelation pair is active at step {self._steps}: "
                                              "tasks_for_step / tasks_for_batch must return at least one task")
         return {"loss": total, **logs}
+
+    @staticmethod
+    def _task_gradient(loss: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """The norm of the gradient of one task's loss with respect to its head's embeddings: 0 for a task that
+        cannot move the network (no tuples, weights that vanish, a constant loss). It runs the backward through the
+        loss only (not the network) and changes no `.grad`; the training step stays bit-identical."""
+        if not (torch.is_grad_enabled() and loss.requires_grad and embedding.requires_grad): return loss.new_zeros(()).detach()
+        g, = torch.autograd.grad(loss, embedding, retain_graph=True, allow_unused=True)
+        return loss.new_zeros(()).detach() if g is None else g.detach().float().norm()
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -237,3 +247,32 @@ class BaselineMethod(MultiTaskMethod):
                     num_classes=num_classes, embedding_dim=embedding_dim)
         super().__init__(backbone, {"embedding": embedding_dim}, [task], dropout=dropout,
                          output_noise=output_noise, input_noise=input_noise)
+
+# %% ../../nbs/50_methods.ipynb #ee71b698
+def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float = 1e-12) -> dict[str, dict]:
+    """{task: {'loss', 'grad', 'alive', 'why', + the task's other logs}} of one epoch of a run's `history` (a list of
+    rows, as `Learner.fit` returns; default: the last epoch). A task is alive when the epoch's mean loss and mean
+    gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`. A recipe with one loss and no task columns is
+    judged on `loss` and `grad_norm`; D&C's learners appear as `learner<k>`, alive when they got tuples."""
+    rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
+    if not rows: raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
+    row = rows[-1] if epoch is None else next((r for r in rows if int(r.get("epoch", -1)) == int(epoch)), None)
+    if row is None: raise ValueError(f"epoch {epoch} is not in the history (epochs {[r.get('epoch') for r in rows]})")
+    num = lambda v: float(v) if v is not None and v == v else None          # NaN (a step without this task) -> None
+    names = [k[5:] for k in row if k.startswith("loss/")]
+    out = {}
+    for t in names or ["loss"]:
+        loss, grad = (num(row.get("loss")), num(row.get("grad_norm"))) if not names else \
+                     (num(row.get(f"loss/{t}")), num(row.get(f"grad/{t}")))
+        why = [w for w, v in (("loss", loss), ("gradient", grad)) if v is not None and abs(v) <= eps]
+        missing = [w for w, v in (("loss", loss), ("gradient", grad)) if v is None]
+        extra = {k.rsplit("/", 1)[0]: num(v) for k, v in row.items() if k.endswith(f"/{t}") and not k.startswith(("loss/", "grad/"))
+                 and "/" in k and k.count("/") == 1}
+        out[t] = {"loss": loss, "grad": grad, "alive": not why and not missing,
+                  "why": (f"zero {' and '.join(why)}" if why else f"no {' or '.join(missing)} logged" if missing else ""), **extra}
+    for k, v in row.items():
+        if k.startswith("tuples/learner"):
+            n = num(v)
+            out[k[7:]] = {"tuples": n, "alive": bool(n), "why": "" if n else "no tuples"}
+    return out
+
