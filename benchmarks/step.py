@@ -20,6 +20,7 @@ time (all threads), per training step or per evaluation pass, the best of `--rep
 from __future__ import annotations
 import argparse, copy, datetime, multiprocessing as mp, os, platform, time
 
+import dml_nb   # first: it sets OpenMP's wait policy (PASSIVE unless the environment says otherwise) before torch loads
 import torch
 
 
@@ -72,7 +73,7 @@ def main():
     for p in busy: p.start()
     print(f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, threads {args.threads}, channels_last {args.channels_last}, bf16 {args.bf16}, "
-          f"cache {args.cache}, busy processes {args.busy}, load average {os.getloadavg()[0]:.1f}")
+          f"cache {args.cache}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}, busy processes {args.busy}, load average {os.getloadavg()[0]:.1f}")
     try:
         learner = build_learner(cfg, None, progress=False)
         learner.prepare_fit()
