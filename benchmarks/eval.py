@@ -30,7 +30,8 @@ from sklearn.metrics import normalized_mutual_info_score
 
 from dml_nb.evaluation.metrics import evaluate
 from dml_nb.evaluation.clustering import _assign, _auto_nredo, kmeans
-from dml_nb.evaluation.neighbours import block_rows, _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported, set_num_threads
+from dml_nb.evaluation.faiss_backend import set_num_threads
+from dml_nb.evaluation.neighbours import block_rows, _cache_bytes, _knn_self, _knn_self_lowp, lowp_supported
 
 # noise chosen so that Recall@1 lands near the real benchmarks (CUB ~0.7, SOP ~0.8)
 SCALES = {"cub": dict(n=5924, classes=100, noise=0.15),

@@ -79,7 +79,7 @@ def environment(c: Check, limit, device):
     c.add("environment", "nvJPEG decode", nvjpeg_available(device) if device.type == "cuda" else "n/a", "torchvision.io.decode_jpeg on the device")
     try:
         import faiss
-        from dml_nb.evaluation.neighbours import faiss_gpus
+        from dml_nb.evaluation.faiss_backend import faiss_gpus
         c.add("environment", "faiss", faiss.__version__, f"{faiss_gpus()} GPU(s) for faiss")
     except ImportError: c.add("environment", "faiss", "absent", "DiVA, D&C and Sharing cluster with faiss: carry a faiss wheel in .whl/")
     try:
@@ -239,7 +239,8 @@ def projection(c: Check, limit, device, tiny, root: Path, results: dict):
 def sop_eval(c: Check, limit, device, tiny):
     from eval import RETRIEVAL, SCALES, synthetic
     from dml_nb.evaluation.metrics import evaluate
-    from dml_nb.evaluation.neighbours import FaissMissingError, faiss_gpus, knn
+    from dml_nb.evaluation.faiss_backend import FaissMissingError, faiss_gpus
+    from dml_nb.evaluation.neighbours import knn
     scale = dict(n=3000, classes=560, noise=0.1, min_size=2) if tiny else SCALES["sop"]
     emb, labels = synthetic(**scale)
     emb, labels = emb.to(device), labels.to(device)

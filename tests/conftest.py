@@ -48,7 +48,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if HAS_FAISS or call.excinfo is None: return
-    from dml_nb.evaluation.neighbours import FaissMissingError
+    from dml_nb.evaluation.faiss_backend import FaissMissingError
     e = call.excinfo.value      # dml_nb's error, or `import faiss` itself failing (pytorch-metric-learning's calculator)
     if isinstance(e, FaissMissingError) or (isinstance(e, ImportError) and e.name == "faiss"):
         rep.outcome = "skipped"

@@ -66,7 +66,8 @@ import sys
 sys.modules["faiss"] = None            # import faiss raises ImportError, as where it is not installed
 import numpy as np, torch
 from dml_nb.evaluation.metrics import evaluate
-from dml_nb.evaluation.neighbours import FaissMissingError, knn
+from dml_nb.evaluation.faiss_backend import FaissMissingError
+from dml_nb.evaluation.neighbours import knn
 from dml_nb.evaluation.clustering import kmeans
 g = np.random.default_rng(0)
 y = np.repeat(np.arange(10), 8)
@@ -101,7 +102,7 @@ def test_the_default_evaluation_and_training_run_without_faiss():
 
 def test_two_faiss_distributions_installed_together_are_named(monkeypatch):
     import importlib.metadata as md
-    from dml_nb.evaluation import neighbours as N
+    from dml_nb.evaluation import faiss_backend as N
     have = {"faiss-cpu": "1.15.1", "faiss-gpu": "1.15.1"}
     def version(dist):
         if dist in have: return have[dist]

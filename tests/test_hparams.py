@@ -10,7 +10,8 @@ import yaml
 
 from dml_nb.core.registry import METHODS
 from dml_nb.training.config import make_config, read_yaml
-from dml_nb.reproduction.repro import Row, params_base
+from dml_nb.reproduction.notebook import params_base
+from dml_nb.reproduction.repro import Row
 
 ROOT = Path(__file__).resolve().parents[1]
 HPARAMS = ROOT / "params" / "hparams"

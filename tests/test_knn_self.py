@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dml_nb.evaluation import faiss_backend as F
 from dml_nb.evaluation import neighbours as M
 from dml_nb.evaluation.metrics import evaluate, map_at_r, recall_at_k
 from dml_nb.evaluation.neighbours import knn
@@ -111,9 +112,9 @@ def test_set_num_threads_sets_torch_and_faiss():
     faiss = pytest.importorskip("faiss")
     n = torch.get_num_threads()
     try:
-        M.set_num_threads(1)
+        F.set_num_threads(1)
         assert torch.get_num_threads() == 1 and faiss.omp_get_max_threads() == 1
-    finally: M.set_num_threads(n)
+    finally: F.set_num_threads(n)
 
 
 @pytest.mark.parametrize("data", [hard, clustered_unit])

@@ -341,7 +341,7 @@ def test_cuda_matches_cpu():
 try: import faiss                               # optional: the [faiss-cpu] / [faiss-gpu] extras
 except ImportError: faiss = None
 
-from dml_nb.evaluation import neighbours as M
+from dml_nb.evaluation import faiss_backend as M
 
 HAS_FAISS_GPU = faiss is not None and M.faiss_gpus() > 0
 

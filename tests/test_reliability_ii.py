@@ -147,25 +147,26 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     "A project folder with repro_table3's notebook, outside the test mode (as a user's papermill run sees it)."
+    import dml_nb.reproduction.notebook as N
     import dml_nb.reproduction.repro as R
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
     (tmp_path / "nbs").mkdir()
     (tmp_path / "nbs" / "repro_table3.ipynb").write_bytes((ROOT / "nbs" / "repro_table3.ipynb").read_bytes())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(R, "in_test", lambda: False)
+    monkeypatch.setattr(N, "in_test", lambda: False)
     import tqdm.auto
     monkeypatch.setattr(tqdm.auto, "tqdm", tqdm.auto.tqdm)          # restored after a test that sets text bars
-    monkeypatch.setattr(R, "tqdm", R.tqdm)
     return tmp_path
 
 
 def table3_params(**changes) -> dict:
-    from dml_nb.reproduction.repro import notebook_defaults
+    from dml_nb.reproduction.notebook import notebook_defaults
     return {**notebook_defaults("repro_table3"), "output": {"progress": False}, **changes}
 
 
 def test_a_users_reproduction_run_never_writes_the_committed_figures(project):
-    from dml_nb.reproduction.repro import setup
+    from dml_nb.reproduction.notebook import setup
     nb = setup("repro_table3", table3_params(config={"train": {"epochs": 1}}, seeds=[0]))
     assert nb.figures == project / "figures" / "local-config-train_epochs_1-seeds-0"   # was figures/ itself
     assert setup("repro_table3", table3_params()).figures == project / "figures" / "local"   # the README's command
@@ -191,7 +192,7 @@ def test_dml_reproduce_alone_names_figures(project, monkeypatch):
     ({"seed": [1]}, "unknown parameter(s) 'seed'; the parameters of repro_table3 are: dataset, config, seeds,"),
 ])
 def test_reproduction_parameters_are_checked_in_setup(project, capfd, change, expected):
-    from dml_nb.reproduction.repro import setup
+    from dml_nb.reproduction.notebook import setup
     with pytest.raises(ValueError) as e:
         setup("repro_table3", table3_params(**change))
     assert expected in str(e.value)
@@ -201,7 +202,7 @@ def test_reproduction_parameters_are_checked_in_setup(project, capfd, change, ex
 
 
 def test_a_figures_dir_that_cannot_be_written_stops_in_setup(project, tmp_path):
-    from dml_nb.reproduction.repro import setup
+    from dml_nb.reproduction.notebook import setup
     locked = tmp_path / "locked"; locked.mkdir(); locked.chmod(0o500)
     target = "/proc" if os.geteuid() == 0 else str(locked)                 # root writes anywhere but /proc
     with pytest.raises(ValueError, match=f"cannot write to {target}"):
@@ -209,7 +210,7 @@ def test_a_figures_dir_that_cannot_be_written_stops_in_setup(project, tmp_path):
 
 
 def test_a_paper_scale_run_without_its_data_stops_before_training(project, capfd):
-    from dml_nb.reproduction.repro import setup
+    from dml_nb.reproduction.notebook import setup
     raw = yaml.safe_load((ROOT / "params" / "repro_table3" / "cub200.yaml").read_text())
     with pytest.raises(ConfigError, match=r"data.name is 'cub200', a dataset on disk, but neither data.root nor \$DML_DATA"):
         setup("repro_table3", table3_params(**raw))
@@ -221,7 +222,7 @@ def test_a_paper_scale_run_without_its_data_stops_before_training(project, capfd
 def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_path):
     import nbformat, subprocess, sys
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("from dml_nb.reproduction.repro import text_progress\ntext_progress()"),
+    nb.cells = [nbformat.v4.new_code_cell("from dml_nb.reproduction.notebook import text_progress\ntext_progress()"),
                 nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(3), desc='runs'): pass\n"
                                           "bar = tqdm(total=0); bar.close()")]    # the learner's bar starts at total=0
     nbformat.write(nb, tmp_path / "in.ipynb")
@@ -385,9 +386,9 @@ def test_recall_at_k_of_huge_or_tiny_embeddings_is_that_of_the_same_directions(s
 
 
 def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
-    import dml_nb.reproduction.repro as R
-    nb = R.setup("repro_table3", table3_params())
-    monkeypatch.setattr(R, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
+    import dml_nb.reproduction.notebook as N
+    nb = N.setup("repro_table3", table3_params())
+    monkeypatch.setattr(N, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
     nb.run({"A": {"train": {"epochs": 100}, "method": {"name": "baseline"}},
             "B": {"train": {"epochs": 350}, "method": {"name": "baseline"}}})
     assert nb.note().startswith("Ours: finegrained, small_cnn, 100-350 epochs, seeds [0, 1, 2]")   # was "4 epochs"

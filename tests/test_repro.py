@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from dml_nb.reproduction.claims import Claims, Verdict, better
-from dml_nb.reproduction.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, params_base, smoke, setup
+from dml_nb.reproduction.notebook import params_base, setup
+from dml_nb.reproduction.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke
 from dml_nb.training.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +254,7 @@ def test_setup_reads_the_parameters_and_shrinks_them(monkeypatch, tmp_path):
     with pytest.raises(KeyError, match="not a parameter"):
         setup("repro_sharing_table7", dict(params), shrink={"gamma": 1})
     monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)
+    monkeypatch.setattr("dml_nb.reproduction.notebook.in_test", lambda: False)
     params = {"dataset": "shapes", "seeds": [0, 1], "paper_dataset": "cars196",
               "output": {"figures_dir": tmp_path, "runs_dir": tmp_path}}
     nb = setup("repro_sharing_table7", params, shrink={"seeds": 1})

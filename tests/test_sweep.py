@@ -10,7 +10,8 @@ import pytest
 from dml_nb.reproduction.experiment import run
 from dml_nb.reproduction.repro import base_config, output_dirs, smoke
 from dml_nb.reproduction.reproduce import reproduce_main
-from dml_nb.reproduction.sweep import Plan, launch, plan_configs
+from dml_nb.reproduction.launch import launch
+from dml_nb.reproduction.sweep import Plan, plan_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
 
 
 def test_a_failed_run_is_named_with_its_log(tmp_path):
-    from dml_nb.reproduction.sweep import SweepFailed
+    from dml_nb.reproduction.launch import SweepFailed
     plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
     plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")   # dml-train refuses it
     with pytest.raises(SweepFailed) as e: launch(plan, "local", workers=1, progress=False)
@@ -76,7 +77,7 @@ def test_a_failed_launch_exits_non_zero_naming_runs_and_logs(tmp_path, capsys):
 def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
     configs = _configs(epochs=4, batches=6, seeds=(0,))
     plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
-    code = f"from dml_nb.reproduction.sweep import Plan, launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, progress=False)"
+    code = f"from dml_nb.reproduction.sweep import Plan; from dml_nb.reproduction.launch import launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, progress=False)"
     sweep = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     first = Path(plan.jobs[0].run_dir)
     try:
@@ -112,7 +113,7 @@ def test_readme_cluster_workflow_on_the_local_launcher(tmp_path):
 def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
     "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/66_sweep.ipynb."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
-    from dml_nb.reproduction.sweep import slurm_executor
+    from dml_nb.reproduction.launch import slurm_executor
     plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
     ex = slurm_executor(tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus=0, cpus=1, cluster="local")
     launch(plan, "slurm", threads=1, executor=ex, progress=False)
@@ -121,7 +122,7 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
 
 def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
     "No GPU here: the commands and environments the multi_gpu launcher starts are recorded by a stand-in for Popen."
-    import dml_nb.reproduction.sweep as S
+    import dml_nb.reproduction.launch as S
     started, busy = [], set()
     class FakeProcess:
         def __init__(self, cmd, env, stdout, stderr):
@@ -153,7 +154,7 @@ def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
 def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypatch):
     "The sbatch header submitit writes for the launcher's options (a stand-in `srun` on PATH: submitit looks for it)."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
-    from dml_nb.reproduction.sweep import slurm_executor
+    from dml_nb.reproduction.launch import slurm_executor
     (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n"); (tmp_path / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     ex = slurm_executor(tmp_path / "slurm", partition="gpu", time_min=720, gpus=2, mem_gb=64, cpus=10, parallel=4, cluster="slurm")

@@ -11,7 +11,8 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from ..core.registry import unknown_name_error
-from .neighbours import as_embeddings, as_labels, block_rows, faiss_gpu_device, single_thread, import_faiss
+from .neighbours import as_embeddings, as_labels, block_rows, single_thread
+from .faiss_backend import faiss_gpu_device, import_faiss
 
 # %% auto #0
 __all__ = ['NMI_AVERAGES', 'NMI_KMEANS', 'REMATCH_RULES', 'kmeans', 'kmeans_assign', 'nmi', 'check_nmi_reading',

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from ..core.registry import unknown_name_error
+from .faiss_backend import FAISS_GPU_MAX_K, knn_faiss
 
 # %% auto #0
-__all__ = ['FAISS_GPU_MAX_K', 'FAISS_INSTALL', 'KNN_BACKENDS', 'as_embeddings', 'as_labels', 'query_reference', 'block_rows',
-           'single_thread', 'lowp_supported', 'FaissMissingError', 'import_faiss', 'faiss_gpus', 'faiss_gpu_device',
-           'set_num_threads', 'knn']
+__all__ = ['KNN_BACKENDS', 'as_embeddings', 'as_labels', 'query_reference', 'block_rows', 'single_thread', 'lowp_supported',
+           'knn']
 
 # %% ../../nbs/40_neighbours.ipynb #e6611cda
 def as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> torch.Tensor:
@@ -290,94 +290,15 @@ def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
         idx[s:s + b] = nn
     return dist, idx
 
-FAISS_GPU_MAX_K = 2048   # faiss-gpu's flat index returns at most this many neighbours
-_faiss_gpu_resources = {}
-FAISS_INSTALL = ("pip install 'dml_nb[faiss-cpu]' (CPU) or 'dml_nb[faiss-gpu]' (CUDA GPUs), one of the two: "
-                 "both ship the same 'faiss' module")
-
-class FaissMissingError(ImportError):
-    "A faiss back end was asked for where faiss is not installed."
-
-def import_faiss(purpose: str = "a faiss back end"):
-    """The `faiss` module; where it is not installed, a `FaissMissingError` naming `purpose`, the extras that
-    install it and the torch back end that needs none. Warns once where faiss-cpu and faiss-gpu are both installed."""
-    try: import faiss
-    except ImportError as e:
-        raise FaissMissingError(f"{purpose} needs faiss, which is not installed here: {FAISS_INSTALL}; or use "
-                                "the torch back end (backend='torch', dml_nb's default), which needs no faiss") from e
-    _warn_two_faiss()
-    return faiss
-
-_faiss_checked = []
-def _warn_two_faiss():
-    "faiss-cpu and faiss-gpu (or faiss-gpu-cu12) both installed overwrite each other's files: say so once."
-    if _faiss_checked: return
-    _faiss_checked.append(True)
-    from importlib.metadata import PackageNotFoundError, version
-    found = []
-    for dist in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11"):
-        try: found.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError: pass
-    if len(found) > 1:
-        import warnings
-        warnings.warn(f"{' and '.join(found)} are installed together: they ship the same 'faiss' module, so the last "
-                      "one installed wins and removing either breaks the other. Keep one: pip uninstall -y "
-                      + " ".join(f.split()[0] for f in found) + f", then {FAISS_INSTALL}", stacklevel=3)
-
-def faiss_gpus() -> int:
-    "How many GPUs faiss can use: `faiss.get_num_gpus()` (0 with faiss-cpu)."
-    faiss = import_faiss("the 'faiss' back ends")
-    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-
-def faiss_gpu_device(x: torch.Tensor, required: bool) -> int | None:
-    "The GPU for a faiss call on `x` (its own CUDA device, else GPU 0), or None for the CPU; `required` makes no GPU an error."
-    if faiss_gpus() > 0: return (x.device.index or 0) if x.device.type == "cuda" else 0
-    if required:
-        raise RuntimeError("the 'faiss_gpu' back end needs faiss with GPU support (faiss.get_num_gpus() is 0 here): "
-                           "install faiss-gpu in place of faiss-cpu (pip uninstall -y faiss-cpu; pip install 'dml_nb[faiss-gpu]') "
-                           "or use backend='faiss' (CPU) or 'torch'")
-    return None
-
-def _knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, gpu: bool | None = None):
-    """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
-    (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
-    faiss = import_faiss("the k-NN back end 'faiss'")
-    faiss.omp_set_num_threads(torch.get_num_threads())   # faiss's OpenMP pool follows torch's thread setting
-    q, r = query.cpu().numpy(), reference.cpu().numpy()
-    index = faiss.IndexFlatL2(r.shape[1])
-    dev = None if gpu is False else faiss_gpu_device(query, required=bool(gpu))
-    if dev is not None and k + int(exclude_self) > FAISS_GPU_MAX_K:
-        if gpu: raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours, k={k} asked for: use backend='torch'")
-        dev = None                                     # beyond faiss-gpu's limit: the CPU index
-    if dev is not None:
-        if dev not in _faiss_gpu_resources: _faiss_gpu_resources[dev] = faiss.StandardGpuResources()
-        index = faiss.index_cpu_to_gpu(_faiss_gpu_resources[dev], dev, index)
-    index.add(r)
-    dist, idx = index.search(q, k + int(exclude_self))
-    if exclude_self:
-        is_self = idx == np.arange(len(q))[:, None]
-        is_self[~is_self.any(1), -1] = True  # query not among its k+1 (more than k duplicates): drop the last
-        keep = ~is_self
-        dist, idx = dist[keep].reshape(len(q), k), idx[keep].reshape(len(q), k)
-    return (torch.from_numpy(dist).to(query.device), torch.from_numpy(idx).to(device=query.device, dtype=torch.long))
-
 KNN_BACKENDS: dict[str, Callable] = {
     "torch": _knn_torch,                                                           # on the embeddings' device
     "torch_fp32": _knn_torch,                   # the same as "torch" (its self-search is float32 blocks)
     "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking (opt-in)
-    "faiss": _knn_faiss,                                                           # faiss-gpu if present, else CPU
-    "faiss_gpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=True),
-    "faiss_cpu": lambda q, r, k, exclude_self: _knn_faiss(q, r, k, exclude_self, gpu=False)}
+    "faiss": knn_faiss,                                                           # faiss-gpu if present, else CPU
+    "faiss_gpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=True),
+    "faiss_cpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=False)}
 
 _SELF_LOWP = {"torch": False, "torch_fp32": False, "torch_bf16": True}   # bf16 candidates only when asked for (below)
-
-def set_num_threads(n: int):
-    "Set torch's and faiss's (its own OpenMP runtime) thread counts together; the faiss back ends also follow torch's."
-    torch.set_num_threads(n)
-    try:
-        import faiss
-        faiss.omp_set_num_threads(n)
-    except ImportError: pass
 
 def _distinct_rows(r: torch.Tensor):
     """The distinct rows of `r` in order of first occurrence, and for each distinct row its rows of `r`:

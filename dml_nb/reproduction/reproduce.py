@@ -4,7 +4,7 @@
 
 # %% ../../nbs/65_reproduce.ipynb #669734e5
 from __future__ import annotations
-import hashlib, json, tempfile, time
+import copy, hashlib, json, os, re, tempfile, time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -15,7 +15,8 @@ from .experiment import RECIPES_VERSION
 from ..core.base import source_hash, project_root
 
 # %% auto #0
-__all__ = ['VERDICTS', 'notebook_hash', 'claims_summary', 'update_readme_claims', 'reproduce', 'reproduce_main']
+__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'resolution', 'claims_summary', 'update_readme_claims', 'reproduce',
+           'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -40,9 +41,14 @@ def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
     cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
     return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
 
+def resolution(path: Path) -> str:
+    "The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), or ''."
+    m = re.search(r"resolves differences of at least (.*?) points", path.read_text())
+    return m.group(1) if m else ""
+
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
     """A Markdown table of `figures/*_claims.md` (notebook, recipes and day its figures come from, minutes it took,
-    the verdicts by kind, the counts before the miniature regime from `figures/.claims_before.json`, the claims that
+    the verdicts by kind, the smallest difference its seeds resolve, the counts before the miniature regime from `figures/.claims_before.json`, the claims that
     hold), and the totals by verdict."""
     fdir = Path(figures_dir)
     state = json.loads((fdir / ".reproduced.json").read_text()) if (fdir / ".reproduced.json").exists() else {}
@@ -60,9 +66,9 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {'' if secs is None else f'{secs / 60:.1f}'} | "
                     f"{'2 SE over seeds' if ruled else 'plain comparison'} | "
                     + " | ".join(str(count[k]) for k in VERDICTS)
-                    + f" | {was} | {held} |")
+                    + f" | {resolution(f)} | {was} | {held} |")
     head = ("| notebook | recipes (run on) | minutes | judged by | holds | fails | unresolved | not tested | "
-            "before: hold / do not hold | claims that hold |\n" + "| --- " * 10 + "|\n")
+            "smallest difference resolved | before: hold / do not hold | claims that hold |\n" + "| --- " * 11 + "|\n")
     return head + "\n".join(rows) + "\n", total
 
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
@@ -81,8 +87,10 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     return total
 
 def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root: str | Path | None = None,
-              progress: bool = True) -> dict:
-    "Run the regime notebook and the reproduction notebooks (default: all, in dependency order), skipping those already run on this source; returns the state."
+              progress: bool = True, write_notebooks: bool = False) -> dict:
+    """Run the regime notebook and the reproduction notebooks (default: all, in dependency order), skipping those
+    already run on this source; returns the state. `write_notebooks`: each executed notebook is written back over
+    its source with its outputs (`write_executed`), so that it shows its table, figures and claims when opened."""
     import papermill
     root = Path(root) if root is not None else project_root()
     # dependency order: the regime's baseline-only sweep, then the flagship, then the rest
@@ -102,6 +110,7 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
         t0 = time.time()
         papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
                                    parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}})   # the one writer of figures/
+        if write_notebooks: write_executed(out_dir / nb.name, nb, root)
         state[nb.stem] = {"hash": h, "seconds": round(time.time() - t0, 1), "recipes": RECIPES_VERSION,
                           "date": time.strftime("%Y-%m-%d")}
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
@@ -109,16 +118,80 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
     return state
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.sweep`)."
-    import argparse
-    from .sweep import add_sweep_arguments, sweep_command
+    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.launch`)."
+    import argparse, functools
+    from .launch import add_sweep_arguments, sweep_command
     ap = argparse.ArgumentParser(prog="dml-reproduce", description="Re-run the reproduction notebooks (resumable) and "
                                  "rewrite the README's claim table.")
     ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
     ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
+    ap.add_argument("--write-notebooks", action="store_true", help="write each executed notebook back over nbs/<name>.ipynb "
+                    "with its outputs (table, figures, claims), without machine paths, timings or progress bars")
     add_sweep_arguments(ap)
     args = ap.parse_args(argv)
-    if (code := sweep_command(args, reproduce=reproduce)) is not None: return code   # no import circle
-    state = reproduce(args.notebooks or None, force=args.force)
+    run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
+    if (code := sweep_command(args, reproduce=run)) is not None: return code   # no import circle
+    state = run(args.notebooks or None, force=args.force)
     for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
     return 0
+
+# %% ../../nbs/65_reproduce.ipynb #9f6fd7b6
+WIDGET = "application/vnd.jupyter.widget-view+json"   # a progress widget: nothing to see in a saved notebook
+_ADDRESS = re.compile(r"(<.*?)( at 0x[0-9a-fA-F]+)(>)")   # as nbdev_clean's clean_ids
+
+def machine_paths(root: str | Path, runs_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    "(this machine's folder, its name in a committed notebook), longest first: project, run cache, temporary folder, home."
+    root = Path(root)
+    runs = Path(runs_dir or os.environ.get("DML_RUNS") or root / "runs")
+    names = {runs: "<runs>", root: "<project>", Path(tempfile.gettempdir()): "<tmp>", Path.home(): "~"}
+    subs = {}
+    for path, name in names.items():
+        for p in (path, path.resolve()): subs.setdefault(str(p), name)
+    return sorted(subs.items(), key=lambda kv: -len(kv[0]))
+
+def _text(value, subs) -> str:
+    text = "".join(value) if isinstance(value, list) else value
+    for path, name in subs: text = text.replace(path, name)
+    return _ADDRESS.sub(r"\1\3", text)
+
+def scrub_output(output: Mapping, subs: Sequence[tuple[str, str]]) -> dict | None:
+    "One cell output for a committed notebook (None: drop it): no stderr, widget or execution count; paths named (`machine_paths`)."
+    o = copy.deepcopy(dict(output))
+    kind = o.get("output_type")
+    if kind == "stream":
+        if o.get("name") == "stderr": return None
+        text = "".join(l for l in _text(o["text"], subs).splitlines(keepends=True) if "\r" not in l)
+        if not text: return None
+        o["text"] = text
+    if WIDGET in o.get("data", {}): return None
+    if "execution_count" in o: o["execution_count"] = None
+    for k, v in o.get("data", {}).items():
+        if k.startswith("text/"): o["data"][k] = _text(v, subs)
+        elif k.startswith("image/") and "svg" not in k: o["data"][k] = "".join(v).rstrip() if isinstance(v, list) else v.rstrip()
+    if kind == "error":
+        o["evalue"] = _text(o.get("evalue", ""), subs)
+        o["traceback"] = [_text(t, subs) for t in o.get("traceback", [])]
+    return o
+
+def scrub_notebook(executed: Mapping, source: Mapping, root: str | Path, runs_dir: str | Path | None = None) -> dict:
+    """`source` (a notebook as JSON) with the outputs of its `executed` copy (papermill's), scrubbed (`scrub_output`);
+    nothing else of `source` changes. An executed copy with other code or cells is an error."""
+    cells = [c for c in executed["cells"] if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    key = lambda cs: [(c["cell_type"], "".join(c["source"])) for c in cs]
+    if key(cells) != key(source["cells"]):
+        raise ValueError("the executed notebook's cells differ from the notebook's own (it was run from another version "
+                         "of it): run it again (dml-reproduce --force NAME --write-notebooks); nothing was written")
+    subs = machine_paths(root, runs_dir)
+    out = copy.deepcopy(dict(source))
+    for c, e in zip(out["cells"], cells):
+        if c["cell_type"] != "code": continue
+        c["outputs"] = [s for o in e.get("outputs", []) if (s := scrub_output(o, subs)) is not None]
+        c["execution_count"] = None
+    return out
+
+def write_executed(executed: str | Path, notebook: str | Path, root: str | Path, runs_dir: str | Path | None = None) -> Path:
+    "Write the executed copy `executed` of `notebook` over `notebook`, scrubbed (`scrub_notebook`), as `nbdev_clean` writes notebooks."
+    notebook = Path(notebook)
+    nb = scrub_notebook(json.loads(Path(executed).read_text()), json.loads(notebook.read_text()), root, runs_dir)
+    atomic_write(notebook, json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+    return notebook
