@@ -371,7 +371,7 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     m.on_fit_start(learn.context)
     rr = m._sampler
     # find an epoch in which the uniform draws skip a learner (few steps per epoch make it likely) and check the stop
-    m.recluster(learn.context); m._use_clusters()
+    m.recluster(learn.context); m._use_clusters(learn.context)
     epochs = [e for e in range(400) if 0 in rr.clusters.counts(e)]
     if not epochs: pytest.skip("no epoch without a learner among the first 400")
     learn.epoch = epochs[0]

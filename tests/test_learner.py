@@ -610,3 +610,38 @@ def test_zero_grad_none_leaves_a_parameter_without_gradient_and_zeros_moves_it(s
         torch.testing.assert_close(after1 - after2, torch.full((3,), step), rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="zero_grad"):
         learner(sets, method=FirstStepOnly(), zero_grad="zero")
+
+
+class _Recorded(BaselineMethod):
+    "The baseline with one history column of its own (or, with `clash`, a column the step logs already fill)."
+    clash = False
+    def records(self, ctx):
+        return {"loss": 0.0} if self.clash else {"toy/epoch_seen": ctx.epoch, "toy/images_per_class": ctx.samples_per_class}
+
+
+class _SeesTheRow(Callback):
+    "A user hook between the CSV and the checkpoint: it sees the method's records and no checkpoint of this epoch yet."
+    order = 50
+    def __init__(self): self.seen = []
+    def after_epoch(self, learner):
+        ck = learner.checkpoint_path
+        self.seen.append((learner.row.get("toy/epoch_seen"), load_checkpoint(ck)["epoch"] if ck.exists() else None))
+
+
+def test_method_records_reach_the_row_before_every_hook_and_the_checkpoint_comes_last(sets, tmp_path):
+    train = sets[0]
+    hook = _SeesTheRow()
+    learn = learner(sets, tmp_path, method=baseline(train.num_classes, cls=_Recorded), callbacks=[hook])
+    assert [type(c).__name__ for c in learn.callbacks][-1] == "CheckpointCallback"
+    hist = learn.fit()
+    assert [(r["toy/epoch_seen"], r["toy/images_per_class"]) for r in hist] == [(0, 4), (1, 4)]
+    assert hook.seen == [(0, None), (1, 1)]                     # the checkpoint of epoch e is written after the hook
+    assert load_checkpoint(learn.checkpoint_path)["epoch"] == 2 and load_checkpoint(learn.checkpoint_path)["step"] == 0
+    assert "toy/epoch_seen" in (tmp_path / "history.csv").read_text().splitlines()[0]
+    assert learn.context.batch_shape == (4, 4) and not hasattr(Method, "callbacks")
+
+
+def test_a_record_that_clashes_with_the_row_is_a_clear_error(sets):
+    m = baseline(sets[0].num_classes, cls=_Recorded); m.clash = True
+    with pytest.raises(ValueError, match=r"_Recorded.records returned \['loss'\], which the epoch's row already has"):
+        learner(sets, epochs=1, method=m).fit()

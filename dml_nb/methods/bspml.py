@@ -12,24 +12,17 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
-from ..training.callbacks import Callback
 from ..training.context import Method
 from ..evaluation.metrics import maw_sdaw
 from ..blocks.heads import EmbeddingHead, EmbeddingModel
 from .balanced_spl import SOLVERS, XI_SCOPES, pair_loss_floor, sample_terms, solve_spl_weights
 
 # %% auto #0
-__all__ = ['TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'BSPML_DML_NB', 'BSPML_PAPER_TEXT', 'SPLLogger', 'BSPML']
+__all__ = ['TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'BSPML_DML_NB', 'BSPML_PAPER_TEXT', 'BSPML']
 
 # %% ../../nbs/57_bspml.ipynb #e81e1608
 TERMS_TRANSFORMS = ("test", "train")
 LAMBDA_UNITS = ("floor", "absolute")
-
-class SPLLogger(Callback):
-    "Adds the SPL weight statistics of a BSPML recipe to the epoch's history row (before the CSV is written)."
-    order = 5
-    def __init__(self, method: "BSPML"): self.method = method
-    def after_epoch(self, learner): learner.context.row.update(self.method.weight_stats())
 
 @METHODS.register("bspml")
 class BSPML(Method):
@@ -117,7 +110,9 @@ class BSPML(Method):
 
     def embed(self, x: Tensor) -> dict[str, Tensor]: return {"embedding": self.model.embed(x)}
 
-    def callbacks(self) -> list[Callback]: return [SPLLogger(self)]
+    def records(self, ctx) -> dict:
+        "The SPL weight statistics (`weight_stats`) as history columns."
+        return self.weight_stats()
 
     def on_fit_start(self, ctx) -> None:
         ds = ctx.train_dataset

@@ -99,9 +99,9 @@ class QueueTask(Task):
         if need <= 0: return 0
         n, g = len(ctx.train_dataset), ctx.rng("diva/queue-fill")
         if self.queue_fill == "class_random":
-            spc = getattr(ctx.sampler, "samples_per_class", None)
+            spc = ctx.samples_per_class
             if spc is None: raise ValueError(f"queue_fill='class_random' draws batches like the run's sampler, whose "
-                                             f"samples_per_class {type(ctx.sampler).__name__} does not have: use queue_fill='distinct'")
+                                             f"samples_per_class {type(ctx.run_sampler).__name__} does not have: use queue_fill='distinct'")
             order = class_random_fill(ctx.train_dataset.labels, need, bs * ctx.world_size, spc, ctx.seed("diva/queue-fill-batches"))
         else: order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
         seeds = [ctx.seed("diva/queue-fill", j) for j in range(need)]

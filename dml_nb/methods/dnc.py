@@ -13,8 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.registry import METHODS, unknown_name_error
-from ..training.callbacks import Callback
-from ..training.context import Method
+from ..training.context import BatchFormationError, Method
 from ..evaluation.clustering import REMATCH_RULES, cluster_statistics, kmeans_assign, match_clusters
 from .base import build_loss, build_miner
 from ..blocks.heads import EmbeddingModel, SlicedHead
@@ -22,7 +21,7 @@ from ..data.samplers import CLUSTER_SCHEDULES, ClassBalancedBatchSampler, RoundR
 
 # %% auto #0
 __all__ = ['GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'random_partition', 'label_grouping', 'ClusterError',
-           'cluster_batch_sampler', 'PhaseSampler', 'FeatureDropoutModel', 'DnCRecords', 'DivideAndConquer']
+           'cluster_batch_sampler', 'PhaseSampler', 'FeatureDropoutModel', 'DivideAndConquer']
 
 # %% ../../nbs/55_dnc.ipynb #fe0fabde
 def random_partition(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -45,7 +44,7 @@ def label_grouping(labels: np.ndarray, k: int, class_groups: Sequence[int] | Non
     return class_groups[labels]
 
 # %% ../../nbs/55_dnc.ipynb #c804ac27
-class ClusterError(ValueError):
+class ClusterError(BatchFormationError):
     "A Divide and Conquer learner cannot train: its cluster cannot form a batch (or got none this epoch)."
 
 def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, batch_size: int,
@@ -121,12 +120,6 @@ GROUPINGS = ("kmeans", "kmeans_nosplit", "random", "labels")
 CLUSTER_ON = ("embedding", "features")
 FINETUNE_PROXIES = ("concat", "fresh")
 OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}   # lib/loss/margin_loss.py, train.py:114-127
-
-class DnCRecords(Callback):
-    "Write the cluster statistics of the epoch into the epoch's history row (before the CSV is written)."
-    order = 5
-    def __init__(self, method): self.method = method
-    def after_epoch(self, learner): learner.context.row.update(self.method.epoch_records(learner.context.epoch))
 
 @METHODS.register("dnc")
 class DivideAndConquer(Method):
@@ -243,7 +236,12 @@ class DivideAndConquer(Method):
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"embedding": self.model.embed(x)}
 
-    def callbacks(self) -> list[Callback]: return [DnCRecords(self)]
+    def records(self, ctx) -> dict:
+        "The epoch's phase, clusters and learner batches (`epoch_records`) as history columns."
+        return self.epoch_records(ctx.epoch)
+
+    def no_tuples_hint(self) -> str:
+        return "for Divide and Conquer, more learners than the clusters can fill (lower num_learners)"
 
     # ------------------------------------------------------------------ clustering
     @torch.no_grad()
@@ -267,10 +265,10 @@ class DivideAndConquer(Method):
         self.assignments.copy_(torch.from_numpy(new))
         self.clustered_epoch.fill_(epoch)
 
-    def _use_clusters(self) -> None:
-        base = self._sampler.base
+    def _use_clusters(self, ctx) -> None:
+        base = ctx.run_sampler     # the run's sampler: labels, batch shape, seed, rank and draw of the cluster batches
         rr, ids, sizes = cluster_batch_sampler(base.labels, self.assignments.cpu().numpy(), self.num_learners,
-                                               base.batch_size, base.samples_per_class, base.seed, base.rank,
+                                               ctx.batch_size, ctx.samples_per_class, base.seed, base.rank,
                                                base.world_size, schedule=self.cluster_batches, draw=base.draw)
         self._sampler.use_clusters(rr, ids)
         self._batch_sizes = dict(zip(ids, sizes))
@@ -292,13 +290,13 @@ class DivideAndConquer(Method):
                              f"{len(ctx.train_dataset)} items")
         if not isinstance(ctx.sampler, PhaseSampler): ctx.use_sampler(PhaseSampler(ctx.sampler))
         self._sampler = ctx.sampler
-        if not np.array_equal(np.asarray(self._sampler.base.labels), self.train_labels):
+        if not np.array_equal(np.asarray(ctx.run_sampler.labels), self.train_labels):
             raise ValueError("the run's sampler was built from other labels than train_labels: build both from the "
                              "training set's labels")
         self._finetune_start = self.finetune_start(ctx.epochs)
         self._full_start = self.full_embedding_start(ctx.epochs)
         # a resumed run continues with the clusters of its checkpoint
-        if self.dividing(ctx.epoch) and bool((self.assignments >= 0).all()): self._use_clusters()
+        if self.dividing(ctx.epoch) and bool((self.assignments >= 0).all()): self._use_clusters(ctx)
         else: self._sampler.use_base()
 
     def on_epoch_start(self, ctx) -> None:
@@ -309,7 +307,7 @@ class DivideAndConquer(Method):
         have = bool((self.assignments >= 0).all())
         if not have or (not fixed and (e - int(self.clustered_epoch)) >= self.recluster_every):
             self.recluster(ctx)
-        self._use_clusters()
+        self._use_clusters(ctx)
         idle = [k for k, n in self._sampler.learner_batches(e).items() if n == 0]
         if idle:
             raise ClusterError(f"learner(s) {idle} get no batch in epoch {e + 1}: with cluster_batches="

@@ -13,7 +13,6 @@ import torch.nn as nn
 
 from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
 from ..core.base import stream_seed
-from ..training.callbacks import Callback
 from .base import MultiTaskMethod, Task
 from ..data.samplers import ClassBalancedBatchSampler
 from ..evaluation.clustering import cluster_statistics, match_clusters
@@ -22,8 +21,7 @@ from .shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSa
 
 # %% auto #0
 __all__ = ['ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES', 'GROUP_ON', 'SHARED_BATCHES',
-           'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingRecords',
-           'SharingMatters', 'MIC']
+           'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingMatters', 'MIC']
 
 # %% ../../nbs/54_sharing.ipynb #daa7b70e
 ARCHITECTURES = ("discriminative", "shared", "one_head", "separate", "separate_decorrelated")
@@ -59,23 +57,6 @@ class GroupTask(Task):
     "The shared task of T^G: labels are the samples' group ids (`batch['shared_group']`), mined by `MINERS['grouping']`."
     def mine(self, embeddings, labels, batch):
         return self.miner(embeddings, batch["y"], groups=labels)
-
-class SharingRecords(Callback):
-    "Per-task logs averaged over the steps that trained the task (not over all steps), update counts, group statistics."
-    order = 5
-    def __init__(self, method): self.method, self.sums, self.counts = method, {}, {}
-    def before_epoch(self, learner): self.sums, self.counts = {}, {}
-    def after_step(self, learner, logs):
-        for k, v in logs.items():
-            if k.startswith(("loss/", "tuples/", "positives/")):
-                self.sums[k] = self.sums.get(k, 0.0) + v; self.counts[k] = self.counts.get(k, 0) + 1   # no device sync
-    def after_epoch(self, learner):
-        row = learner.context.row
-        row.update({k: float(self.sums[k]) / self.counts[k] for k in self.sums})
-        row.update({f"updates/{k[5:]}": n for k, n in self.counts.items() if k.startswith("loss/")})
-        row.update(self.method.group_records(learner.context.epoch))
-    def state_dict(self) -> dict: return {"sums": dict(self.sums), "counts": dict(self.counts)}
-    def load_state_dict(self, state: dict) -> None: self.sums, self.counts = dict(state["sums"]), dict(state["counts"])
 
 # %% ../../nbs/54_sharing.ipynb #8d4f1c01
 @METHODS.register("sharing")
@@ -227,7 +208,12 @@ class SharingMatters(MultiTaskMethod):
         if len(out) == 1: return out
         return {self.embed_name: out[self.embed_name], **{k: v for k, v in out.items() if k != self.embed_name}}
 
-    def callbacks(self) -> list[Callback]: return [SharingRecords(self)]
+    def records(self, ctx) -> dict:
+        """Per task, the steps that trained it (`updates/<task>`), and the group statistics (`group_records`). The
+        per-task logs (`loss/<task>`, ...) are already in the row: the learner averages each log over the steps that
+        logged it, i.e. over the steps that trained the task."""
+        updates = {f"updates/{k[5:]}": n for k, n in ctx.logged_steps.items() if k.startswith("loss/")}
+        return {**updates, **self.group_records(ctx.epoch)}
 
     # ---------------------------------------------------------------- grouping
     @torch.no_grad()
@@ -251,10 +237,10 @@ class SharingMatters(MultiTaskMethod):
         self.groups.copy_(torch.from_numpy(new))
         self.grouped_epoch.fill_(ctx.epoch)
 
-    def _group_batches(self):
-        "The shared stream of `shared_batches='groups'`, from the current groups."
-        base = self._sampler.base
-        return GroupBatchSampler(self.groups.cpu().numpy(), base.batch_size, base.samples_per_class,
+    def _group_batches(self, ctx):
+        "The shared stream of `shared_batches='groups'`, from the current groups, shaped like the run's batches."
+        base = ctx.run_sampler
+        return GroupBatchSampler(self.groups.cpu().numpy(), ctx.batch_size, ctx.samples_per_class,
                                  self.group_swap_probability, batches_per_epoch=len(base), seed=stream_seed(self._seed, "sharing/shared-batches"),
                                  rank=base.rank, world_size=base.world_size, workers=self.group_batch_workers)
 
@@ -272,20 +258,20 @@ class SharingMatters(MultiTaskMethod):
                                 f"run's sampler, which must be a ClassBalancedBatchSampler, got {type(base).__name__}")
             shared = None
             if "shared" in self.tasks and self.shared_batches == "class_balanced":
-                shared = ClassBalancedBatchSampler(base.labels, base.batch_size, base.samples_per_class,
+                shared = ClassBalancedBatchSampler(base.labels, ctx.batch_size, ctx.samples_per_class,
                                                    batches_per_epoch=base.batches_per_epoch, seed=stream_seed(base.seed, "sharing/shared-batches"),
                                                    rank=base.rank, world_size=base.world_size)
             ctx.use_sampler(SharingSampler(base, shared, self.shared_probability, seed=ctx.seed("sharing/coin"),
                                              discriminative="discriminative" in self.tasks))
         self._sampler = ctx.sampler
         if self.shared_batches == "groups" and bool((self.groups >= 0).all()) and len(self.groups):
-            self._sampler.use_shared(self._group_batches())     # a resumed run: the groups of its checkpoint
+            self._sampler.use_shared(self._group_batches(ctx))     # a resumed run: the groups of its checkpoint
 
     def on_epoch_start(self, ctx) -> None:
         super().on_epoch_start(ctx)
         if self.grouping and (int(self.grouped_epoch) < 0 or ctx.epoch - int(self.grouped_epoch) >= self.regroup_every):
             self.regroup(ctx)
-            if self.shared_batches == "groups" and self._sampler is not None: self._sampler.use_shared(self._group_batches())
+            if self.shared_batches == "groups" and self._sampler is not None: self._sampler.use_shared(self._group_batches(ctx))
 
     def group_records(self, epoch: int) -> dict:
         "Fig. 4: mean (and min / max) number of unique classes per non-empty group; whether the groups were recomputed."

@@ -20,7 +20,7 @@ from ..core.base import source_hash, atomic_write, data_root, in_test, project_r
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
 from ..training.learner import NoTuplesError
-from ..methods.dnc import ClusterError
+from ..training.context import BatchFormationError
 from ..training.config import ConfigError, make_config, merge_layers
 from .viz import markdown_table, save_figure, set_style
 
@@ -212,7 +212,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
-        except (ClusterError, NoTuplesError) as e:   # the method cannot train on this data: shown with the reason
+        except (BatchFormationError, NoTuplesError) as e:   # the method cannot train on this data: shown with the reason
             skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
     if mode is not None: mode.finish()   # collect-only: every run not finished, named in one error
     return collect_runs(runs_dir, rows, base, seeds, skipped), results

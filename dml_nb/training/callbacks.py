@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 from ..core.base import atomic_write
 
 # %% auto #0
-__all__ = ['Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'CheckpointCallback']
+__all__ = ['Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'EmptyTuplesStop', 'CheckpointCallback']
 
 # %% ../../nbs/32_callbacks.ipynb #2481e8e1
 class Callback:
@@ -83,9 +83,14 @@ class ProgressCallback(Callback):
         if self.bar is not None: self.bar.set_postfix(self._postfix(learner), refresh=False)
     def after_fit(self, learner): self._close()
 
+class EmptyTuplesStop(Callback):
+    "Stop the run (`NoTuplesError`) when a `tuples` log was 0 at every step of the epoch (see `Learner.check_tuples`)."
+    order = 90
+    def after_epoch(self, learner): learner.check_tuples(learner.epoch)
+
 class CheckpointCallback(Callback):
-    "Save `run_dir/checkpoint.pt` after every epoch and, with `every_steps`, every `every_steps` steps."
-    order = 100
+    "Save `run_dir/checkpoint.pt` after every epoch (the epoch counted as done) and, with `every_steps`, every `every_steps` steps."
+    order = 100      # the highest: every other hook has written its part of the epoch's row
     def __init__(self, every_steps: int | None = None):
         if every_steps is not None and every_steps < 1: raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         self.every_steps = every_steps

@@ -95,11 +95,12 @@ def insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
 # %% ../../nbs/34_checkpoint.ipynb #29661db0
 class CheckpointMixin:
     "State, restore and save of a `Learner` (reads its method, optimiser, sampler, schedule, position and callbacks)."
-    def state_dict(self) -> dict:
-        "Everything needed to continue this run (tensors and plain Python values only)."
+    def state_dict(self, epoch_done: bool = False) -> dict:
+        "Everything needed to continue this run (tensors and plain Python values only); `epoch_done`: the epoch counted as done."
         self.prepare_fit()
+        epoch, step = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.step)
         return to_safe({
-            "format": CHECKPOINT_FORMAT, "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
+            "format": CHECKPOINT_FORMAT, "epoch": epoch, "step": step, "global_step": self.global_step,
             "epochs": self.epochs, "seed": self.seed, "run_key": getattr(self, "run_key", None),  # experiment.run_key
             "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
@@ -146,7 +147,7 @@ class CheckpointMixin:
         problem = self._divergence()
         if problem is not None: self._stop_diverged(problem)
         if self.checkpoint_path is None or not self.is_main: return None
-        return atomic_torch_save(self.state_dict(), self.checkpoint_path)
+        return atomic_torch_save(self.state_dict(epoch_done), self.checkpoint_path)
 
     def _divergence(self) -> str | None:
         "Why the current weights or loss are not sane (see `MAX_WEIGHT`, `MAX_LOSS`), or None."

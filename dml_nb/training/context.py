@@ -4,21 +4,20 @@
 
 # %% ../../nbs/31_context.ipynb #78528b65
 from __future__ import annotations
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..core.base import stream_seed
-if TYPE_CHECKING: from dml_nb.training.callbacks import Callback   # annotations only
 
 # %% auto #0
-__all__ = ['MethodContext', 'Method']
+__all__ = ['MethodContext', 'BatchFormationError', 'Method']
 
 # %% ../../nbs/31_context.ipynb #8bd07bdf
 class MethodContext:
     "The run as a method's hooks see it (read-only but for `row`, `embed` and `use_sampler`); built by the `Learner`."
-    def __init__(self, learner): self._learner = learner
+    def __init__(self, learner): self._learner, self._run_sampler = learner, learner.sampler
 
     epoch = property(lambda self: self._learner.epoch, doc="The current epoch (0-based).")
     step = property(lambda self: self._learner.step, doc="Steps done in the current epoch.")
@@ -34,11 +33,29 @@ class MethodContext:
     sampler = property(lambda self: self._learner.sampler, doc="The batch sampler in use (see `use_sampler`).")
     row = property(lambda self: self._learner.row, doc="The epoch's history row (a dict a hook may add entries to).")
 
+    run_sampler = property(lambda self: self._run_sampler,
+                           doc="The sampler the run was built with (a recipe's `use_sampler` wraps it; this stays).")
+
+    @property
+    def samples_per_class(self) -> int | None:
+        "Images of a class in a training batch (the run sampler's `samples_per_class`; None if it has none)."
+        return getattr(self._run_sampler, "samples_per_class", None)
+
+    @property
+    def batch_shape(self) -> tuple[int, int] | None:
+        "(classes per batch, images per class) of the run's training batches; None if its sampler does not say."
+        bs, k = getattr(self._run_sampler, "batch_size", None), self.samples_per_class
+        return (bs // k, k) if bs and k else None
+
     @property
     def batch_size(self) -> int:
-        "The training batch size of one process (the sampler's, else `eval_batch_size`)."
-        s = self.sampler
-        return getattr(s, "batch_size", None) or getattr(getattr(s, "base", None), "batch_size", None) or self.eval_batch_size
+        "The training batch size of one process (the run sampler's, else `eval_batch_size`)."
+        return getattr(self._run_sampler, "batch_size", None) or self.eval_batch_size
+
+    @property
+    def logged_steps(self) -> dict[str, int]:
+        "Per log key, the steps of the current epoch that logged it (the mean over processes: the same on each)."
+        return {k: int(n) // self.world_size for k, n in self._learner._counts.items()}
 
     def seed(self, name: str, *keys: int) -> int:
         "The seed of random stream `name` at position `keys` (e.g. the epoch), derived from the run seed."
@@ -68,6 +85,10 @@ class MethodContext:
     def __repr__(self): return f"MethodContext(epoch={self.epoch}, step={self.step}, epochs={self.epochs}, device={self.device})"
 
 # %% ../../nbs/31_context.ipynb #e851ff17
+class BatchFormationError(ValueError):
+    """A recipe cannot form the batches it needs to train on this data (e.g. a D&C cluster without two classes);
+    the recipe raises a subclass with its own reason and fix, and a reproduction shows the reason instead of a number."""
+
 class Method(nn.Module):
     "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
     views: int = 1   # augmentations of each image per batch (2 for DaNCE's positive key)
@@ -103,9 +124,13 @@ class Method(nn.Module):
         claim("other", self, lr, weight_decay)
         return list(groups.values())
 
-    def callbacks(self) -> list[Callback]:
-        "Callbacks this recipe needs (re-clustering, SPL weights, ...); the learner adds them."
-        return []
+    def records(self, ctx: MethodContext) -> dict:
+        """Columns this recipe adds to the epoch's history row (cluster statistics, SPL weights, ...); called once per
+        epoch after `on_epoch_end`, before evaluation, the CSV and the checkpoint. A key the row already has is an error."""
+        return {}
+    def no_tuples_hint(self) -> str:
+        "What in this recipe's settings can leave a task without tuples (ends the learner's `NoTuplesError` message)."
+        return ""
     def on_fit_start(self, ctx: MethodContext) -> None:
         "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
     def on_epoch_start(self, ctx: MethodContext) -> None:

@@ -14,7 +14,7 @@ import torch
 from ..core.base import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
 from ..core.registry import unknown_name_error
 from .context import Method, MethodContext
-from .callbacks import Callback, CheckpointCallback, CSVLogger, EvalCallback, ProgressCallback
+from .callbacks import Callback, CheckpointCallback, CSVLogger, EmptyTuplesStop, EvalCallback, ProgressCallback
 from .schedule import Schedule
 from ..data.cache import RawItems, pad_collate
 from ..data.batches import BatchList, SeededViews, to_device
@@ -111,7 +111,8 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self._optimizer_spec = optimizer
         self.callbacks = sorted([EvalCallback(eval_every), CSVLogger(),
                                  *([ProgressCallback()] if progress else []),
-                                 CheckpointCallback(checkpoint_every_steps), *method.callbacks(), *callbacks],
+                                 *([EmptyTuplesStop()] if self.stop_on_empty_tuples else []),
+                                 CheckpointCallback(checkpoint_every_steps), *callbacks],
                                 key=lambda c: c.order)
         self.epoch = self.step = self.global_step = 0
         self.history: list[dict] = []
@@ -282,12 +283,18 @@ class Learner(EvaluationMixin, CheckpointMixin):
                     **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
         self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)
         self.method.on_epoch_end(self.context)
-        for cb in self.callbacks:
-            if not isinstance(cb, CheckpointCallback): cb.after_epoch(self)
-        if self.stop_on_empty_tuples: self._check_tuples(e)   # history.csv shows the epoch; the checkpoint does not
-        self.epoch, self.step = e + 1, 0            # the checkpoint records the epoch as done
-        for cb in self.callbacks:
-            if isinstance(cb, CheckpointCallback): cb.after_epoch(self)
+        self._add_records()
+        for cb in self.callbacks: cb.after_epoch(self)   # in order: evaluation, CSV, ..., the checkpoint last
+        self.epoch, self.step = e + 1, 0
+
+    def _add_records(self):
+        "Merge the method's `records(ctx)` into the epoch's row; a key the row already has is an error."
+        records = self.method.records(self.context)
+        clash = sorted(set(records) & set(self.row))
+        if clash:
+            raise ValueError(f"{type(self.method).__name__}.records returned {clash}, which the epoch's row already has "
+                             "(the learner's columns or the step logs): give the records their own names")
+        self.row.update(records)
 
     def autocast(self):
         "The autocast context of this run (bf16 or disabled)."
@@ -337,21 +344,20 @@ class Learner(EvaluationMixin, CheckpointMixin):
             f"(lr={self.lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
             + self._rerun())
 
-    def _check_tuples(self, epoch: int) -> None:
+    def check_tuples(self, epoch: int) -> None:
         "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
         empty = [k for k in self._sums if (k == "tuples" or k.startswith("tuples/")) and self._counts.get(k)
                  and float(self._sums[k]) == 0.0]
         if not empty: return
-        bs = getattr(self.sampler, "batch_size", None) or getattr(getattr(self.sampler, "base", None), "batch_size", None)
-        k = getattr(self.sampler, "samples_per_class", None) or getattr(getattr(self.sampler, "base", None), "samples_per_class", None)
-        shape = f" (this run: batches of {bs} = {bs // k} classes x {k} images)" if bs and k else ""
+        shape, hint = self.context.batch_shape, self.method.no_tuples_hint()
+        shape = f" (this run: batches of {shape[0] * shape[1]} = {shape[0]} classes x {shape[1]} images)" if shape else ""
         raise NoTuplesError(
             f"training stopped: {', '.join(empty)} was 0 at every one of the {self._counts[empty[0]]} steps of epoch "
             f"{epoch + 1}, so {'that task gets' if len(empty) == 1 else 'those tasks get'} no gradient and the run "
             f"would finish without learning. Usual causes: fewer than 2 classes per batch or fewer than 2 images of a "
             f"class per batch{shape} (raise train.batch_size / lower or raise train.samples_per_class; intra-class and "
-            "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement), "
-            "or, for Divide and Conquer, more learners than the clusters can fill (lower num_learners). The epoch's "
+            "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement)"
+            f"{', or, ' + hint if hint else ''}. The epoch's "
             "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
             "train.stop_on_empty_tuples: false.")
 
