@@ -41,3 +41,29 @@ def test_committed_configs_keep_their_run_folders():
     assert sorted(got) == sorted(want), f"cases added or gone: {sorted(set(got) ^ set(want))[:5]}"
     changed = sorted(k for k in want if got[k] != want[k])
     assert not changed, f"{len(changed)} committed configs changed their run hash, e.g. {changed[:3]}"
+
+
+def _fields(cls, prefix=""):
+    import dataclasses, typing
+    for f in dataclasses.fields(cls):
+        yield prefix + f.name, f
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp): yield from _fields(tp, f"{prefix}{f.name}.")
+
+
+def test_every_field_says_how_it_enters_the_run_hash():
+    "A field declared without `hashed` or `added_later` fails here (and `config_to_dict` refuses it)."
+    from dml_nb.training.config import Config, HASH_RULES
+    undeclared = [name for name, f in _fields(Config) if f.metadata.get("hash") not in HASH_RULES]
+    assert not undeclared, f"fields without a run-hash rule (declare them with added_later(default)): {undeclared}"
+
+
+def test_added_later_fields_at_their_default_leave_the_dict_unchanged():
+    "The fields that were once the `_OMITTED_AT_DEFAULT` table (and the ones added since) are out of the dict at their defaults."
+    from dml_nb.training.config import Config
+    d = config_to_dict(make_config({}))
+    later = [name for name, f in _fields(Config) if f.metadata.get("hash") == "omit_at_default"]
+    assert {"data.cache", "data.decode", "train.compile", "train.zero_grad", "eval.nmi_average", "eval.self_match"} <= set(later)
+    for name in later:
+        sec, key = name.split(".")
+        assert key not in d[sec], name
