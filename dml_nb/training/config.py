@@ -4,103 +4,110 @@
 
 # %% ../../nbs/30_config.ipynb #791891d8
 from __future__ import annotations
-import copy, dataclasses, difflib, re, typing
+import copy, dataclasses, difflib, typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
-import yaml
-
+from ..core.params import ConfigError, MAX_YAML_NODES, parse_yaml   # the reader of every parameter file
 from ..core.registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_name_error
 from ..data.formats import DATASETS, SPLITS
 
 # %% auto #0
-__all__ = ['RANGES', 'MAX_YAML_NODES', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',
-           'ConfigError', 'make_config', 'config_to_dict', 'parse_yaml', 'deep_merge', 'merge_layers', 'read_yaml',
-           'apply_override', 'load_config']
+__all__ = ['HASH_RULES', 'RANGES', 'hashed', 'added_later', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig',
+           'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict', 'deep_merge', 'merge_layers',
+           'read_yaml', 'apply_override', 'load_config']
 
 # %% ../../nbs/30_config.ipynb #dd7b8c31
+HASH_RULES = ("always", "omit_at_default")   # how a field enters `config_to_dict` (config.yaml) and so the run hash
+
+def hashed(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
+    "A field that is always in `config_to_dict`, and so in the run hash (the fields that keyed the first runs)."
+    return field(default=default, default_factory=factory, metadata={"hash": "always"})
+
+def added_later(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
+    """A field added after runs were cached: left out of `config_to_dict` (and the hash) at its default, so that every
+    earlier config keeps its run folder. Every new field is declared this way."""
+    return field(default=default, default_factory=factory, metadata={"hash": "omit_at_default"})
+
 @dataclass
 class DataConfig:
     "Which dataset and how it is read."
-    name: str = "shapes"
-    root: Optional[str] = None              # None: $DML_DATA/<name> (real data only)
-    size: Optional[int] = None              # image side for embedded sets; crop size for the real-data presets
-    preset: Optional[str] = None            # the backbone whose transforms to use; None: model.backbone
-    images_per_class: Optional[int] = None  # shapes and finegrained only
-    label_noise: float = 0.0                # BSPML protocol: fraction of each training class relabelled
-    test_split: str = "test"                # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
-    eval_train: bool = True                 # also evaluate on the training set (generalisation gap)
-    cache: bool = False                     # decode once into a uint8 cache; augment in batches on the device
-    cache_dir: Optional[str] = None         # where the cache goes (None: .dml_nb_cache beside the images)
-    on_unreadable: Literal["error", "skip"] = "error"   # images that cannot be decoded (checked up front): stop or leave out
-    decode: Literal["pil", "jpeg_batch"] = "pil"        # image files: PIL per item in the workers, or JPEG batches decoded
-                                                        # on the device with the PIL path's crops (dml_nb.data.batches.JpegImages)
+    name: str = hashed("shapes")
+    root: Optional[str] = hashed(None)      # None: $DML_DATA/<name> (real data only)
+    size: Optional[int] = hashed(None)      # image side for embedded sets; crop size for the real-data presets
+    preset: Optional[str] = hashed(None)    # the backbone whose transforms to use; None: model.backbone
+    images_per_class: Optional[int] = hashed(None)  # shapes and finegrained only
+    label_noise: float = hashed(0.0)        # BSPML protocol: fraction of each training class relabelled
+    test_split: str = hashed("test")        # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
+    eval_train: bool = hashed(True)         # also evaluate on the training set (generalisation gap)
+    cache: bool = added_later(False)        # decode once into a uint8 cache; augment in batches on the device
+    cache_dir: Optional[str] = added_later(None)    # where the cache goes (None: .dml_nb_cache beside the images)
+    on_unreadable: Literal["error", "skip"] = added_later("error")  # images that cannot be decoded (checked up front): stop or leave out
+    decode: Literal["pil", "jpeg_batch"] = added_later("pil")   # image files: PIL per item in the workers, or JPEG batches
+                                                # decoded on the device with the PIL path's crops (dml_nb.data.batches.JpegImages)
 
 @dataclass
 class ModelConfig:
     "The backbone; the recipe builds its heads on it."
-    backbone: str = "small_cnn"
-    pretrained: Any = None                  # None/False, True (torchvision's cache) or a file path
-    options: dict = field(default_factory=dict)
+    backbone: str = hashed("small_cnn")
+    pretrained: Any = hashed(None)          # None/False, True (torchvision's cache) or a file path
+    options: dict = hashed(factory=dict)
 
 @dataclass
 class MethodConfig:
     "The recipe (`METHODS` name) and its options."
-    name: str = "baseline"
-    options: dict = field(default_factory=dict)
+    name: str = hashed("baseline")
+    options: dict = hashed(factory=dict)
 
 @dataclass
 class TrainConfig:
     "The optimisation; defaults follow the papers' protocol (Adam 1e-5, wd 4e-4) scaled for a small CPU run."
-    epochs: int = 10
-    batch_size: int = 60
-    samples_per_class: int = 4
-    batches_per_epoch: Optional[int] = None
-    lr: float = 1e-3
-    weight_decay: float = 4e-4
-    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    schedule: Optional[dict] = None         # {"kind": "multistep", "milestones": [...], "gamma": 0.2} or {"kind": "cosine"}
-    grad_clip: Optional[float] = None
-    amp: Literal["auto", "bf16", "none"] = "auto"
-    sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = "balanced"  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
-    zero_grad: Literal["none", "zeros"] = "none"   # learner.ZERO_GRADS: torch >= 2.0's gradient clearing, or torch 1.x's (the authors')
-    channels_last: Literal["auto", "on", "off"] = "auto"
-    num_workers: int = 0
-    device: str = "auto"
-    checkpoint_every_steps: Optional[int] = None
-    compile: bool = False                   # torch.compile the backbone(s)
-    stop_on_empty_tuples: bool = True       # stop when a task gets no tuples for a whole epoch (it cannot learn)
+    epochs: int = hashed(10)
+    batch_size: int = hashed(60)
+    samples_per_class: int = hashed(4)
+    batches_per_epoch: Optional[int] = hashed(None)
+    lr: float = hashed(1e-3)
+    weight_decay: float = hashed(4e-4)
+    optimizer: Literal["adam", "adamw", "sgd"] = hashed("adam")
+    schedule: Optional[dict] = hashed(None)  # {"kind": "multistep", "milestones": [..], "gamma": 0.2}, or "cosine" (+ "min_factor")
+    grad_clip: Optional[float] = hashed(None)
+    amp: Literal["auto", "bf16", "none"] = hashed("auto")
+    sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = added_later("balanced")  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
+    zero_grad: Literal["none", "zeros"] = added_later("none")  # learner.ZERO_GRADS: torch >= 2.0's clearing, or torch 1.x's (the authors')
+    channels_last: Literal["auto", "on", "off"] = hashed("auto")
+    num_workers: int = hashed(0)
+    device: str = hashed("auto")
+    checkpoint_every_steps: Optional[int] = hashed(None)
+    compile: Union[bool, dict] = added_later(False)  # torch.compile the backbone(s); a dict: torch.compile's options
+    stop_on_empty_tuples: bool = added_later(True)  # stop when a task gets no tuples for a whole epoch (it cannot learn)
+    group_options: dict = added_later(factory=dict)  # per parameter group (name or prefix): {"lr": .., "weight_decay": ..}
 
 @dataclass
 class EvalConfig:
     "What is measured and how often."
-    every: int = 1
-    metrics: list = field(default_factory=lambda: ["recall@1", "recall@2", "recall@4", "recall@8", "nmi"])
-    batch_size: int = 256
-    save_embeddings: bool = True
-    report: Literal["last", "best", "best_each"] = "last"   # what the run reports: the last epoch, the epoch of the best
-                                                            # test R@1, or each metric's own best epoch
-    nmi_seeds: int = 1                          # NMI: the mean over this many k-means starts
-    nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = "dml_nb"  # NMI's k-means: dml_nb's, or the authors' code's faiss run
-    nmi_average: Literal["arithmetic", "geometric"] = "arithmetic"  # NMI's normalisation (scikit-learn < 0.22: geometric)
-    nmi_on: Literal["query", "query_gallery"] = "query"            # NMI of a query/gallery pair: the queries, or both
-    self_match: Literal["index", "first"] = "index"                # a query leaves its own neighbours: by index, or first
+    every: int = hashed(1)
+    metrics: list = hashed(factory=lambda: ["recall@1", "recall@2", "recall@4", "recall@8", "nmi"])
+    batch_size: int = hashed(256)
+    save_embeddings: bool = hashed(True)
+    report: Literal["last", "best", "best_each"] = added_later("last")  # the run reports the last epoch, the best test R@1's epoch, or each metric's best
+    nmi_seeds: int = added_later(1)         # NMI: the mean over this many k-means starts
+    nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = added_later("dml_nb")  # NMI's k-means: dml_nb's, or the authors' faiss run
+    nmi_average: Literal["arithmetic", "geometric"] = added_later("arithmetic")  # NMI's normalisation (scikit-learn < 0.22: geometric)
+    nmi_on: Literal["query", "query_gallery"] = added_later("query")  # NMI of a query/gallery pair: the queries, or both
+    self_match: Literal["index", "first"] = added_later("index")   # a query leaves its own neighbours: by index, or first
 
 @dataclass
 class Config:
     "One run."
-    seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = hashed(0)
+    data: DataConfig = hashed(factory=DataConfig)
+    model: ModelConfig = hashed(factory=ModelConfig)
+    method: MethodConfig = hashed(factory=MethodConfig)
+    train: TrainConfig = hashed(factory=TrainConfig)
+    eval: EvalConfig = hashed(factory=EvalConfig)
 
 # %% ../../nbs/30_config.ipynb #b2d0cb76
-class ConfigError(ValueError):
-    "A parameter file or override that does not fit the schema."
-
 def _type_ok(value, tp) -> bool:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any: return True
@@ -227,9 +234,7 @@ def _check_names(cfg: Config) -> None:
     _check_options("method", cfg.method.name, cfg.method.options,
                    [o for o in METHODS.options(cfg.method.name) if o not in ("backbone", "num_classes", "train_labels")])
     _check_parts(cfg)
-    for m in cfg.eval.metrics:
-        try: parse_metric(m)
-        except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
+    _check_run_sections(cfg)
     t = cfg.train
     if t.batch_size % t.samples_per_class:
         raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of train.samples_per_class "
@@ -240,26 +245,40 @@ def _check_names(cfg: Config) -> None:
                           "a ranking loss needs at least 2 classes (negatives) and 2 images of a class (positives) in "
                           "a batch, so the run could not learn. Use e.g. train.samples_per_class: 2 or 4 and a "
                           "batch_size of at least twice that.")
-    if t.schedule is not None:
-        kinds = ("multistep", "cosine", "constant")
-        if t.schedule.get("kind") not in kinds:
-            raise ConfigError(str(unknown_name_error("train.schedule.kind", t.schedule.get("kind"), kinds)))
-        _check_options("schedule", t.schedule["kind"], {k: v for k, v in t.schedule.items() if k != "kind"},
-                       ["milestones", "gamma"] if t.schedule["kind"] == "multistep" else [])
 
-# fields added after runs were already cached: at their default values they are left out of the dict (and so of
-# the hash), so that every earlier config keeps its run directory
-_OMITTED_AT_DEFAULT = {"data": {"cache": False, "cache_dir": None, "on_unreadable": "error", "decode": "pil"},
-                       "train": {"compile": False, "stop_on_empty_tuples": True, "sampler": "balanced", "zero_grad": "none"},
-                       "eval": {"report": "last", "nmi_seeds": 1, "nmi_kmeans": "dml_nb", "nmi_average": "arithmetic",
-                                "nmi_on": "query", "self_match": "index"}}
+def _check_run_sections(cfg: Config) -> None:
+    "The names inside the train and eval sections: the schedule's kind and options, the metrics."
+    s = cfg.train.schedule
+    if s is not None:
+        kinds = {"multistep": ["milestones", "gamma"], "cosine": ["min_factor"], "constant": []}
+        if s.get("kind") not in kinds: raise ConfigError(str(unknown_name_error("train.schedule.kind", s.get("kind"), kinds)))
+        _check_options("schedule", s["kind"], {k: v for k, v in s.items() if k != "kind"}, kinds[s["kind"]])
+    for m in cfg.eval.metrics:
+        try: parse_metric(m)
+        except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
 
-def config_to_dict(cfg: Config) -> dict:
-    "The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over)."
-    out = dataclasses.asdict(cfg)
-    for section, defaults in _OMITTED_AT_DEFAULT.items():
-        for key, default in defaults.items():
-            if out[section].get(key, default) == default: out[section].pop(key, None)
+def make_section(name: str, values=None):
+    """One validated section of a `Config` (`"train"`, `"eval"`, ...) from a mapping or a section (None: its defaults),
+    with every check of `make_config` that needs no other section (keys, types, ranges, schedule, metrics)."""
+    if dataclasses.is_dataclass(values): values = dataclasses.asdict(values)
+    section = _build_section(typing.get_type_hints(Config)[name], dict(values or {}), name)
+    cfg = Config(**{name: section})
+    _check_ranges(cfg)
+    _check_run_sections(cfg)
+    return section
+
+def config_to_dict(cfg) -> dict:
+    """The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over): each field as its
+    declaration says (`hashed`: always; `added_later`: only when it differs from its default)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        rule, value = f.metadata.get("hash"), getattr(cfg, f.name)
+        if rule not in HASH_RULES:
+            raise TypeError(f"{type(cfg).__name__}.{f.name} does not say how it enters the run hash: declare it with "
+                            "added_later(default) (a new field: earlier runs keep their folders) or hashed(default)")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if rule == "omit_at_default" and value == default: continue
+        out[f.name] = config_to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
 
 # %% ../../nbs/30_config.ipynb #0b2f31e0
@@ -283,6 +302,7 @@ RANGES = {
     "train.num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the training process)"),
     "train.checkpoint_every_steps": _POSITIVE,
     "train.schedule.gamma": (lambda v: v > 0, "a finite number > 0 (the factor at each milestone)"),
+    "train.schedule.min_factor": (lambda v: 0 <= v <= 1, "a number in [0, 1] (the cosine's last factor)"),
     "eval.every": _POSITIVE,
     "eval.batch_size": _POSITIVE,
     "eval.nmi_seeds": (lambda v: v >= 1, "a positive integer (the k-means starts NMI is averaged over)"),
@@ -301,8 +321,8 @@ def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
 def _check_ranges(cfg: Config) -> None:
     "Every numeric option inside its range (`RANGES`) and finite: a one-line `ConfigError` naming the key and the range."
     values = {k: _get(cfg, k) for k in _numeric_fields()}
-    if isinstance(cfg.train.schedule, dict) and "gamma" in cfg.train.schedule:
-        values["train.schedule.gamma"] = cfg.train.schedule["gamma"]
+    if isinstance(cfg.train.schedule, dict):
+        values.update({f"train.schedule.{k}": cfg.train.schedule[k] for k in ("gamma", "min_factor") if k in cfg.train.schedule})
     for key, v in values.items():
         if v is None: continue
         test, what = RANGES.get(key, (lambda v: True, "a finite number"))
@@ -313,72 +333,7 @@ def _get(cfg: Config, key: str):
     for part in key.split("."): cfg = getattr(cfg, part)
     return cfg
 
-
 # %% ../../nbs/30_config.ipynb #10fe1f13
-class _Loader(yaml.SafeLoader):
-    "`yaml.SafeLoader` with YAML 1.2 numbers and booleans, and duplicate keys refused."
-
-_Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in rs if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float", "tag:yaml.org,2002:int")]
-    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-_Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node), 10))
-
-def _no_duplicates(loader, node, deep=False):
-    seen = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge": continue
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping (first on "
-                                                    f"line {seen[key] + 1}); keep one", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-_Loader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _no_duplicates(loader, node))
-
-MAX_YAML_NODES = 100_000   # a parameter file has hundreds; aliases that expand past this are refused (an alias bomb)
-
-def _expanded_size(node, memo: dict) -> int:
-    "The number of nodes `node` stands for with every alias expanded, counted without expanding (memoised per node)."
-    if id(node) in memo: return memo[id(node)]
-    memo[id(node)] = 1                                  # a node that contains itself counts once
-    if isinstance(node, yaml.SequenceNode): n = 1 + sum(_expanded_size(c, memo) for c in node.value)
-    elif isinstance(node, yaml.MappingNode): n = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    else: n = 1
-    memo[id(node)] = n
-    return n
-
-def _load_bounded(text: str, source: str):
-    "`text` composed, its expanded size checked against `MAX_YAML_NODES`, then constructed."
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None: return None
-        try: size = _expanded_size(node, {})
-        except RecursionError: size = MAX_YAML_NODES + 1
-        if size > MAX_YAML_NODES:
-            raise ConfigError(f"{source}: its aliases (*name) expand to more than {MAX_YAML_NODES:,} values (an alias "
-                              "bomb?); a parameter file needs far fewer: write the values out, or use 'base:' files")
-        return loader.construct_document(node)
-    finally: loader.dispose()
-
-def parse_yaml(text: str, source: str = "<string>"):
-    """YAML `text` with `_Loader`; a syntax error, a duplicate key or aliases that expand past `MAX_YAML_NODES` are a
-    one-line `ConfigError` naming `source` (and the line)."""
-    try: return _load_bounded(text, source)
-    except yaml.MarkedYAMLError as e:
-        mark, ctx = e.problem_mark or e.context_mark, e.context_mark
-        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
-        what = "; ".join(str(x) for x in (e.context, e.problem) if x)
-        if ctx is not None and mark is not None and ctx.line != mark.line: what += f" (it started on line {ctx.line + 1})"
-        raise ConfigError(f"{where}: {what}" if what else f"{where}: invalid YAML") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML ({' '.join(str(e).split())})") from None
-
 def deep_merge(base: dict, update: dict) -> dict:
     "A copy of `base` with `update` merged in, section by section."
     out = copy.deepcopy(base)
