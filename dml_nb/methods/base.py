@@ -249,10 +249,11 @@ class BaselineMethod(MultiTaskMethod):
                          output_noise=output_noise, input_noise=input_noise)
 
 # %% ../../nbs/50_methods.ipynb #ee71b698
-def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float = 1e-12) -> dict[str, dict]:
+def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float = 1e-12, rel: float = 1e-3) -> dict[str, dict]:
     """{task: {'loss', 'grad', 'alive', 'why', + the task's other logs}} of one epoch of a run's `history` (a list of
     rows, as `Learner.fit` returns; default: the last epoch). A task is alive when the epoch's mean loss and mean
-    gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`. A recipe with one loss and no task columns is
+    gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`, and its gradient is at least `rel` times the
+    largest task's of that epoch (`relative_grad`: a task whose gradient is 1e-5 of its neighbours' trains nothing). A recipe with one loss and no task columns is
     judged on `loss` and `grad_norm`; D&C's learners appear as `learner<k>`, alive when they got tuples."""
     rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
     if not rows: raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
@@ -270,6 +271,12 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
                  and "/" in k and k.count("/") == 1}
         out[t] = {"loss": loss, "grad": grad, "alive": not why and not missing,
                   "why": (f"zero {' and '.join(why)}" if why else f"no {' or '.join(missing)} logged" if missing else ""), **extra}
+    top = max([h["grad"] for h in out.values() if h["grad"] is not None] or [0.0])
+    for t, h in out.items():
+        if h["grad"] is None or top <= 0: continue
+        h["relative_grad"] = h["grad"] / top
+        if h["alive"] and h["relative_grad"] < rel:
+            h["alive"], h["why"] = False, f"gradient {h['relative_grad']:.1e} of the largest task's"
     for k, v in row.items():
         if k.startswith("tuples/learner"):
             n = num(v)
