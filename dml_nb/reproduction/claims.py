@@ -13,10 +13,11 @@ import numpy as np
 import pandas as pd
 
 from ..core.base import atomic_write
-from .viz import markdown_table
+from .viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
-__all__ = ['Z', 'RULE', 'Verdict', 'Stat', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt', 'Claims']
+__all__ = ['Z', 'RULE', 'Verdict', 'Stat', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt',
+           'resolvable', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0   # how many standard errors a difference must clear
@@ -108,30 +109,87 @@ def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
         out.append(f"difference {d:+.1f}" + ("" if math.isnan(se) else f" ± {se:.1f} SE"))
     return ", ".join(out)
 
+# %% ../../nbs/63_claims.ipynb #b3649e35
+def resolvable(table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | None = None) -> float:
+    """The smallest difference of `metric` between two rows of `table` (of `rows`, default all) that the rule
+    resolves: `Z` SE of the difference of two rows with the rows' root-mean-square std over their median number of
+    seeds. NaN where no row has two seeds."""
+    names = list(table.index if rows is None else dict.fromkeys(rows))
+    st = [s for s in (stat(table, r, metric) for r in names if r in table.index) if s.n > 1 and np.isfinite(s.std)]
+    if not st: return math.nan
+    spread = math.sqrt(np.mean([s.std ** 2 for s in st]))
+    return Z * spread * math.sqrt(2 / float(np.median([s.n for s in st])))
+
 # %% ../../nbs/63_claims.ipynb #a3f641cf
 class Claims:
-    "The paper's qualitative claims and their verdicts by the rule, for notebook `stem`, saved in folder `figures_dir`."
-    def __init__(self, stem: str, figures_dir: str | Path):
-        self.stem, self.figures_dir, self.items = stem, Path(figures_dir), []
+    """The paper's qualitative claims and their verdicts by the rule, for notebook `stem`, saved in folder
+    `figures_dir`; `paper` (the paper's numbers by row, as `repro.paper_numbers` reads them) gives the paper's
+    difference beside ours."""
+    def __init__(self, stem: str, figures_dir: str | Path, paper: pd.DataFrame | None = None):
+        self.stem, self.figures_dir, self.paper, self.items, self.spread = stem, Path(figures_dir), paper, [], {}
 
-    def check(self, claim: str, verdict: Verdict | None, detail: str = "") -> Verdict:
-        "Record and print `verdict` (None: its rows did not run, 'not tested') of `claim`."
+    def check(self, claim: str, verdict: Verdict | None, detail: str = "", difference: tuple[float, float] | None = None,
+              metric: str = "") -> Verdict:
+        """Record and print `verdict` (None: its rows did not run, 'not tested') of `claim`; `difference`
+        (difference, SE) puts it in the forest plot (`plot`)."""
         if verdict is None: verdict = Verdict.NOT_TESTED
         if not isinstance(verdict, Verdict):
             raise TypeError(f"claim {claim!r}: got {type(verdict).__name__} {verdict!r}, expected a Verdict; judge the "
                             "numbers with judge(...)/better(...) (and all_hold/negate), so that the rule decides")
-        self.items.append({"claim": claim, "verdict": verdict.value, "numbers": detail})
+        d, se = difference if difference is not None else (math.nan, math.nan)
+        self.items.append({"claim": claim, "verdict": verdict.value, "numbers": detail, "metric": metric,
+                           "difference": d, "se": se, "paper": math.nan})
         print(f"[{verdict.value.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
         return verdict
 
     def beats(self, claim: str, table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> Verdict:
-        "`check` that row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`)."
-        return self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric))
+        "`check` that row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`), with the difference and the paper's."
+        both = ran(table, a, b, metric=metric)
+        v = self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric),
+                       difference(stat(table, a, metric), stat(table, b, metric)) if both else None, metric)
+        p = self.paper
+        if p is not None and metric in p and a in p.index and b in p.index:
+            self.items[-1]["paper"] = float(p.loc[a, metric]) - float(p.loc[b, metric])   # NaN where the paper has no number
+        self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in (a, b) if r in table.index})
+        return v
+
+    def resolves(self) -> dict[str, float]:
+        "Per metric, the smallest difference the seeds resolve (`resolvable`) over the rows the claims compared."
+        return {m: resolvable(pd.DataFrame({m: [s.mean for s in st.values()], f"{m} std": [s.std for s in st.values()],
+                                            "seeds": [s.n for s in st.values()]}, index=list(st)), m)
+                for m, st in self.spread.items()}
+
+    def resolution(self) -> str:
+        "The sentence under the claims: the smallest difference each metric's seeds resolve."
+        found = {m: r for m, r in self.resolves().items() if np.isfinite(r)}
+        if not found: return "**Resolution.** No compared row has two seeds: no difference can be resolved."
+        return ("**Resolution.** With these seeds the rule resolves differences of at least "
+                + ", ".join(f"{m} {r:.1f}" for m, r in found.items())
+                + f" points ({Z:g} SE of the difference of two rows with the compared rows' spread); an *unresolved* "
+                "claim is a difference smaller than that.")
 
     def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
     def save(self) -> pd.DataFrame:
-        "Write the rule and the verdicts to `<figures_dir>/<stem>_claims.md`; returns the verdicts as a frame."
+        "Write the verdicts, the resolution and the rule to `<figures_dir>/<stem>_claims.md`; print the resolution; returns the verdicts as a frame."
         self.figures_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.figures_dir / f"{self.stem}_claims.md", markdown_table(self.frame(), index=False) + "\n" + RULE + "\n")
+        res = self.resolution()
+        print(res.replace("**", ""))
+        atomic_write(self.figures_dir / f"{self.stem}_claims.md",
+                     markdown_table(self.frame(), index=False) + "\n" + res + "\n\n" + RULE + "\n")
         return self.frame()
+
+    def plot(self, save: bool = True):
+        """The forest plot of the claims that compare two rows (`plot_forest`): each difference with its 2-SE interval,
+        the paper's difference, zero, and what the seeds cannot resolve; saved as `<figures_dir>/<stem>_claims.png`."""
+        rows = [i for i in self.items if np.isfinite(i["difference"])]
+        res = self.resolves()
+        label = lambda i: (i["claim"] if len(i["claim"]) <= 60 else i["claim"][:57] + "...") + (
+            f" [{i['metric']}]" if i["metric"] and f"({i['metric']})" not in i["claim"] else "")
+        left = len(self.items) - len(rows)
+        fig = plot_forest([label(i) for i in rows], [i["difference"] for i in rows], [i["se"] for i in rows],
+                          [i["paper"] for i in rows], [i["verdict"] for i in rows],
+                          [res.get(i["metric"], math.nan) for i in rows], z=Z,
+                          title=f"{self.stem}: what the claims test" + (f" ({left} claim(s) without one difference not drawn)" if left else ""))
+        if save: save_figure(fig, self.figures_dir / f"{self.stem}_claims")
+        return fig

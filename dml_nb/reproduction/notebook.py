@@ -93,7 +93,11 @@ class Reproduction:
         "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
         return save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
 
-    def claims(self) -> Claims: return Claims(self.stem, self.figures)
+    def claims(self) -> Claims:
+        "The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper file)."
+        try: paper = self.paper()
+        except FileNotFoundError: paper = None
+        return Claims(self.stem, self.figures, paper)
 
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."

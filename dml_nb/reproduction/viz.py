@@ -16,9 +16,9 @@ import torch
 from ..evaluation.metrics import singular_value_spectrum, spectral_decay
 
 # %% auto #0
-__all__ = ['PALETTE', 'set_style', 'save_figure', 'plot_spectra', 'tsne_coordinates', 'plot_tsne', 'gallery_neighbours',
-           'plot_gallery', 'negative_distances', 'plot_distance_histograms', 'plot_curves', 'plot_gap_bars',
-           'plot_bars', 'markdown_table']
+__all__ = ['PALETTE', 'VERDICT_COLOURS', 'set_style', 'save_figure', 'plot_spectra', 'tsne_coordinates', 'plot_tsne',
+           'gallery_neighbours', 'plot_gallery', 'negative_distances', 'plot_distance_histograms', 'plot_curves',
+           'plot_gap_bars', 'hides_spread', 'plot_bars', 'plot_forest', 'markdown_table']
 
 # %% ../../nbs/62_viz.ipynb #de3ce5b2
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
@@ -185,31 +185,56 @@ def plot_gap_bars(frame: pd.DataFrame, train: str = "train", test: str = "test",
     return fig
 
 # %% ../../nbs/62_viz.ipynb #9f9ebb94
+def hides_spread(values: np.ndarray, err: np.ndarray | None = None, share: float = 0.2) -> bool:
+    "Whether bars from zero would hide the spread of `values` (± `err`): their range is under `share` of the tallest."
+    v = np.asarray(values, dtype=float)
+    e = np.zeros_like(v) if err is None else np.nan_to_num(np.asarray(err, dtype=float))
+    ran = np.isfinite(v)
+    if ran.sum() < 2: return False
+    lo, hi = float(np.min(v[ran] - e[ran])), float(np.max(v[ran] + e[ran]))
+    return hi > 0 and lo > 0 and hi - lo < share * hi
+
 def _bar_panel(ax, values: np.ndarray, err: np.ndarray | None, names: list[str], color, label: str, ylabel: str,
-               rotate: int, err_label: str | None = None) -> None:
-    "Bars from zero; NaN values are rows that did not run, marked 'not run'; error bars only where `err` is finite."
+               rotate: int, err_label: str | None = None, zoom: bool = False) -> None:
+    """Bars from zero, or (`zoom`) points on an axis fitted to the values, where zero would hide their spread; NaN
+    values are rows that did not run, marked 'not run'; error bars only where `err` is finite."""
     x = np.arange(len(values))
     ran = np.isfinite(values)
-    e = None if err is None else np.where(np.isfinite(err), err, 0.0)
-    ax.bar(x[ran], values[ran], color=color, label=label)
-    if e is not None and np.isfinite(err[ran]).any():
+    e = np.zeros(len(values)) if err is None else np.where(np.isfinite(err), err, 0.0)
+    if zoom: ax.plot(x[ran], values[ran], "o", color=color, ms=7, label=f"{label}; axis not from 0")
+    else: ax.bar(x[ran], values[ran], color=color, label=label)
+    if err is not None and np.isfinite(err[ran]).any():
         ax.errorbar(x[ran], values[ran], yerr=e[ran], fmt="none", ecolor="black", capsize=3, label=err_label)
-    top = float(np.nanmax(values)) if ran.any() else 1.0
+    if zoom:
+        lo, hi = float(np.min(values[ran] - e[ran])), float(np.max(values[ran] + e[ran]))
+        pad = 0.15 * (hi - lo) or 0.05 * abs(hi) or 1.0
+        bottom, top = lo - pad, hi + 0.6 * (hi - lo + pad)            # headroom for the legend
+    else:
+        bottom = 0.0
+        hi = float(np.nanmax(values)) if ran.any() else 1.0
+        top = 1.35 * hi if hi > 0 else 1.0
     for i in np.flatnonzero(~ran):
-        ax.text(x[i], 0.02 * top, "not run", rotation=90, ha="center", va="bottom", fontsize=8, color="0.4")
-    ax.set_ylim(0, 1.35 * top if top > 0 else 1.0)              # headroom for the legend
+        ax.text(x[i], bottom + 0.02 * (top - bottom), "not run", rotation=90, ha="center", va="bottom", fontsize=8, color="0.4")
+    ax.set_ylim(bottom, top)
     ax.set_xticks(x, names, rotation=rotate, ha="right" if rotate else "center")
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right", fontsize=8)
 
 def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: str = "Recall@1", title: str | None = None,
-              paper: pd.Series | None = None, rotate: int = 30, paper_label: str = "paper"):
-    """Bars from zero of `means` (index: row names; NaN = the row did not run, shown as such) with `stds` as error
-    bars where several seeds gave one; the paper's values, if given, in a second panel with its own axis (the two
-    are different data and scales: never one twin-axis plot). `ax`: one axis (ours only) or a pair."""
+              paper: pd.Series | None = None, rotate: int = 30, paper_label: str = "paper",
+              seeds: pd.Series | int | None = None, zoom: bool | None = None):
+    """`means` (index: row names; NaN = the row did not run, shown as such) with error bars where several seeds gave
+    one: the standard error std/sqrt(seeds) when `seeds` is given (the unit the claims judge in), else `stds`. Bars
+    from zero, or points on a fitted axis where zero would hide the spread (`zoom`; None: `hides_spread` decides).
+    The paper's values, if given, in a second panel with its own axis (the two are different data and scales:
+    never one twin-axis plot). `ax`: one axis (ours only) or a pair."""
     names = [str(i) for i in means.index]
     vals = np.asarray(means, dtype=float)
     err = None if stds is None else np.asarray(stds.reindex(means.index), dtype=float)
+    if err is not None and seeds is not None:
+        n = np.asarray(seeds.reindex(means.index) if isinstance(seeds, pd.Series) else np.full(len(vals), seeds), dtype=float)
+        err = err / np.sqrt(n)
+    err_label = "± 1 SE over seeds (std/√n)" if seeds is not None else "± std over seeds"
     p = None if paper is None else np.asarray(paper.reindex(means.index), dtype=float)
     two = p is not None and np.isfinite(p).any()
     if ax is None:
@@ -219,11 +244,48 @@ def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: 
     else:
         axes = list(ax) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
         fig = axes[0].figure
-    _bar_panel(axes[0], vals, err, names, PALETTE[0], "ours (mean over seeds)", ylabel, rotate, "± std over seeds")
+    z = hides_spread(vals, err) if zoom is None else zoom
+    _bar_panel(axes[0], vals, err, names, PALETTE[0], "ours (mean over seeds)", ylabel, rotate, err_label, zoom=z)
     if two and len(axes) > 1:
-        _bar_panel(axes[1], p, None, names, PALETTE[3], paper_label, ylabel, rotate)
+        _bar_panel(axes[1], p, None, names, PALETTE[3], paper_label, ylabel, rotate, zoom=hides_spread(p) if zoom is None else zoom)
         axes[1].set_title(paper_label, fontsize=10); axes[0].set_title("ours", fontsize=10)
     if title: fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+# %% ../../nbs/62_viz.ipynb #6d9b3b5b
+VERDICT_COLOURS = {"holds": PALETTE[2], "fails": PALETTE[3], "unresolved": "0.45", "not tested": "0.75"}
+
+def plot_forest(labels: Sequence[str], diffs: Sequence[float], ses: Sequence[float], paper: Sequence[float] | None = None,
+                verdicts: Sequence[str] | None = None, resolves: Sequence[float] | None = None, z: float = 2.0, ax=None,
+                xlabel: str = "difference of the two rows (points)", title: str | None = None):
+    """One row per claim (top to bottom): the difference `diffs` (dot, coloured by its verdict) with ± `z` `ses`
+    (line; none where the SE is NaN), the paper's difference (`paper`, diamond; NaN: the paper gives none), zero
+    (vertical line) and, in grey, ± `resolves`: differences smaller than the seeds resolve."""
+    n = len(labels)
+    d, s = np.asarray(diffs, dtype=float), np.asarray(ses, dtype=float)
+    pp = np.full(n, np.nan) if paper is None else np.asarray(paper, dtype=float)
+    r = np.full(n, np.nan) if resolves is None else np.asarray(resolves, dtype=float)
+    v = list(verdicts) if verdicts is not None else ["unresolved"] * n
+    if ax is None: fig, ax = plt.subplots(figsize=(10, 0.45 * n + 1.4))
+    else: fig = ax.figure
+    y = np.arange(n)[::-1]
+    for i in range(n):
+        if np.isfinite(r[i]): ax.fill_betweenx([y[i] - 0.35, y[i] + 0.35], -r[i], r[i], color="0.9", lw=0,
+                                               label="smaller than the seeds resolve" if i == np.flatnonzero(np.isfinite(r))[0] else None)
+        if np.isfinite(s[i]): ax.plot([d[i] - z * s[i], d[i] + z * s[i]], [y[i]] * 2, color="black", lw=1.5)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference ± {z:g} SE")
+    for verdict in dict.fromkeys(v):
+        k = [i for i in range(n) if v[i] == verdict]
+        ax.plot(d[k], y[k], "o", color=VERDICT_COLOURS.get(verdict, "0.45"), ms=7, label=verdict)
+    if np.isfinite(pp).any(): ax.plot(pp, y, "D", color="black", mfc="white", ms=6, label="the paper's difference")
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_ylim(-0.7, n - 0.3)
+    ax.set_xlabel(xlabel)
+    ax.margins(x=0.08)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    if title: ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -1,0 +1,93 @@
+"""Figures that show what the claims test: the forest plot draws each claim's difference with the very SE its verdict
+used, the paper's difference and zero; the claims file says the smallest difference the seeds resolve; absolute bars
+show the SE and leave zero out where it would hide the spread."""
+import math
+
+import matplotlib
+matplotlib.use("Agg")
+import numpy as np
+import pandas as pd
+import pytest
+
+from dml_nb.reproduction.claims import Claims, Verdict, Z, difference, judge, resolvable, stat
+from dml_nb.reproduction.reproduce import claims_summary, resolution
+from dml_nb.reproduction.viz import hides_spread, plot_bars
+
+
+def flagship_like():
+    "Seven rows within 2 points, std about 1 over 5 seeds: the shape of the flagship table."
+    rows = ["Margin-512", "DiVA-512", "Margin-128", "D&C-128", "MIC-128", "MultiSim-512", "BSPML-512"]
+    return pd.DataFrame({"R@1": [62.1, 63.8, 62.5, 62.1, 63.0, 62.4, 63.3], "R@1 std": [1.3, 0.8, 1.0, 1.1, 0.9, 1.2, 0.7],
+                         "NMI": [55.0, 57.5, 55.2, 55.1, 55.9, 54.8, 56.0], "NMI std": [0.5, 0.6, 0.4, 0.5, 0.6, 0.5, 0.4],
+                         "seeds": [5] * 7}, index=pd.Index(rows, name="row"))
+
+
+@pytest.fixture
+def claims(tmp_path):
+    paper = pd.DataFrame({"R@1": [63.9, 69.2, 60.7, 65.9]}, index=["Margin-512", "DiVA-512", "Margin-128", "D&C-128"])
+    c = Claims("repro_demo", tmp_path, paper=paper)
+    t = flagship_like()
+    c.beats("DiVA beats Margin (R@1)", t, "DiVA-512", "Margin-512")
+    c.beats("D&C beats Margin", t, "D&C-128", "Margin-128")
+    c.beats("DiVA beats Margin on NMI", t, "DiVA-512", "Margin-512", "NMI")
+    c.beats("MIC beats Margin", t, "MIC-128", "Margin-128")          # the paper file has no MIC row
+    c.check("DiVA beats all", Verdict.UNRESOLVED, "several comparisons")
+    return c, t
+
+
+def test_the_forest_interval_is_the_verdicts_own_two_se(claims):
+    c, t = claims
+    fig = c.plot()
+    ax = fig.axes[0]
+    labels = [x.get_text() for x in ax.get_yticklabels()]                # drawn top to bottom, in the order checked
+    assert labels == ["DiVA beats Margin (R@1)", "D&C beats Margin [R@1]", "DiVA beats Margin on NMI [NMI]", "MIC beats Margin [R@1]"]
+    intervals = sorted(tuple(np.round(l.get_xdata(), 6)) for l in ax.lines
+                       if len(l.get_xdata()) == 2 and l.get_linestyle() == "-" and l.get_color() == "black"
+                       and not l.get_xdata()[0] == l.get_xdata()[1] == 0)                # not the zero line
+    expected = []
+    for a, b, m in (("DiVA-512", "Margin-512", "R@1"), ("D&C-128", "Margin-128", "R@1"), ("DiVA-512", "Margin-512", "NMI"),
+                    ("MIC-128", "Margin-128", "R@1")):
+        d, se = difference(stat(t, a, m), stat(t, b, m))
+        verdict = judge(stat(t, a, m), stat(t, b, m))
+        assert (verdict == Verdict.HOLDS) == (d - Z * se > 0) and (verdict == Verdict.FAILS) == (d + Z * se < 0)
+        expected.append(tuple(np.round([d - Z * se, d + Z * se], 6)))
+    assert intervals == sorted(expected)
+    paper = [l for l in ax.lines if l.get_label() == "the paper's difference"][0]
+    np.testing.assert_allclose(paper.get_xdata(), [69.2 - 63.9, 65.9 - 60.7, np.nan, np.nan])   # no NMI / MIC in the paper file
+    assert any(l.get_xdata()[0] == 0 == l.get_xdata()[1] and len(l.get_xdata()) == 2 for l in ax.lines)   # zero marked
+    assert (c.figures_dir / "repro_demo_claims.png").stat().st_size > 0
+
+
+def test_the_claims_file_says_what_the_seeds_resolve(claims):
+    c, t = claims
+    rows = ["DiVA-512", "Margin-512", "D&C-128", "Margin-128", "MIC-128"]
+    spread = math.sqrt(np.mean(t.loc[rows, "R@1 std"] ** 2))
+    assert c.resolves()["R@1"] == pytest.approx(2 * spread * math.sqrt(2 / 5)) == pytest.approx(resolvable(t, rows=rows))
+    c.save()
+    f = c.figures_dir / "repro_demo_claims.md"
+    assert f"R@1 {c.resolves()['R@1']:.1f}, NMI {c.resolves()['NMI']:.1f}" == resolution(f)
+    table, total = claims_summary(c.figures_dir)
+    assert f"| {resolution(f)} |" in table and total["unresolved"] == sum(i["verdict"] == "unresolved" for i in c.items)
+
+
+def test_one_seed_draws_a_dot_without_an_interval(tmp_path):
+    t = flagship_like().assign(**{"R@1 std": np.nan, "seeds": 1})
+    c = Claims("repro_one", tmp_path)
+    c.beats("DiVA beats Margin", t, "DiVA-512", "Margin-512")
+    assert math.isnan(c.resolves()["R@1"]) and "No compared row has two seeds" in c.resolution()
+    ax = c.plot().axes[0]
+    assert not [l for l in ax.lines if len(l.get_xdata()) == 2 and l.get_linestyle() == "-" and l.get_xdata()[0] != 0]
+
+
+def test_absolute_bars_show_the_se_and_leave_out_zero_when_it_hides_the_spread():
+    t = flagship_like()
+    assert hides_spread(t["R@1"].values, t["R@1 std"].values)
+    fig = plot_bars(t["R@1"], t["R@1 std"], seeds=t["seeds"])
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] > 55, "the 1.7-point spread must not sit on bars from zero"
+    labels = ax.get_legend_handles_labels()[1]
+    assert "± 1 SE over seeds (std/√n)" in labels and "± std over seeds" not in labels
+    seg = [c for c in ax.collections if hasattr(c, "get_segments")][0].get_segments()
+    np.testing.assert_allclose([s[1][1] - s[0][1] for s in seg], 2 * t["R@1 std"].values / math.sqrt(5))
+    wide = plot_bars(pd.Series([20.0, 60.0], index=["a", "b"]), pd.Series([1.0, 1.0], index=["a", "b"]))
+    assert wide.axes[0].get_ylim()[0] == 0                             # a spread the bars show: from zero
