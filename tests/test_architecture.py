@@ -100,3 +100,16 @@ def test_no_module_over_the_size_limit(limit=400):
     sizes = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
     big = {m: n for m, n in sizes.items() if n > OVERSIZED.get(m, limit)}
     assert not big, f"modules over {limit} lines (or past their recorded size): {big}"
+
+
+def test_the_data_contract_name_is_a_lazy_re_export():
+    "`from dml_nb.data import load_dataset` works; importing the package loads no torch; no module imports the package."
+    import subprocess, sys
+    code = ("import sys, dml_nb.data; assert 'torch' not in sys.modules, 'import dml_nb.data loaded torch'\n"
+            "from dml_nb.data import load_dataset\nfrom dml_nb.data.datasets import load_dataset as direct\n"
+            "assert load_dataset is direct")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    known = set(_modules())
+    into_package = [f"{m}:{line}" for m, p in _modules().items() for t, names, line in _imports(m, p, known | {"dml_nb.data"})
+                    if t == "dml_nb.data"]
+    assert not into_package, f"modules importing the dml_nb.data package itself (a circle through its re-export): {into_package}"

@@ -528,3 +528,21 @@ def test_named_readings_of_the_age_and_solver():
     np.testing.assert_allclose((floor.lambda_init, floor.lambda_inf), (0.5 * np.log(10), np.log(10)))   # floor = log N^c
     assert (paper.lambda_init, paper.lambda_inf, paper.solver["solver"]) == (1.0, 3.0, "stochastic")
     assert 1 <= BSPML_PAPER_TEXT["lambda_inf"] <= 5 and paper.mu == paper.lambda_inf     # the paper: [1, 5], mu = lambda_inf
+
+
+def test_paper_readings_are_named_presets_that_resolve_to_their_options():
+    "method.preset gives the reading's options (the file's own win); the same options written out are the same run."
+    from dml_nb.core.base import config_hash
+    from dml_nb.core.registry import PRESETS
+    from dml_nb.training.config import ConfigError, config_to_dict, make_config
+    from dml_nb.methods.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
+    assert PRESETS.options("bspml", "dml_nb") == BSPML_DML_NB and PRESETS.options("bspml", "paper_text") == BSPML_PAPER_TEXT
+    for method in ("bspml", "sharing"):
+        for name in PRESETS.names(method):
+            named = make_config({"method": {"name": method, "preset": name}})
+            spelled = make_config({"method": {"name": method, **PRESETS.options(method, name)}})
+            assert config_hash(config_to_dict(named)) == config_hash(config_to_dict(spelled)), (method, name)
+    cfg = make_config({"method": {"name": "bspml", "preset": "paper_text", "lambda_inf": 2.0}})
+    assert cfg.method.options == {**BSPML_PAPER_TEXT, "lambda_inf": 2.0}
+    with pytest.raises(ConfigError, match="Did you mean 'paper_text'"):
+        make_config({"method": {"name": "bspml", "preset": "paper_txt"}})

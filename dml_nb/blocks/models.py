@@ -94,6 +94,11 @@ class Backbone(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError
     def forward(self, x: torch.Tensor) -> torch.Tensor: return global_pool(self.forward_features(x), self.pooling)
+    def early_stage(self, x: torch.Tensor) -> torch.Tensor:
+        "The first stage's feature map, at a quarter of the input resolution (MIC's first grouping reads it)."
+        raise NotImplementedError(f"{type(self).__name__} defines no early_stage(x) (its first stage's feature map at a quarter "
+                                  "of the input resolution, read by Sharing's first_group_on='early'): define it, or set "
+                                  "first_group_on='features' (or 'phi_star')")
 
     @property
     def input_size(self) -> int: return self.preprocessing.input_size
@@ -196,6 +201,9 @@ class ResNet50(Backbone):
     def forward_features(self, x):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         return self.layer4(self.layer3(self.layer2(self.layer1(x))))
+    def early_stage(self, x):
+        "The stem and `layer1` (MIC's code)."
+        return self.layer1(self.maxpool(self.relu(self.bn1(self.conv1(x)))))
 
 # %% ../../nbs/24_models.ipynb #77f97e61
 # module: (in, 1x1, 3x3 reduce, 3x3, double-3x3 reduce, double-3x3, pool type, pool projection, stride)
@@ -265,10 +273,13 @@ class BNInception(Backbone):
             out.append(self._cbr(p + "pool_proj", pooled))
         return torch.cat(out, 1)
 
-    def forward_features(self, x):
+    def early_stage(self, x):
+        "The stem up to the second pooling (192 channels)."
         x = F.max_pool2d(self._cbr("conv1_7x7_s2", x), 3, stride=2, ceil_mode=True)
-        x = self._cbr("conv2_3x3", self._cbr("conv2_3x3_reduce", x))
-        x = F.max_pool2d(x, 3, stride=2, ceil_mode=True)
+        return self._cbr("conv2_3x3", self._cbr("conv2_3x3_reduce", x))
+
+    def forward_features(self, x):
+        x = F.max_pool2d(self.early_stage(x), 3, stride=2, ceil_mode=True)
         for m in _BNINCEPTION_MODULES: x = self._module(m, x)
         return x
 
@@ -303,6 +314,9 @@ class GoogLeNet(Backbone):
         x = x * self._in_scale + self._in_shift  # ImageNet-normalised -> the [-1, 1] scale of the weights
         for n in self._blocks: x = getattr(self, n)(x)
         return x
+    def early_stage(self, x):
+        "The stem up to the second pooling (192 channels)."
+        return self.conv3(self.conv2(self.maxpool1(self.conv1(x * self._in_scale + self._in_shift))))
 
 # %% ../../nbs/24_models.ipynb #98aed878
 @BACKBONES.register("small_cnn")
@@ -351,6 +365,9 @@ class SmallCNN(Backbone):
         return Preprocessing(size, size, (0.5,) * 3, (0.5,) * 3, train_scale=(0.7, 1.0), train_ratio=(0.9, 1.1))
 
     def forward_features(self, x): return self.body(x)
+    def early_stage(self, x):
+        "The first conv block."
+        return self.body[:4](x)
 
 # %% ../../nbs/24_models.ipynb #1bff2a3e
 def build_backbone(name: str, pretrained: bool | str | Path | None = None, **options) -> Backbone:

@@ -10,7 +10,7 @@ from typing import Any
 
 # %% auto #0
 __all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'EMBEDDED_SETS', 'SHIPPED_WEIGHTS',
-           'unknown_name_error', 'parse_metric', 'registering_modules', 'Registry']
+           'PRESETS', 'unknown_name_error', 'parse_metric', 'registering_modules', 'Registry', 'Presets']
 
 # %% ../../nbs/01_registry.ipynb #ae373bce
 def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
@@ -256,3 +256,79 @@ BACKBONES = Registry("backbone", symbol="BACKBONES")
 METHODS = Registry("method", symbol="METHODS")
 EMBEDDED_SETS = Registry("embedded dataset", symbol="EMBEDDED_SETS")   # generated sets beyond `shapes` and `digits`
 SHIPPED_WEIGHTS = Registry("shipped weights", symbol="SHIPPED_WEIGHTS")   # weights files that ship with the package
+
+# %% ../../nbs/01_registry.ipynb #93937888
+def _literal(node: ast.expr, names: dict):
+    "The value of a constant expression of a module: literals, `dict(key=...)`, and names bound to one at module level."
+    if isinstance(node, ast.Name) and node.id in names: return _literal(names[node.id], names)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        return {k.arg: _literal(k.value, names) for k in node.keywords}
+    if isinstance(node, ast.Dict): return {_literal(k, names): _literal(v, names) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+def _static_presets(symbol: str, package: str = "dml_nb") -> dict:
+    "{method: {name: (options, doc)}} of every module-level `<symbol>.register(method, name, options, doc)`, from the source."
+    spec, out = importlib.util.find_spec(package), {}
+    pattern = re.compile(rf"^{re.escape(symbol)}\.register\(", re.M)
+    files = sorted(p for r in spec.submodule_search_locations for p in Path(r).rglob("*.py") if not p.name.startswith("_"))
+    for path in files:
+        text = path.read_text()
+        if not pattern.search(text): continue
+        body = ast.parse(text, str(path)).body
+        names = {n.targets[0].id: n.value for n in body if isinstance(n, ast.Assign) and len(n.targets) == 1
+                 and isinstance(n.targets[0], ast.Name)}
+        for n in body:
+            call = n.value if isinstance(n, ast.Expr) else None
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "register"
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == symbol):
+                method, name, options, doc = (_literal(a, names) for a in call.args)
+                out.setdefault(method, {})[name] = (options, doc)
+    return out
+
+class Presets:
+    """Named paper readings of the methods, as timm names its variants: `method` -> `name` -> (options, doc). A method
+    module states each with a module-level `PRESETS.register("method", "name", OPTIONS, "doc")` (OPTIONS: a `dict(...)`
+    of constants, or a name bound to one), so that a config's `method.preset` is checked before torch loads."""
+    def __init__(self, symbol: str = "PRESETS"): self.symbol, self._items, self._static = symbol, {}, None
+    def register(self, method: str, name: str, options: dict, doc: str) -> dict:
+        "Name `options` (a reading of a paper or code) for `method`; returns them."
+        self._items.setdefault(method, {})[name] = (dict(options), doc)
+        return options
+    def _all(self) -> dict:
+        if self._static is None: self._static = _static_presets(self.symbol)
+        return {m: {**self._static.get(m, {}), **self._items.get(m, {})} for m in sorted({*self._static, *self._items})}
+    def names(self, method: str) -> list[str]:
+        "The presets of `method`, sorted."
+        return sorted(self._all().get(method, {}))
+    def options(self, method: str, name: str) -> dict:
+        "The options of preset `name` of `method` (an unknown name: the error names the nearest and all of them)."
+        known = self._all().get(method, {})
+        if name not in known:
+            if not known: raise ValueError(f"method {method!r} has no presets (method.preset: {name!r}); methods with presets: "
+                                           f"{', '.join(self._all())}")
+            close = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"unknown preset {name!r} of method {method!r} (method.preset).{hint} Its presets: {', '.join(sorted(known))}")
+        return dict(known[name][0])
+    def doc(self, method: str, name: str) -> str:
+        self.options(method, name)
+        return self._all()[method][name][1]
+    def resolve(self, raw: dict, default_method: str, error: type[Exception] = ValueError) -> dict:
+        """A config mapping (`method.options` holding its options) with `method.options.preset` replaced by the preset's
+        options under the explicit ones (`default_method`: the method of a config that names none); a bad preset raises
+        `error` (the config's `ConfigError`)."""
+        method = raw.get("method")
+        if not isinstance(method, dict) or "preset" not in (method.get("options") or {}): return raw
+        name, opts = method.get("name", default_method), dict(method["options"])
+        preset = opts.pop("preset")
+        if not isinstance(preset, str):
+            raise error(f"bad value for method.preset: {preset!r}; expected a preset name of method {name!r}: "
+                        f"{', '.join(self.names(name)) or 'it has none'}")
+        try: base = self.options(name, preset)
+        except ValueError as e: raise error(str(e)) from None
+        return {**raw, "method": {**method, "options": {**base, **opts}}}
+    def listing(self) -> str:
+        "One line per preset: `method.preset`, then its doc."
+        return "\n".join(f"{m}: preset {n} - {doc}" for m, ps in self._all().items() for n, (_, doc) in sorted(ps.items()))
+
+PRESETS = Presets()

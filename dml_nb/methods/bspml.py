@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
+from ..core.registry import LOSSES, METHODS, MINERS, PRESETS, unknown_name_error
 from ..training.context import Method
 from ..evaluation.metrics import maw_sdaw
 from ..blocks.heads import EmbeddingHead, EmbeddingModel
@@ -187,3 +187,7 @@ BSPML.SMOKE = {"solver_iters": 30}   # smoke size (`repro.smoke`, nbdev_test): a
 # nor c nor a lambda_inf value: the numbers here are the ones dml_nb used for it before (1 -> 3, c = 1.2).
 BSPML_DML_NB = dict(lambda_unit="floor", lambda_init=0.5, lambda_inf=1.0, c=1.2, solver="exact")
 BSPML_PAPER_TEXT = dict(lambda_unit="absolute", lambda_init=1.0, lambda_inf=3.0, c=1.2, solver="stochastic")
+PRESETS.register("bspml", "dml_nb", BSPML_DML_NB, "dml_nb's reading (the defaults): ages in units of the pair-loss floor, "
+                 "0.5 -> 1.0, the exact solver")
+PRESETS.register("bspml", "paper_text", BSPML_PAPER_TEXT, "the paper's text: an absolute age (1 -> 3, c = 1.2; the text "
+                 "gives no values) and Algorithm 3's stochastic solver")

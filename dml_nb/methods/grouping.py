@@ -74,18 +74,15 @@ def assign_to_centroids(features: torch.Tensor, centroids: torch.Tensor) -> np.n
 
 # %% ../../nbs/52_grouping.ipynb #5e1a0c22
 def early_stage(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The backbone's first stage at a quarter of the input resolution: ResNet50's stem + `layer1` (MIC's code);
-    dml_nb's analogues: GoogLeNet's and BN-Inception's stem up to the second pooling, the small CNN's first block."""
-    b = backbone
-    kind = next((c.__name__ for c in type(b).__mro__ if c.__name__ in ("ResNet50", "GoogLeNet", "BNInception", "SmallCNN")), None)
-    if kind == "ResNet50": return b.layer1(b.maxpool(b.relu(b.bn1(b.conv1(x)))))   # by name: also a class a notebook re-defined
-    if kind == "GoogLeNet": return b.conv3(b.conv2(b.maxpool1(b.conv1(x * b._in_scale + b._in_shift))))
-    if kind == "BNInception":
-        x = F.max_pool2d(b._cbr("conv1_7x7_s2", x), 3, stride=2, ceil_mode=True)
-        return b._cbr("conv2_3x3", b._cbr("conv2_3x3_reduce", x))
-    if kind == "SmallCNN": return b.body[:4](x)
-    raise ValueError(f"early features (MIC's first grouping) are defined for the resnet50, googlenet, bninception and "
-                     f"small_cnn backbones, not {type(b).__name__}: set first_group_on='features' (or 'phi_star')")
+    """The backbone's first stage at a quarter of the input resolution, from its public `early_stage(x)`
+    (`dml_nb.blocks.models.Backbone`): ResNet50's stem + `layer1` (MIC's code); dml_nb's analogues: GoogLeNet's and
+    BN-Inception's stem up to the second pooling, the small CNN's first block."""
+    stage = getattr(backbone, "early_stage", None)
+    if stage is None:
+        raise ValueError(f"early features (MIC's first grouping) need a backbone with early_stage(x) (a dml_nb.blocks.models."
+                         f"Backbone), not {type(backbone).__name__}: define it, or set first_group_on='features' (or 'phi_star')")
+    try: return stage(x)
+    except NotImplementedError as e: raise ValueError(str(e)) from e
 
 def early_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """MIC's features for its first grouping: `early_stage`, average-pooled with MIC's window (18, stride 12 on

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
+from ..core.registry import LOSSES, METHODS, MINERS, PRESETS, unknown_name_error
 from ..core.base import stream_seed
 from .base import MultiTaskMethod, Task
 from ..data.samplers import ClassBalancedBatchSampler
@@ -292,6 +292,9 @@ TG_PAPER_TEXT = dict(group_on="features", first_group_on=None, standardize="mean
                      regroup_every=1, shared_batches="class_balanced", rematch_groups=True, kmeans_redo=5)
 MIC_DEFAULTS = dict(shared_sampling="tg_std", gamma=2500.0, shared_probability=0.8, embed="phi", standardize="mean",
                     shared_batches="groups")
+PRESETS.register("sharing", "tg_paper_text", TG_PAPER_TEXT, "T^G as the paper's text reads (features f, mean-std "
+                 "standardised before every grouping); dml_nb's choices where the text is silent")
+PRESETS.register("sharing", "mic_code", MIC_DEFAULTS, "MIC's public code's defaults (the method `mic` is `sharing` with these)")
 
 @METHODS.register("mic")
 class MIC(SharingMatters):

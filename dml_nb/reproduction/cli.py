@@ -10,6 +10,7 @@ from typing import Sequence
 from ..core.base import DiskWriteError, RunLockedError
 from ..data.formats import DatasetFormatError, DatasetNotFoundError
 from ..data.checks import UnreadableImagesError
+from ..core.registry import PRESETS
 from ..training.config import Config, ConfigError, load_config
 from .experiment import config_data_root, process_rank, check_data, run
 
@@ -55,7 +56,10 @@ def _check_data_report(cfg: Config, progress: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-train`."
-    ap = argparse.ArgumentParser(prog="dml-train", description="Train and evaluate one dml_nb run from parameter files.")
+    presets = PRESETS.listing().replace("\n", "\n  ")   # read from the sources: --help loads no torch
+    ap = argparse.ArgumentParser(prog="dml-train", description="Train and evaluate one dml_nb run from parameter files.",
+                                 epilog="method presets (method.preset in a parameter file; the file's own options win):\n  "
+                                        + presets, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("params", nargs="+", help="YAML parameter files, merged in order")
     ap.add_argument("-o", "--run-dir", default=None, help="run directory (default: <runs-dir>/<method>-<data>-<hash>)")
     ap.add_argument("--runs-dir", default="runs", help="where hashed run directories go (default: runs)")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, Union
 
 from ..core.params import ConfigError, MAX_YAML_NODES, parse_yaml   # the reader of every parameter file
-from ..core.registry import BACKBONES, LOSSES, METHODS, MINERS, parse_metric, unknown_name_error
+from ..core.registry import BACKBONES, LOSSES, METHODS, MINERS, PRESETS, parse_metric, unknown_name_error
 from ..data.formats import DATASETS, SPLITS
 
 # %% auto #0
@@ -164,7 +164,7 @@ def _unflatten(raw: dict) -> dict:
 def make_config(raw: dict | Config | None = None) -> Config:
     "Validate a nested mapping (YAML layout) into a `Config`; every problem is a `ConfigError` naming the key."
     if isinstance(raw, Config): raw = config_to_dict(raw)
-    cfg = _build_section(Config, _unflatten(raw or {}), "")
+    cfg = _build_section(Config, PRESETS.resolve(_unflatten(raw or {}), MethodConfig.name, ConfigError), "")
     _check_ranges(cfg)
     _check_names(cfg)
     return cfg
