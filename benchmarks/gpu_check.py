@@ -226,8 +226,8 @@ def projection(c: Check, limit, device, tiny, root: Path, results: dict):
     n, classes = (600, 10) if tiny else (CUB_TEST, 100)
     emb, labels = synthetic(n, classes, noise=0.15)
     emb, labels = emb.to(device), labels.to(device)
-    kw = dict(learn.eval_options)
-    t = time.perf_counter(); evaluate(emb, labels, learn.metrics, **kw); sync(device)
+    kw = dict(learn.evaluator.readings)
+    t = time.perf_counter(); evaluate(emb, labels, learn.evaluator.metrics, **kw); sync(device)
     metrics_s = (time.perf_counter() - t) * (CUB_TEST / n)
     train_s, eval_s = CUB_TRAIN / results["diva"], CUB_TEST / embed_rate + metrics_s
     total = EPOCHS * (train_s + eval_s)
@@ -324,7 +324,7 @@ def resume(c: Check, limit, device, tiny):
         w = 8 if tiny else 32
         m = BaselineMethod(build_backbone("small_cnn", width=w, feature_dim=4 * w), train.num_classes, embedding_dim=16)
         s = ClassBalancedBatchSampler(train.labels, batch_size=16 if tiny else 64, samples_per_class=4, seed=0, batches_per_epoch=5)
-        return Learner(m, train, s, epochs=2, lr=1e-3, run_dir=run_dir, device=device, eval_sets={}, progress=False,
+        return Learner(m, train, s, epochs=2, lr=1e-3, run_dir=run_dir, device=str(device), eval_sets={}, progress=False,
                        seed=3, checkpoint_every_steps=2, callbacks=list(callbacks))
     with tempfile.TemporaryDirectory() as tmp:
         ref = learner(Path(tmp) / "ref"); ref.fit()

@@ -133,7 +133,7 @@ def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
     cfg = make_config({**TINY, "eval": {**TINY["eval"], "nmi_kmeans": "faiss_100", "nmi_average": "geometric"}})
     assert config_to_dict(cfg)["eval"]["nmi_kmeans"] == "faiss_100"
     learner = build_learner(cfg, progress=False)
-    assert learner.eval_options == {"nmi_seeds": 1, "nmi_kmeans": "faiss_100", "nmi_average": "geometric",
+    assert learner.evaluator.readings == {"nmi_seeds": 1, "nmi_kmeans": "faiss_100", "nmi_average": "geometric",
                                     "nmi_on": "query", "self_match": "index"}
 
 
@@ -158,7 +158,8 @@ def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
                {"epoch": 2, "test/recall@1": 0.60, "test/nmi": 0.65}, {"epoch": 3, "test/recall@1": 0.55, "test/nmi": 0.66}]
     fake = SimpleNamespace(latest_metrics={"test/recall@1": 0.55, "test/nmi": 0.66}, eval_sets={"test": None},
                            history=history, epoch=3)
-    got = {r: EvaluationMixin.reported_metrics(SimpleNamespace(**vars(fake), report=r)) for r in ("last", "best", "best_each")}
+    got = {r: EvaluationMixin.reported_metrics(SimpleNamespace(**vars(fake), evaluator=SimpleNamespace(report=r)))
+           for r in ("last", "best", "best_each")}
     assert got["last"]["metrics"] == {"test/recall@1": 0.55, "test/nmi": 0.66}
     assert got["best"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.65} and got["best"]["best_epoch"] == 2
     assert got["best_each"]["metrics"] == {"test/recall@1": 0.60, "test/nmi": 0.70}
@@ -178,7 +179,7 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     assert typing.get_args(typing.get_type_hints(TrainConfig)["zero_grad"]) == ZERO_GRADS
     assert not {"sampler", "zero_grad"} & set(config_to_dict(make_config(TINY))["train"])   # defaults: the hash is unchanged
     cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "zero_grad": "zeros"}})
-    assert build_learner(cfg, progress=False).zero_grad == "zeros" and config_to_dict(cfg)["train"]["zero_grad"] == "zeros"
+    assert build_learner(cfg, progress=False).train_config.zero_grad == "zeros" and config_to_dict(cfg)["train"]["zero_grad"] == "zeros"
     for draw in ("class_random", "reshuffle", "mic"):
         cfg = make_config({**TINY, "train": {**TINY.get("train", {}), "sampler": draw}})
         assert build_learner(cfg, progress=False).sampler.draw == draw

@@ -62,7 +62,7 @@ def test_a_bf16_autocast_step_is_close_to_fp32(sets):
 def test_channels_last_trains_the_same_run(sets):
     """channels_last changes only the memory layout (and the convolution kernels): over 2 epochs the losses agreed to
     2.6e-8 and the weights to 3.8e-6 (relative) here; the bounds leave 100x room."""
-    a, b = learner(sets, channels_last=False), learner(sets, channels_last=True)
+    a, b = learner(sets, channels_last="off"), learner(sets, channels_last="on")
     ha, hb = a.fit(), b.fit()
     for ra, rb in zip(ha, hb): assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
     for (k, p), q in zip(a.method.named_parameters(), b.method.parameters()):
@@ -167,7 +167,7 @@ class KillAt(Callback):
 
 @pytest.mark.gpu
 def test_cuda_bf16_channels_last_step_and_rng_round_trip(sets):
-    l32, g32 = first_step(learner(sets, device="cuda", amp="none", channels_last=False))
+    l32, g32 = first_step(learner(sets, device="cuda", amp="none", channels_last="off"))
     learn = learner(sets, device="cuda")                     # auto: bf16 and channels_last on a GPU
     assert learn.amp == "bf16" and learn.channels_last
     l16, g16 = first_step(learn)

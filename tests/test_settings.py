@@ -67,3 +67,61 @@ def test_added_later_fields_at_their_default_leave_the_dict_unchanged():
     for name in later:
         sec, key = name.split(".")
         assert key not in d[sec], name
+
+
+def test_learner_defaults_are_the_config_defaults(shapes4):
+    "A `Learner` with no settings holds exactly the sections' defaults; `build_learner(Config())` holds the same."
+    from dml_nb.training.config import Config, EvalConfig, TrainConfig
+    from dml_nb.training.learner import Learner, build_sampler
+    from dml_nb.methods.base import BaselineMethod
+    from dml_nb.blocks.models import build_backbone
+    from dml_nb.reproduction.experiment import build_learner
+    train = shapes4[0]
+    method = BaselineMethod(build_backbone("small_cnn", width=8, feature_dim=32), train.num_classes, embedding_dim=8)
+    plain = Learner(method, train, build_sampler(TrainConfig(), train.labels), progress=False)
+    assert plain.train_config == TrainConfig() and plain.evaluator.config == EvalConfig() and plain.seed == Config().seed
+    built = build_learner(Config(), progress=False)
+    assert built.train_config == plain.train_config and built.evaluator.config == plain.evaluator.config
+    for attr in ("seed", "epochs", "lr", "amp", "channels_last", "device", "eval_batch_size"):
+        assert getattr(built, attr) == getattr(plain, attr), attr
+    assert [type(c).__name__ for c in built.callbacks] == [type(c).__name__ for c in plain.callbacks]
+    assert (built.sampler.batch_size, built.sampler.samples_per_class, built.sampler.draw) == \
+        (TrainConfig().batch_size, TrainConfig().samples_per_class, TrainConfig().sampler)
+
+
+def test_evaluation_defaults_are_written_once():
+    "`metrics.evaluate`, `check_eval_readings` and NMI take their defaults from `EvalConfig`; the readings' names too."
+    import inspect
+    from dml_nb.training.config import EvalConfig, choices
+    from dml_nb.evaluation import clustering, metrics
+    from dml_nb.evaluation.evaluator import Evaluator
+    cfg = EvalConfig()
+    for fn in (metrics.evaluate, metrics.check_eval_readings):
+        params = inspect.signature(fn).parameters
+        for key in Evaluator.READINGS:
+            if key in params: assert params[key].default == getattr(cfg, key), (fn.__name__, key)
+    assert inspect.signature(clustering.nmi).parameters["average"].default == cfg.nmi_average
+    assert inspect.signature(clustering.check_nmi_reading).parameters["kmeans"].default == cfg.nmi_kmeans
+    assert tuple(clustering.NMI_KMEANS) == choices(EvalConfig, "nmi_kmeans")
+    import torch
+    x, y = torch.randn(30, 4, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 3
+    assert set(metrics.evaluate(x, y)) == set(cfg.metrics)          # the standalone default is the section's metrics
+    assert Evaluator().scores(x, y) == metrics.evaluate(x, y)
+
+
+def test_learner_settings_are_the_sections_fields(shapes4):
+    "Single settings by name go to their section; unknown, ambiguous, sampler-only and old spellings are refused."
+    from dml_nb.training.config import ConfigError, TrainConfig
+    from dml_nb.training.learner import Learner, build_sampler, learner_sections
+    t, e = learner_sections({"epochs": 3}, None, lr=2e-3, metrics=("recall@1",), nmi_seeds=2)
+    assert (t.epochs, t.lr, e.metrics, e.nmi_seeds) == (3, 2e-3, ["recall@1"], 2)
+    fn = lambda epoch: 0.5
+    t, _ = learner_sections(schedule=fn, optimizer=lambda groups: None)
+    assert t.schedule is fn and callable(t.optimizer)           # code: the one value beyond the config's types
+    for kw, msg in [({"eval_every": 2}, "Did you mean eval.every"), ({"eval_batch_size": 64}, "Did you mean eval.batch_size"),
+                    ({"batch_size": 64}, "ambiguous"), ({"samples_per_class": 2}, "read by the sampler"),
+                    ({"weight_deacy": 0.1}, "Did you mean train.weight_decay")]:
+        with pytest.raises(TypeError, match=msg): learner_sections(**kw)
+    for kw, msg in [({"amp": None}, "train.amp: None"), ({"channels_last": True}, "train.channels_last: True"),
+                    ({"schedule": ("multistep", [1], 0.1)}, "train.schedule"), ({"epochs": 0}, "train.epochs: 0")]:
+        with pytest.raises(ConfigError, match=msg): learner_sections(**kw)

@@ -11,6 +11,7 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from ..core.registry import unknown_name_error
+from ..training.config import EvalConfig, choices
 from .neighbours import as_embeddings, as_labels, block_rows, single_thread
 from .faiss_backend import faiss_gpu_device, import_faiss
 
@@ -167,10 +168,10 @@ def kmeans_assign(x, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234,
     "Each row's cluster id (NumPy) by faiss `kmeans` on the CPU of the L2-normalised rows: D&C's and Sharing's clustering."
     return kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend="faiss_cpu", normalize=normalize)[0].cpu().numpy()
 
-NMI_AVERAGES = ("arithmetic", "geometric")
+NMI_AVERAGES = choices(EvalConfig, "nmi_average")   # ("arithmetic", "geometric")
 
 def nmi(emb, labels, n_clusters: int | None = None, seed: int = 0, niter: int = 20, nredo: int | None = None,
-        backend: str = "torch", average: str = "arithmetic") -> float:
+        backend: str = "torch", average: str = EvalConfig.nmi_average) -> float:
     """NMI between k-means clusters of `emb` (k = number of classes by default) and `labels`, normalised by the
     `average` of the two entropies (`NMI_AVERAGES`)."""
     check_nmi_reading(average=average)
@@ -190,7 +191,7 @@ NMI_KMEANS = {
     "faiss_100": {"backend": "faiss", "niter": 100, "nredo": 1, "seed": 1234}, # D&C lib/faissext.py train_kmeans's defaults
 }
 
-def check_nmi_reading(kmeans: str = "dml_nb", average: str = "arithmetic") -> None:
+def check_nmi_reading(kmeans: str = EvalConfig.nmi_kmeans, average: str = EvalConfig.nmi_average) -> None:
     "An NMI k-means reading not in `NMI_KMEANS` or an average not in `NMI_AVERAGES` is an error naming the valid ones."
     if kmeans not in NMI_KMEANS: raise unknown_name_error("NMI k-means reading", kmeans, tuple(NMI_KMEANS))
     if average not in NMI_AVERAGES: raise unknown_name_error("NMI average", average, NMI_AVERAGES)

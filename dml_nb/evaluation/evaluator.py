@@ -4,7 +4,7 @@
 
 # %% ../../nbs/43_evaluator.ipynb #f113b127
 from __future__ import annotations
-import re
+import dataclasses, re
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -13,10 +13,11 @@ from ..data.batches import SeededViews, to_device
 from ..data.cache import RawItems, pad_collate
 from ..core.base import stream_seed
 from ..training.distributed import gather_rows
+from ..training.config import EvalConfig, make_section
 from .metrics import evaluate
 
 # %% auto #0
-__all__ = ['check_metrics', 'EvaluationMixin']
+__all__ = ['check_metrics', 'Evaluator', 'EvaluationMixin']
 
 # %% ../../nbs/43_evaluator.ipynb #d66ab1eb
 def check_metrics(metrics: Sequence[str]) -> None:
@@ -26,9 +27,33 @@ def check_metrics(metrics: Sequence[str]) -> None:
     try: evaluate(torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.arange(n) % 2, metrics)
     except Exception as e: raise ValueError(f"Learner(metrics={tuple(metrics)!r}): {e}") from e
 
+# %% ../../nbs/43_evaluator.ipynb #e7a1c0d2
+class Evaluator:
+    "The eval section (`EvalConfig`) that evaluation reads: metrics, their readings, batch size, frequency, report."
+    READINGS = ("nmi_seeds", "nmi_kmeans", "nmi_average", "nmi_on", "self_match")   # the options `evaluate` takes
+
+    def __init__(self, config: EvalConfig | Mapping | None = None, **fields):
+        self.config = make_section("eval", config, **fields)
+
+    metrics = property(lambda self: tuple(self.config.metrics), doc="`eval.metrics`: the metrics of every set.")
+    batch_size = property(lambda self: self.config.batch_size, doc="`eval.batch_size`: items per feature pass.")
+    every = property(lambda self: self.config.every, doc="`eval.every`: evaluate after every this many epochs.")
+    report = property(lambda self: self.config.report, doc="`eval.report`: which epoch's metrics a run reports.")
+
+    @property
+    def readings(self) -> dict:
+        "How the metrics are read: the keyword options of `metrics.evaluate` that the section sets."
+        return {k: getattr(self.config, k) for k in self.READINGS}
+
+    def scores(self, emb, labels, seed: int = 0, metrics: Sequence[str] | None = None, **pair) -> dict[str, float]:
+        "`metrics.evaluate` of one embedding under this section (`metrics`: its own by default; `pair`: a gallery)."
+        return evaluate(emb, labels, self.metrics if metrics is None else metrics, seed=seed, **pair, **self.readings)
+
+    def __repr__(self): return f"Evaluator({self.config})"
+
 # %% ../../nbs/43_evaluator.ipynb #122f590f
 class EvaluationMixin:
-    "Feature passes and metrics of a `Learner` (reads its method, device, seed, eval sets and history)."
+    "Feature passes and metrics of a `Learner` (reads its method, device, seed, eval sets, history and `evaluator`)."
     @torch.no_grad()
     def embed(self, dataset, fn: Callable | None = None, indices: Sequence[int] | None = None,
               seeds: Sequence[int] | None = None, batch_size: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -48,13 +73,13 @@ class EvaluationMixin:
 
     def _embed_items(self, dataset, items: list, fn=None, batch_size=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
-        bs, fn = batch_size or self.eval_batch_size, fn or self.method.embed
+        bs, fn = batch_size or self.evaluator.batch_size, fn or self.method.embed
         batches = [items[a:a + bs] for a in range(0, len(items), bs)]
         data, collate = (SeededViews(dataset), None) if transform is None else (RawItems(dataset), pad_collate)
         if hasattr(dataset, "loader_items"): data, collate = dataset.loader_items(1, self.device)   # the JPEG path
         loader = torch.utils.data.DataLoader(
             data, collate_fn=collate,
-            num_workers=self.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
+            num_workers=self.train_config.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
         was_training = self.method.training
         self.method.eval()
         outs, labels = {}, []
@@ -72,17 +97,17 @@ class EvaluationMixin:
 
     def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
         "Metrics of every set (a dataset, or a (query, gallery) pair) and every embedding of `method.embed`."
-        sets, metrics = (self.eval_sets if sets is None else sets), (self.metrics if metrics is None else metrics)
+        sets = self.eval_sets if sets is None else sets
         out, embedded = {}, {}
         for name, ds in sets.items():     # each set's metrics right after its feature pass (the RNG order of every run)
             embedded.update(self._embed_sets({name: ds}))
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
-                res = {k: evaluate(q[k], ql, metrics, gallery_emb=g[k], gallery_labels=gl, seed=self.seed,
-                                   **self.eval_options) for k in q}
+                res = {k: self.evaluator.scores(q[k], ql, self.seed, metrics, gallery_emb=g[k], gallery_labels=gl)
+                       for k in q}
             else:
                 emb, y = embedded[name]
-                res = {k: evaluate(v, y, metrics, seed=self.seed, **self.eval_options) for k, v in emb.items()}
+                res = {k: self.evaluator.scores(v, y, self.seed, metrics) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
         if sets is self.eval_sets: self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
@@ -124,8 +149,8 @@ class EvaluationMixin:
         each = {k: max((float(r[k]) for r in self.history if k in r and r[k] == r[k]), default=v)
                 for k, v in last.items()}
         reported = {"last": "last epoch", "best": f"best epoch by {key}", "best_each": "each metric's best epoch"}
-        out = {"reported": reported[self.report],
-               "metrics": {"last": last, "best": best, "best_each": each}[self.report],
+        out = {"reported": reported[self.evaluator.report],
+               "metrics": {"last": last, "best": best, "best_each": each}[self.evaluator.report],
                "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
                "best_metrics": best}
         return out

@@ -12,13 +12,14 @@ import torch
 from ..core.registry import RETRIEVAL_METRICS, parse_metric, unknown_name_error
 from .neighbours import as_embeddings, as_labels, query_reference, knn
 from .clustering import check_nmi_reading, nmi, nmi_kmeans_args
+from ..training.config import EvalConfig, choices
 
 # %% auto #0
 __all__ = ['SELF_MATCH', 'NMI_ON', 'recall_at_k', 'map_at_r', 'singular_value_spectrum', 'spectral_decay', 'maw_sdaw',
            'generalization_gap', 'check_eval_readings', 'evaluate']
 
 # %% ../../nbs/42_metrics.ipynb #115e8d83
-def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch", self_match="index") -> torch.Tensor:
+def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch", self_match=EvalConfig.self_match) -> torch.Tensor:
     """(n_query, k) bool: does the j-th nearest reference share the query's label? The one search all retrieval metrics
     read. `self_match='first'` (query set = reference set): k + 1 neighbours with the first dropped, as DiVA's and MIC's
     code do; with ties by index that is the query itself or an earlier exact duplicate of it."""
@@ -125,22 +126,23 @@ def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
     return get(test_metrics, "test_metrics") - get(train_metrics, "train_metrics")
 
 # %% ../../nbs/42_metrics.ipynb #27b18a62
-SELF_MATCH = ("index", "first")            # dml_nb (and D&C's code): the query's own row by index; DiVA's, MIC's: the first neighbour
-NMI_ON = ("query", "query_gallery")        # NMI of a query/gallery pair: the queries, or both sets (D&C's In-Shop code)
+SELF_MATCH = choices(EvalConfig, "self_match")   # ("index", "first"): dml_nb (and D&C's code): the query's own row by index; DiVA's, MIC's: the first neighbour
+NMI_ON = choices(EvalConfig, "nmi_on")           # ("query", "query_gallery"): NMI of a query/gallery pair: the queries, or both sets (D&C's In-Shop code)
 
-def check_eval_readings(nmi_kmeans: str = "dml_nb", nmi_average: str = "arithmetic", nmi_on: str = "query",
-                        self_match: str = "index") -> None:
+def check_eval_readings(nmi_kmeans: str = EvalConfig.nmi_kmeans, nmi_average: str = EvalConfig.nmi_average,
+                        nmi_on: str = EvalConfig.nmi_on, self_match: str = EvalConfig.self_match) -> None:
     "An evaluation reading that is not one of its named values is an error naming the valid ones."
     check_nmi_reading(nmi_kmeans, nmi_average)
     if nmi_on not in NMI_ON: raise unknown_name_error("NMI point set (nmi_on)", nmi_on, NMI_ON)
     if self_match not in SELF_MATCH: raise unknown_name_error("self-match rule", self_match, SELF_MATCH)
 
-def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"),
-             gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
-             knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20,
-             nmi_nredo: int | None = None, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
-             nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index") -> dict[str, float]:
-    """Compute the named `metrics` (see `METRICS`) with one shared neighbour search; {name: value}. NMI is the mean
+def evaluate(emb, labels, metrics=None, gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
+             knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20, nmi_nredo: int | None = None,
+             nmi_seeds: int = EvalConfig.nmi_seeds, nmi_kmeans: str = EvalConfig.nmi_kmeans,
+             nmi_average: str = EvalConfig.nmi_average, nmi_on: str = EvalConfig.nmi_on,
+             self_match: str = EvalConfig.self_match) -> dict[str, float]:
+    """Compute the named `metrics` (see `METRICS`; None: the eval section's default, `EvalConfig().metrics`) with one
+    shared neighbour search; {name: value}. Every default is the eval section's (`EvalConfig`). NMI is the mean
     over `nmi_seeds` k-means runs (seeds `seed`, `seed + 1`, ...): its k-means start alone moves it by several points.
     The authors' codes' readings (`check_eval_readings`): `nmi_kmeans` names how k-means runs (`NMI_KMEANS`: dml_nb's,
     or a single faiss run), `nmi_average` the normalisation (`NMI_AVERAGES`), `nmi_on` whether a query/gallery pair
@@ -149,6 +151,7 @@ def evaluate(emb, labels, metrics=("recall@1", "recall@2", "recall@4", "recall@8
     if nmi_seeds < 1: raise ValueError(f"nmi_seeds must be at least 1 (the k-means runs NMI is averaged over), got {nmi_seeds}")
     check_eval_readings(nmi_kmeans, nmi_average, nmi_on, self_match)
     runs = [nmi_kmeans_args(nmi_kmeans, i, seed, nmi_niter, nmi_nredo, kmeans_backend) for i in range(nmi_seeds)]
+    if metrics is None: metrics = EvalConfig().metrics
     if isinstance(metrics, str): metrics = (metrics,)
     parsed = {name: parse_metric(name) for name in metrics}
     q, ql, r, rl, self_ = query_reference(emb, labels, gallery_emb, gallery_labels)

@@ -154,11 +154,9 @@ def _built(what: str, build):
 
 def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool = True) -> "Learner":
     "Datasets, sampler, backbone, recipe and `Learner` for `cfg`."
-    import torch
     from dml_nb.core.base import seed_everything
-    from dml_nb.training.learner import Learner
+    from dml_nb.training.learner import Learner, build_sampler
     from dml_nb.blocks.models import build_backbone
-    from dml_nb.data.samplers import ClassBalancedBatchSampler
     cfg = make_config(cfg)
     seed_everything(cfg.seed)
     train, evals = build_datasets(cfg, progress=progress)
@@ -167,25 +165,10 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     method = _built(f"method {cfg.method.name!r}",
                     lambda: METHODS.build(cfg.method.name, backbone=backbone, num_classes=train.num_classes,
                                           train_labels=train.labels, **cfg.method.options))
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
-        if torch.distributed.is_available() and torch.distributed.is_initialized() else (0, 1)
-    t = cfg.train
-    _warn_small_classes(train, t.samples_per_class)
-    sampler = _built("train", lambda: ClassBalancedBatchSampler(
-        train.labels, t.batch_size, t.samples_per_class, batches_per_epoch=t.batches_per_epoch, seed=cfg.seed,
-        rank=rank, world_size=world, draw=t.sampler))
-    schedule = None if t.schedule is None else dict(t.schedule)
-    return Learner(method, train, sampler, epochs=t.epochs, lr=t.lr, weight_decay=t.weight_decay,
-                   optimizer=t.optimizer, schedule=schedule, grad_clip=t.grad_clip, zero_grad=t.zero_grad, eval_sets=evals,
-                   train_eval_ds=evals.get("train"),
-                   eval_every=cfg.eval.every, metrics=cfg.eval.metrics, eval_batch_size=cfg.eval.batch_size, nmi_seeds=cfg.eval.nmi_seeds,
-                   nmi_kmeans=cfg.eval.nmi_kmeans, nmi_average=cfg.eval.nmi_average,
-                   nmi_on=cfg.eval.nmi_on, self_match=cfg.eval.self_match,
-                   run_dir=run_dir, checkpoint_every_steps=t.checkpoint_every_steps, progress=progress,
-                   device=t.device, amp=None if t.amp == "none" else t.amp,
-                   channels_last={"auto": "auto", "on": True, "off": False}[t.channels_last],
-                   num_workers=t.num_workers, seed=cfg.seed, compile=t.compile, report=cfg.eval.report,
-                   stop_on_empty_tuples=t.stop_on_empty_tuples)
+    _warn_small_classes(train, cfg.train.samples_per_class)
+    sampler = _built("train", lambda: build_sampler(cfg.train, train.labels, cfg.seed))
+    return Learner.from_config(cfg, method, train, sampler, eval_sets=evals, train_eval_ds=evals.get("train"),
+                               run_dir=run_dir, progress=progress)
 
 # %% ../../nbs/60_experiment.ipynb #1ded757c
 @dataclass

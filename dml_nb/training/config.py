@@ -7,14 +7,14 @@ from __future__ import annotations
 import copy, dataclasses, difflib, typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from ..core.params import ConfigError, MAX_YAML_NODES, parse_yaml   # the reader of every parameter file
 from ..core.registry import BACKBONES, LOSSES, METHODS, MINERS, PRESETS, parse_metric, unknown_name_error
 from ..data.formats import DATASETS, SPLITS
 
 # %% auto #0
-__all__ = ['HASH_RULES', 'RANGES', 'hashed', 'added_later', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig',
+__all__ = ['HASH_RULES', 'RANGES', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig',
            'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict', 'deep_merge', 'merge_layers',
            'read_yaml', 'apply_override', 'load_config']
 
@@ -26,9 +26,12 @@ def hashed(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
     return field(default=default, default_factory=factory, metadata={"hash": "always"})
 
 def added_later(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
-    """A field added after runs were cached: left out of `config_to_dict` (and the hash) at its default, so that every
-    earlier config keeps its run folder. Every new field is declared this way."""
+    "A field added after runs were cached: out of `config_to_dict` (and the hash) at its default. Every new field is one."
     return field(default=default, default_factory=factory, metadata={"hash": "omit_at_default"})
+
+def choices(section, name: str) -> tuple:
+    "The values a `Literal` field of a section may take (e.g. `choices(EvalConfig, 'nmi_average')`): their one list."
+    return typing.get_args(typing.get_type_hints(section)[name])
 
 @dataclass
 class DataConfig:
@@ -117,7 +120,8 @@ def _type_ok(value, tp) -> bool:
     if tp is float: return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:   # 100 or 100.0 (YAML reads 1e2 as a float)
         return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) and not isinstance(value, bool)
-    if tp in (list, dict, str, bool): return isinstance(value, tp)
+    if tp is list: return isinstance(value, (list, tuple))     # a tuple from Python code is stored as a list
+    if tp in (dict, str, bool): return isinstance(value, tp)
     if origin in (list, dict): return isinstance(value, origin)
     return isinstance(value, tp)
 
@@ -128,10 +132,12 @@ def _describe(tp) -> str:
     if tp is type(None): return "null"
     return getattr(tp, "__name__", str(tp))
 
-def _unknown_key(section: str, key: str, valid: Sequence[str]) -> ConfigError:
+def _hint(key: str, valid: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.5)
-    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-    return ConfigError(f"unknown key {section + '.' if section else ''}{key!r}.{hint} "
+    return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+def _unknown_key(section: str, key: str, valid: Sequence[str]) -> ConfigError:
+    return ConfigError(f"unknown key {section + '.' if section else ''}{key!r}.{_hint(key, valid)} "
                        f"Valid keys{' of ' + section if section else ''}: {', '.join(valid)}")
 
 def _build_section(cls, values: dict, section: str):
@@ -146,7 +152,8 @@ def _build_section(cls, values: dict, section: str):
         if dataclasses.is_dataclass(tp): kwargs[key] = _build_section(tp, value or {}, path); continue
         if not _type_ok(value, tp):
             raise ConfigError(f"bad value for {path}: {value!r} ({type(value).__name__}); expected {_describe(tp)}")
-        kwargs[key] = float(value) if tp is float else int(value) if tp is int and isinstance(value, float) else value
+        kwargs[key] = (float(value) if tp is float else int(value) if tp is int and isinstance(value, float)
+                       else list(value) if tp is list else value)
     return cls(**kwargs)
 
 _FLAT = {"model": ("backbone", "pretrained"), "method": ("name",)}
@@ -172,9 +179,7 @@ def make_config(raw: dict | Config | None = None) -> Config:
 def _check_options(kind: str, name: str, given: dict, valid: Sequence[str]) -> None:
     for k in given:
         if k not in valid:
-            close = difflib.get_close_matches(k, list(valid), n=3, cutoff=0.5)
-            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise ConfigError(f"{kind} {name!r} has no option {k!r}.{hint} Valid options: {', '.join(valid)}")
+            raise ConfigError(f"{kind} {name!r} has no option {k!r}.{_hint(k, valid)} Valid options: {', '.join(valid)}")
 
 def _proxy_only(cfg: Config) -> bool:
     "The recipe's class loss learns from proxies (it trains on any batch shape; Sharing's phi* then uses triplets of 3 classes)."
@@ -257,14 +262,15 @@ def _check_run_sections(cfg: Config) -> None:
         try: parse_metric(m)
         except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
 
-def make_section(name: str, values=None):
-    """One validated section of a `Config` (`"train"`, `"eval"`, ...) from a mapping or a section (None: its defaults),
-    with every check of `make_config` that needs no other section (keys, types, ranges, schedule, metrics)."""
+def make_section(name: str, values=None, **fields):
+    """One validated section of a `Config` (`"train"`, `"eval"`, ...) from a mapping or a section (None: its defaults)
+    and single `fields`, with every check of `make_config` that needs no other section (keys, types, ranges, schedule,
+    metrics)."""
     if dataclasses.is_dataclass(values): values = dataclasses.asdict(values)
-    section = _build_section(typing.get_type_hints(Config)[name], dict(values or {}), name)
+    if isinstance(values, Mapping) or values is None: values = {**(values or {}), **fields}
+    section = _build_section(typing.get_type_hints(Config)[name], values, name)
     cfg = Config(**{name: section})
-    _check_ranges(cfg)
-    _check_run_sections(cfg)
+    _check_ranges(cfg); _check_run_sections(cfg)
     return section
 
 def config_to_dict(cfg) -> dict:

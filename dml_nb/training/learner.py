@@ -4,40 +4,80 @@
 
 # %% ../../nbs/36_learner.ipynb #ff980fe4
 from __future__ import annotations
-import math, time
+import dataclasses, difflib, math, time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ..core.base import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
 from ..core.registry import unknown_name_error
+from .config import Config, EvalConfig, TrainConfig, choices, make_config, make_section
 from .context import Method, MethodContext
 from .callbacks import Callback, CheckpointCallback, CSVLogger, EmptyTuplesStop, EvalCallback, ProgressCallback
 from .schedule import Schedule
 from ..data.cache import RawItems, pad_collate
 from ..data.batches import BatchList, SeededViews, to_device
+from ..data.samplers import ClassBalancedBatchSampler
 from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights,
                                load_checkpoint)
 from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
                                 mean_over_processes)
-from ..evaluation.evaluator import EvaluationMixin, check_metrics
-from ..evaluation.metrics import check_eval_readings
+from ..evaluation.evaluator import EvaluationMixin, Evaluator
 
 # %% auto #0
-__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'NoTuplesError', 'eval_view', 'Learner']
+__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTINGS', 'NoTuplesError', 'learner_sections',
+           'build_sampler', 'eval_view', 'Learner']
 
 # %% ../../nbs/36_learner.ipynb #72f08d02
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
-REPORTS = ("last", "best", "best_each")   # the final epoch; the epoch of the best test R@1; each metric's own best
+REPORTS = choices(EvalConfig, "report")        # the final epoch; the epoch of the best test R@1; each metric's own best
 # before each step: gradients dropped (torch >= 2.0's default: a parameter without a gradient in a step stays put), or
 # set to zero (torch < 2.0's `zero_grad()`, which every authors' code ran: Adam still moves such a parameter by its
 # momentum and weight decay)
-ZERO_GRADS = ("none", "zeros")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+ZERO_GRADS = choices(TrainConfig, "zero_grad")
+OPTIMIZERS = choices(TrainConfig, "optimizer")
+# the train fields the sampler reads (`build_sampler`), not the learner: given to the learner alone they would be lost
+SAMPLER_FIELDS = ("batch_size", "samples_per_class", "batches_per_epoch", "sampler")
+CODE_SETTINGS = ("schedule", "optimizer")      # may also be a function (epoch -> factor; param groups -> optimiser)
+
+def learner_sections(train=None, eval=None, **settings) -> tuple[TrainConfig, EvalConfig]:
+    """The train and eval sections of a `Learner`: `train` and `eval` (a section, a mapping of its fields, or None: the
+    defaults) with single fields by name (`settings`) applied, checked as a config is. A name must belong to one
+    section; `schedule` and `optimizer` may also be functions (code, which no config file can hold)."""
+    names = {sec: [f.name for f in dataclasses.fields(cls)] for sec, cls in (("train", TrainConfig), ("eval", EvalConfig))}
+    if dataclasses.is_dataclass(train): train = dataclasses.asdict(train)
+    code = {k: settings.pop(k) for k in CODE_SETTINGS if callable(settings.get(k))}
+    if isinstance(train, Mapping): code.update({k: train[k] for k in CODE_SETTINGS if callable(train.get(k))})
+    loose = {"train": {}, "eval": {}}
+    for key, value in settings.items():
+        home = [sec for sec, fields in names.items() if key in fields]
+        if not home:
+            close = difflib.get_close_matches(key, [f"{sec}.{f}" for sec, fs in names.items() for f in fs], 3, 0.5)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise TypeError(f"Learner got an unknown setting {key!r}.{hint} A setting is a field of the train section "
+                            f"(TrainConfig: {', '.join(names['train'])}) or of the eval section (EvalConfig: "
+                            f"{', '.join(names['eval'])}), given by name (lr=2e-3) or in its section (eval={{...}})")
+        if len(home) > 1:
+            raise TypeError(f"Learner({key}=...) is ambiguous: train.{key} and eval.{key} both exist; pass "
+                            f"train={{{key!r}: {value!r}}} or eval={{{key!r}: {value!r}}}")
+        if home == ["train"] and key in SAMPLER_FIELDS:
+            raise TypeError(f"Learner({key}=...): train.{key} is read by the sampler, not the learner; build the sampler "
+                            f"with it (build_sampler(train, labels)) or use Learner.from_config")
+        loose[home[0]][key] = value
+    if isinstance(train, Mapping): train = {k: v for k, v in train.items() if k not in code}
+    sections = make_section("train", train, **loose["train"]), make_section("eval", eval, **loose["eval"])
+    return dataclasses.replace(sections[0], **code), sections[1]
+
+def build_sampler(train: TrainConfig, labels, seed: int = Config.seed):
+    """The training batches of a train section: `ClassBalancedBatchSampler` with its batch size, images per class,
+    batches per epoch and draw, on this process's rank (the one place these fields are read)."""
+    rank, world_size = dist_info()
+    return ClassBalancedBatchSampler(labels, train.batch_size, train.samples_per_class, seed=seed, rank=rank,
+                                     world_size=world_size, batches_per_epoch=train.batches_per_epoch, draw=train.sampler)
 
 # %% ../../nbs/36_learner.ipynb #b621f8e6
 def eval_view(ds):
@@ -58,61 +98,42 @@ def eval_view(ds):
 
 # %% ../../nbs/36_learner.ipynb #77b0b2a7
 class Learner(EvaluationMixin, CheckpointMixin):
-    "Train `method` on `train_ds` with the batches of `sampler`; evaluate, log, checkpoint, resume."
-    def __init__(self, method: Method, train_ds, sampler, epochs: int = 1, lr: float = 1e-5,
-                 weight_decay: float = 4e-4, optimizer: str | Callable = "adam",
-                 group_options: Mapping[str, Mapping] | None = None, schedule=None, grad_clip: float | None = None,
-                 eval_sets: Mapping[str, Any] | None = None, eval_every: int = 1, train_eval_ds=None,
-                 metrics: Sequence[str] = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi"),
-                 eval_batch_size: int = 256, run_dir: str | Path | None = None, resume: bool = True,
-                 checkpoint_every_steps: int | None = None, callbacks: Sequence[Callback] = (),
-                 progress: bool = True, device="auto", amp: str | None = "auto", channels_last="auto",
-                 num_workers: int = 0, seed: int = 0, compile: bool | Mapping = False, report: str = "last",
-                 stop_on_empty_tuples: bool = True, nmi_seeds: int = 1, nmi_kmeans: str = "dml_nb",
-                 nmi_average: str = "arithmetic", nmi_on: str = "query", self_match: str = "index",
-                 zero_grad: str = "none"):
+    """Train `method` on `train_ds` with the batches of `sampler`; evaluate, log, checkpoint, resume. Every training
+    and evaluation setting is a field of the config's sections: `train` (`TrainConfig`) and `eval` (`EvalConfig`),
+    each a section, a mapping of its fields or None (its defaults), and single fields by name in `settings`
+    (`epochs=3, lr=2e-3, metrics=["recall@1"]`). The run itself: `eval_sets`, `train_eval_ds`, `run_dir`, `resume`,
+    `callbacks`, `progress`, `seed`."""
+    def __init__(self, method: Method, train_ds, sampler, train: TrainConfig | Mapping | None = None,
+                 eval: EvalConfig | Mapping | None = None, *, eval_sets: Mapping[str, Any] | None = None,
+                 train_eval_ds=None, run_dir: str | Path | None = None, resume: bool = True,
+                 callbacks: Sequence[Callback] = (), progress: bool = True, seed: int = Config.seed, **settings):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.training.learner.Method (a recipe), got {type(method).__name__}")
-        if epochs < 0: raise ValueError(f"epochs must be >= 0, got {epochs}")
         if not hasattr(sampler, "batches"):
             raise TypeError("sampler must have batches(epoch) (a dml_nb.data.samplers sampler), got "
                             f"{type(sampler).__name__}")
-        self.method, self.train_ds, self.sampler, self.epochs = method, train_ds, sampler, int(epochs)
-        self.lr, self.weight_decay, self.grad_clip, self.seed = float(lr), float(weight_decay), grad_clip, int(seed)
-        self.group_options = dict(group_options or {})
-        self.schedule = schedule if callable(schedule) else Schedule.build(schedule, epochs)
+        self.train_config, eval_config = learner_sections(train, eval, **settings)
+        self.evaluator = Evaluator(eval_config)      # what evaluation reads: metrics, readings, batch size, report
+        t = self.train_config
+        self.method, self.train_ds, self.sampler, self.seed = method, train_ds, sampler, int(seed)
+        self.schedule = t.schedule if callable(t.schedule) else Schedule.build(t.schedule, t.epochs)
         self.eval_sets = dict(eval_sets or {})
         if train_eval_ds is not None and len(train_eval_ds) != len(train_ds):
             raise ValueError(f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
                              "the training set (same order) with test transforms")
         self._train_eval_ds = train_eval_ds
-        self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-        check_metrics(self.metrics)
-        if not isinstance(nmi_seeds, int) or nmi_seeds < 1:
-            raise ValueError(f"Learner(nmi_seeds={nmi_seeds!r}): the number of k-means starts NMI is averaged over must be a positive integer")
-        check_eval_readings(nmi_kmeans, nmi_average, nmi_on, self_match)
-        self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
-        self.eval_options = {"nmi_seeds": nmi_seeds, "nmi_kmeans": nmi_kmeans, "nmi_average": nmi_average,
-                             "nmi_on": nmi_on, "self_match": self_match}
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.resume = resume
-        self.device = get_device(device)
-        self.amp = self._resolve_amp(amp)
-        self.channels_last = self.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
-        if not isinstance(compile, (bool, Mapping)):
-            raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {compile!r}")
-        self.compile = compile
-        if report not in REPORTS: raise unknown_name_error("report (which epoch's metrics a run reports)", report, REPORTS)
-        if zero_grad not in ZERO_GRADS: raise unknown_name_error("zero_grad (how gradients are cleared)", zero_grad, ZERO_GRADS)
-        self.zero_grad = zero_grad
-        self.report, self.stop_on_empty_tuples = report, bool(stop_on_empty_tuples)
+        self.device = get_device(t.device)
+        bf16_ok = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.amp = "bf16" if t.amp == "bf16" or t.amp == "auto" and bf16_ok else None     # None: full precision
+        self.channels_last = self.device.type == "cuda" if t.channels_last == "auto" else t.channels_last == "on"
         self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
         self.rank, self.world_size = dist_info()
-        self._optimizer_spec = optimizer
-        self.callbacks = sorted([EvalCallback(eval_every), CSVLogger(),
+        self.callbacks = sorted([EvalCallback(self.evaluator.every), CSVLogger(),
                                  *([ProgressCallback()] if progress else []),
-                                 *([EmptyTuplesStop()] if self.stop_on_empty_tuples else []),
-                                 CheckpointCallback(checkpoint_every_steps), *callbacks],
+                                 *([EmptyTuplesStop()] if t.stop_on_empty_tuples else []),
+                                 CheckpointCallback(t.checkpoint_every_steps), *callbacks],
                                 key=lambda c: c.order)
         self.epoch = self.step = self.global_step = 0
         self.history: list[dict] = []
@@ -126,32 +147,37 @@ class Learner(EvaluationMixin, CheckpointMixin):
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}   # per key: a recipe may log a key on some steps only
 
+    @classmethod
+    def from_config(cls, cfg: Config | Mapping, method: Method, train_ds, sampler=None, *, eval_sets=None,
+                    train_eval_ds=None, run_dir: str | Path | None = None, callbacks: Sequence[Callback] = (),
+                    progress: bool = True) -> "Learner":
+        "The learner of a run config: its train and eval sections and seed; the sampler (None) from `build_sampler`."
+        cfg = cfg if isinstance(cfg, Config) else make_config(cfg)
+        if sampler is None: sampler = build_sampler(cfg.train, train_ds.labels, cfg.seed)
+        return cls(method, train_ds, sampler, cfg.train, cfg.eval, eval_sets=eval_sets, train_eval_ds=train_eval_ds,
+                   run_dir=run_dir, callbacks=callbacks, progress=progress, seed=cfg.seed)
+
     # ------------------------------------------------------------------ set-up
+    epochs = property(lambda self: self.train_config.epochs, doc="`train.epochs`: the epochs of the whole run.")
+    lr = property(lambda self: self.train_config.lr, doc="`train.lr`: the base learning rate.")
+    eval_batch_size = property(lambda self: self.evaluator.batch_size, doc="`eval.batch_size`: feature passes.")
     @property
     def is_main(self) -> bool: return self.rank == 0
     @property
     def checkpoint_path(self) -> Path | None: return None if self.run_dir is None else self.run_dir / "checkpoint.pt"
 
-    def _resolve_amp(self, amp):
-        if amp in (None, False, "none", "fp32"): return None
-        if amp == "auto":
-            return "bf16" if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-        if amp == "bf16": return "bf16"
-        if amp == "fp16":
-            raise ValueError("amp='fp16' needs a gradient scaler, which this learner does not use; use amp='bf16'")
-        raise unknown_name_error("amp mode", amp, ("auto", "bf16", "none"))
-
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        groups = self.method.param_groups(self.lr, self.weight_decay)
+        t = self.train_config
+        groups = self.method.param_groups(t.lr, t.weight_decay)
         names = [g["name"] for g in groups]
-        for key, opts in self.group_options.items():
+        for key, opts in t.group_options.items():
             hit = [g for g in groups if g["name"] == key or g["name"].startswith(key + ".")]
             if not hit: raise unknown_name_error("parameter group", key, names)
             bad = set(opts) - {"lr", "weight_decay"}
             if bad: raise ValueError(f"group_options[{key!r}] may set 'lr' and 'weight_decay', not {sorted(bad)}")
             for g in hit: g.update({k: float(v) for k, v in opts.items()})
         for g in groups: g["base_lr"] = g["lr"]
-        spec = self._optimizer_spec
+        spec = t.optimizer
         if callable(spec): return spec(groups)
         if spec == "adam": return torch.optim.Adam(groups)
         if spec == "adamw": return torch.optim.AdamW(groups)
@@ -162,7 +188,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
         if self.optimizer is not None: return
         self.method.to(self.device)
         if self.channels_last: self.method.to(memory_format=torch.channels_last)
-        if self.compile: self._compile_backbones()
+        if self.train_config.compile: self._compile_backbones()
         self.optimizer = self._build_optimizer()
         self._batches = BatchList()
         # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
@@ -173,7 +199,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
             items, collate = self.train_ds.loader_items(self.method.views, self.device)
         self._loader = torch.utils.data.DataLoader(
             items, batch_sampler=self._batches, collate_fn=collate,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            num_workers=self.train_config.num_workers, persistent_workers=self.train_config.num_workers > 0,
             pin_memory=self.device.type == "cuda")
         if self.run_dir is not None and self.is_main: remove_temp_files(self.run_dir)   # writes a killed process left
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
@@ -191,7 +217,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
     def _compile_backbones(self):
         "`torch.compile` every backbone of the recipe in place (state-dict keys unchanged: checkpoints still load)."
         from dml_nb.blocks.models import Backbone
-        opts = {} if self.compile is True else dict(self.compile)
+        opts = {} if self.train_config.compile is True else dict(self.train_config.compile)
         found = [m for m in self.method.modules() if isinstance(m, Backbone)]
         if not found: raise ValueError(f"compile=True but {type(self.method).__name__} has no dml_nb.blocks.models.Backbone to compile")
         for m in found: m.compile(**opts)
@@ -316,10 +342,11 @@ class Learner(EvaluationMixin, CheckpointMixin):
         loss = out["loss"]
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
-        self.optimizer.zero_grad(set_to_none=self.zero_grad == "none")
+        self.optimizer.zero_grad(set_to_none=self.train_config.zero_grad == "none")
         loss.backward()              # under DDP the gradients are averaged over the processes during the backward
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.grad_clip: gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        clip = self.train_config.grad_clip
+        if clip: gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
         else: gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
         stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
         if self.world_size > 1: stats = mean_over_processes(stats)   # the mean loss: every rank stops together
