@@ -125,3 +125,13 @@ def test_learner_settings_are_the_sections_fields(shapes4):
     for kw, msg in [({"amp": None}, "train.amp: None"), ({"channels_last": True}, "train.channels_last: True"),
                     ({"schedule": ("multistep", [1], 0.1)}, "train.schedule"), ({"epochs": 0}, "train.epochs: 0")]:
         with pytest.raises(ConfigError, match=msg): learner_sections(**kw)
+
+
+def test_learner_takes_at_most_12_named_parameters():
+    "The Learner's constructor: sections, the run's own keywords, and single fields by name (no per-field parameters)."
+    import inspect
+    from dml_nb.training.learner import Learner
+    params = [p for n, p in inspect.signature(Learner.__init__).parameters.items() if n != "self"]
+    named = [p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert len(named) <= 12, named
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and {"train", "eval"} <= set(named)
