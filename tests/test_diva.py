@@ -441,7 +441,8 @@ class _FillContext:
     def __init__(self, labels, batch_size, samples_per_class, dim):
         self.batch_size, self.world_size, self.dim = batch_size, 1, dim
         self.train_dataset = type("Set", (), {"labels": np.asarray(labels), "__len__": lambda s: len(labels)})()
-        self.sampler = ClassBalancedBatchSampler(labels, batch_size, samples_per_class, draw="class_random")
+        self.sampler = self.run_sampler = ClassBalancedBatchSampler(labels, batch_size, samples_per_class, draw="class_random")
+        self.samples_per_class = samples_per_class     # the context's batch shape
     def rng(self, name, *keys): return torch.Generator().manual_seed(hash((name, keys)) % 2**31)
     def seed(self, name, *keys): return hash((name, keys)) % 2**31
     def embed(self, dataset, fn, indices, seeds, batch_size):
