@@ -122,8 +122,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
             raise ValueError(f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
                              "the training set (same order) with test transforms")
         self._train_eval_ds = train_eval_ds
-        self.run_dir = None if run_dir is None else Path(run_dir)
-        self.resume = resume
+        self.run_dir, self.resume = (None if run_dir is None else Path(run_dir)), resume
         self.device = get_device(t.device)
         bf16_ok = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.amp = "bf16" if t.amp == "bf16" or t.amp == "auto" and bf16_ok else None     # None: full precision
@@ -136,16 +135,14 @@ class Learner(EvaluationMixin, CheckpointMixin):
                                  CheckpointCallback(t.checkpoint_every_steps), *callbacks],
                                 key=lambda c: c.order)
         self.epoch = self.step = self.global_step = 0
-        self.history: list[dict] = []
+        self.history, self.row = [], {}   # the epochs' rows; the current epoch's row
         self.latest_metrics: dict[str, float] = {}
         self._eval_pass: tuple = (None, None)   # (weights stamp, embedded sets) of the last evaluate()
-        self.row: dict = {}
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._parallel = None   # the training step under DistributedDataParallel when world_size > 1
         self._interrupted = False
         self.context = MethodContext(self)   # all that the method's hooks see of the run
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}   # per key: a recipe may log a key on some steps only
+        self._sums, self._counts = {}, {}   # per key: a recipe may log a key on some steps only
 
     @classmethod
     def from_config(cls, cfg: Config | Mapping, method: Method, train_ds, sampler=None, *, eval_sets=None,
@@ -316,8 +313,7 @@ class Learner(EvaluationMixin, CheckpointMixin):
     def _add_records(self):
         "Merge the method's `records(ctx)` into the epoch's row; a key the row already has is an error."
         records = self.method.records(self.context)
-        clash = sorted(set(records) & set(self.row))
-        if clash:
+        if clash := sorted(set(records) & set(self.row)):
             raise ValueError(f"{type(self.method).__name__}.records returned {clash}, which the epoch's row already has "
                              "(the learner's columns or the step logs): give the records their own names")
         self.row.update(records)
