@@ -31,7 +31,7 @@ class EvalCallback(Callback):
     "Evaluate `learner.eval_sets` every `every` epochs and after the last epoch."
     order = 10
     def __init__(self, every: int = 1):
-        if every < 1: raise ValueError(f"eval_every must be >= 1, got {every}")
+        if every < 1: raise ValueError(f"eval.every must be >= 1 (evaluate every that many epochs), got {every}")
         self.every = every
     def after_epoch(self, learner):
         done = learner.epoch + 1
