@@ -253,8 +253,9 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
     """{task: {'loss', 'grad', 'alive', 'why', + the task's other logs}} of one epoch of a run's `history` (a list of
     rows, as `Learner.fit` returns; default: the last epoch). A task is alive when the epoch's mean loss and mean
     gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`, and its gradient is at least `rel` times the
-    largest task's of that epoch (`relative_grad`: a task whose gradient is 1e-5 of its neighbours' trains nothing). A recipe with one loss and no task columns is
-    judged on `loss` and `grad_norm`; D&C's learners appear as `learner<k>`, alive when they got tuples."""
+    largest task's of that epoch (`relative_grad`: a task whose gradient is 1e-5 of its neighbours' trains nothing).
+    A recipe with one loss and no task columns is judged on `loss` and `grad_norm`; D&C's learners appear as
+    `learner<k>`, alive when they got tuples."""
     rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
     if not rows: raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
     row = rows[-1] if epoch is None else next((r for r in rows if int(r.get("epoch", -1)) == int(epoch)), None)
