@@ -269,7 +269,7 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
         why = [w for w, v in (("loss", loss), ("gradient", grad)) if v is not None and abs(v) <= eps]
         missing = [w for w, v in (("loss", loss), ("gradient", grad)) if v is None]
         extra = {k.rsplit("/", 1)[0]: num(v) for k, v in row.items() if k.endswith(f"/{t}") and not k.startswith(("loss/", "grad/"))
-                 and "/" in k and k.count("/") == 1}
+                 and k.count("/") == 1}
         out[t] = {"loss": loss, "grad": grad, "alive": not why and not missing,
                   "why": (f"zero {' and '.join(why)}" if why else f"no {' or '.join(missing)} logged" if missing else ""), **extra}
     top = max([h["grad"] for h in out.values() if h["grad"] is not None] or [0.0])
