@@ -2,6 +2,7 @@
 used, the paper's difference and zero; the claims file says the smallest difference the seeds resolve; absolute bars
 show the SE and leave zero out where it would hide the spread."""
 import math
+from pathlib import Path
 
 import matplotlib
 matplotlib.use("Agg")
@@ -91,3 +92,23 @@ def test_absolute_bars_show_the_se_and_leave_out_zero_when_it_hides_the_spread()
     np.testing.assert_allclose([s[1][1] - s[0][1] for s in seg], 2 * t["R@1 std"].values / math.sqrt(5))
     wide = plot_bars(pd.Series([20.0, 60.0], index=["a", "b"]), pd.Series([1.0, 1.0], index=["a", "b"]))
     assert wide.axes[0].get_ylim()[0] == 0                             # a spread the bars show: from zero
+
+
+def test_the_claims_file_says_which_tasks_idled(tmp_path, monkeypatch):
+    "`Reproduction.tasks` reads each finished run's last epoch: an idle task is named with its seeds, why and its own logs."
+    import types
+    import dml_nb.reproduction.notebook as N
+    hist = {"r0": {"epoch": 8, "loss/discriminative": 0.5, "grad/discriminative": 0.25, "loss/dance": 0.0, "grad/dance": 0.0,
+                   "nonzero_weights/dance": 1.0},
+            "r1": {"epoch": 8, "loss/discriminative": 0.4, "grad/discriminative": 0.2, "loss/dance": 2e-4, "grad/dance": 1e-5,
+                   "nonzero_weights/dance": 0.9},
+            "b0": {"epoch": 8, "loss": 0.3, "grad_norm": 0.1}}
+    monkeypatch.setattr(N, "load_result", lambda d: types.SimpleNamespace(history_frame=lambda: pd.DataFrame([hist[Path(d).name]])))
+    nb = N.Reproduction("repro_demo", "shapes", "cub200", {}, [0, 1], tmp_path, tmp_path, False)
+    nb.per_seed = pd.DataFrame({"row": ["DiVA", "DiVA", "Margin", "Margin"], "seed": [0, 1, 0, 1], "status": ["ok", "ok", "ok", "x"],
+                                "run": ["r0", "r1", "b0", None]})
+    text = nb.tasks()
+    assert "DiVA dance idle in 2 of 2 seeds (zero loss and gradient; gradient 5.0e-05 of the largest task's; mean nonzero_weights 0.95)" in text
+    assert "discriminative" not in text and "Margin" not in text
+    hist["r0"].update({"loss/dance": 0.1, "grad/dance": 0.1}); hist["r1"].update({"loss/dance": 0.1, "grad/dance": 0.1})
+    assert nb.tasks() == "Every task of each of the 3 runs had a non-zero loss and gradient in its last epoch."

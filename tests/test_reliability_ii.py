@@ -391,4 +391,4 @@ def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
     monkeypatch.setattr(N, "run_rows", lambda *a, **k: (pd.DataFrame({"row": [], "status": []}), {}))
     nb.run({"A": {"train": {"epochs": 100}, "method": {"name": "baseline"}},
             "B": {"train": {"epochs": 350}, "method": {"name": "baseline"}}})
-    assert nb.note().startswith("Ours: finegrained, small_cnn, 100-350 epochs, seeds [0, 1, 2]")   # was "4 epochs"
+    assert nb.note().startswith("Ours: finegrained_novel, small_cnn, 100-350 epochs, seeds [0, 1, 2, 3, 4]")   # was "4 epochs"

@@ -17,7 +17,7 @@ from .viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
 __all__ = ['Z', 'RULE', 'Verdict', 'Stat', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt',
-           'resolvable', 'Claims']
+           'resolvable', 'paired_difference', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0   # how many standard errors a difference must clear
@@ -120,13 +120,46 @@ def resolvable(table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | N
     spread = math.sqrt(np.mean([s.std ** 2 for s in st]))
     return Z * spread * math.sqrt(2 / float(np.median([s.n for s in st])))
 
+# %% ../../nbs/63_claims.ipynb #46917a4b
+def _metric_key(metric: str) -> str:
+    "The per-seed column of a table's metric ('R@1' -> 'recall@1', 'NMI' -> 'nmi'), as `repro.summarize` names them."
+    return {"NMI": "nmi", "MAP@R": "map@r"}.get(metric, metric.replace("R@", "recall@") if metric.startswith("R@") else metric)
+
+def paired_difference(per_seed: pd.DataFrame, table: pd.DataFrame, a: str, b: str,
+                      metric: str = "R@1") -> tuple[float, float, int, float] | None:
+    """(mean of the per-seed differences `a` - `b` of `metric`, its SE, the number of seeds both ran, the differences'
+    std) from `per_seed` (lines of row, seed, status and metrics, as `run_rows` returns), in the units of `table`.
+    None where it cannot be paired: a row missing or run twice with one seed, fewer than two shared seeds, or a
+    `table` not computed from these values (its unpaired difference differs)."""
+    key = _metric_key(metric)
+    if per_seed is None or key not in per_seed or "seed" not in per_seed: return None
+    vals = []
+    for r in (a, b):
+        g = per_seed[(per_seed["row"] == r) & (per_seed["status"] == "ok")]
+        if g.empty or g["seed"].duplicated().any(): return None
+        vals.append(g.set_index("seed")[key].astype(float))
+    shared = vals[0].index.intersection(vals[1].index)
+    if len(shared) < 2 or len(shared) != min(len(vals[0]), len(vals[1])) or len(vals[0]) != len(vals[1]): return None
+    d_raw = (vals[0][shared] - vals[1][shared]).to_numpy()
+    d_table = difference(stat(table, a, metric), stat(table, b, metric))[0]
+    scale = next((s for s in (1.0, 100.0) if math.isclose(d_raw.mean() * s, d_table, rel_tol=1e-6, abs_tol=1e-9)), None)
+    if scale is None: return None
+    d = d_raw * scale
+    sd = float(d.std(ddof=1))
+    return float(d.mean()), sd / math.sqrt(len(d)), len(d), sd
+
 # %% ../../nbs/63_claims.ipynb #a3f641cf
 class Claims:
     """The paper's qualitative claims and their verdicts by the rule, for notebook `stem`, saved in folder
     `figures_dir`; `paper` (the paper's numbers by row, as `repro.paper_numbers` reads them) gives the paper's
-    difference beside ours."""
-    def __init__(self, stem: str, figures_dir: str | Path, paper: pd.DataFrame | None = None):
+    difference beside ours; `per_seed` (the lines `run_rows` returns) adds each difference paired by seed and the
+    runs' training time; `setting` (what ran) and `tasks` (whether each run's tasks were alive at the end) are
+    sentences the claims file adds."""
+    def __init__(self, stem: str, figures_dir: str | Path, paper: pd.DataFrame | None = None,
+                 per_seed: pd.DataFrame | None = None, setting: str = "", tasks: str = ""):
         self.stem, self.figures_dir, self.paper, self.items, self.spread = stem, Path(figures_dir), paper, [], {}
+        self.setting, self.tasks = setting, tasks
+        self.per_seed, self.paired_spread = per_seed, {}   # per-seed values: the difference paired by seed, reported beside
 
     def check(self, claim: str, verdict: Verdict | None, detail: str = "", difference: tuple[float, float] | None = None,
               metric: str = "") -> Verdict:
@@ -151,6 +184,11 @@ class Claims:
         if p is not None and metric in p and a in p.index and b in p.index:
             self.items[-1]["paper"] = float(p.loc[a, metric]) - float(p.loc[b, metric])   # NaN where the paper has no number
         self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in (a, b) if r in table.index})
+        pair = paired_difference(self.per_seed, table, a, b, metric) if both and self.per_seed is not None else None
+        if pair is not None:
+            dp, sep, n, sd = pair
+            self.items[-1].update(numbers=self.items[-1]["numbers"] + f"; paired by seed {dp:+.1f} ± {sep:.1f} SE", se_paired=sep)
+            self.paired_spread.setdefault(metric, {})[(a, b)] = (sd, n)
         return v
 
     def resolves(self) -> dict[str, float]:
@@ -159,24 +197,49 @@ class Claims:
                                             "seeds": [s.n for s in st.values()]}, index=list(st)), m)
                 for m, st in self.spread.items()}
 
+    def resolves_paired(self) -> dict[str, float]:
+        """Per metric, the smallest difference the same seeds would resolve paired by seed: `Z` times the root mean
+        square std of the compared pairs' per-seed differences over the square root of their median number of seeds."""
+        out = {}
+        for m, pairs in self.paired_spread.items():
+            st = [(sd, n) for sd, n in pairs.values() if n > 1 and np.isfinite(sd)]
+            if st: out[m] = Z * math.sqrt(np.mean([sd ** 2 for sd, _ in st])) / math.sqrt(float(np.median([n for _, n in st])))
+        return out
+
     def resolution(self) -> str:
-        "The sentence under the claims: the smallest difference each metric's seeds resolve."
+        """The sentence under the claims: the smallest difference each metric's seeds resolve, and (where the per-seed
+        values were given) the same paired by seed, which the verdicts do not use."""
         found = {m: r for m, r in self.resolves().items() if np.isfinite(r)}
         if not found: return "**Resolution.** No compared row has two seeds: no difference can be resolved."
-        return ("**Resolution.** With these seeds the rule resolves differences of at least "
+        text = ("**Resolution.** With these seeds the rule resolves differences of at least "
                 + ", ".join(f"{m} {r:.1f}" for m, r in found.items())
                 + f" points ({Z:g} SE of the difference of two rows with the compared rows' spread); an *unresolved* "
                 "claim is a difference smaller than that.")
+        if paired := {m: r for m, r in self.resolves_paired().items() if np.isfinite(r)}:
+            text += (" Paired by seed (reported, not used by the verdicts), the same seeds would resolve "
+                     + ", ".join(f"{m} {r:.1f}" for m, r in paired.items()) + " points.")
+        return text
 
     def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
+
+    def cost(self) -> str:
+        "The sentence on what the judged numbers cost: how many runs and their training time (wall, summed), or ''."
+        ps = self.per_seed
+        if ps is None or "run" not in ps or "wall_time_s" not in ps: return ""
+        runs = ps[ps["status"] == "ok"].drop_duplicates("run")
+        if runs.empty: return ""
+        return (f"**Cost.** {len(runs)} runs, {runs['wall_time_s'].astype(float).sum() / 60:.1f} minutes of training "
+                "(wall time summed over the runs, each one process).")
 
     def save(self) -> pd.DataFrame:
         "Write the verdicts, the resolution and the rule to `<figures_dir>/<stem>_claims.md`; print the resolution; returns the verdicts as a frame."
         self.figures_dir.mkdir(parents=True, exist_ok=True)
         res = self.resolution()
         print(res.replace("**", ""))
+        extra = "".join(f"\n\n{t}" for t in (self.cost(), f"**Setting.** {self.setting}" if self.setting else "",
+                                                f"**Tasks.** {self.tasks}" if self.tasks else "") if t)
         atomic_write(self.figures_dir / f"{self.stem}_claims.md",
-                     markdown_table(self.frame(), index=False) + "\n" + res + "\n\n" + RULE + "\n")
+                     markdown_table(self.frame(), index=False) + "\n" + res + extra + "\n\n" + RULE + "\n")
         return self.frame()
 
     def plot(self, save: bool = True):

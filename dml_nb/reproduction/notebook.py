@@ -13,6 +13,8 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
+from .experiment import load_result
+from ..methods.base import task_health
 from .repro import (
     EMBEDDED, Row, base_config, compare, job_config, output_dirs, paper_numbers, paper_variant, reported_as, rows_from,
     run_rows, summarize, write_table)
@@ -44,7 +46,9 @@ class Reproduction:
         rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
         self.epochs_run = sorted({int(job_config(r, self.base, s).get("train", {}).get("epochs", 10))
                                   for r in rows for s in self.seeds})   # what the note says: rows may set their own
-        return run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
+        per_seed, results = run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
+        self.per_seed = pd.concat([getattr(self, "per_seed", None), per_seed], ignore_index=True)   # for `claims`: pairing by seed
+        return per_seed, results
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:
         "The paper's numbers on `dataset` (default: the shown one)."
@@ -94,10 +98,36 @@ class Reproduction:
         return save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
 
     def claims(self) -> Claims:
-        "The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper file)."
+        """The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper
+        file), the per-seed values of every row `run` ran (each difference is also reported paired by seed), what ran
+        (`note`) and whether each run's tasks were alive at the end (`tasks`)."""
         try: paper = self.paper()
         except FileNotFoundError: paper = None
-        return Claims(self.stem, self.figures, paper)
+        return Claims(self.stem, self.figures, paper, per_seed=getattr(self, "per_seed", None), setting=self.note(compare=None),
+                      tasks=self.tasks())
+
+    def tasks(self) -> str:
+        """Whether every task of every run `run` ran still had a non-zero loss and gradient in its last epoch
+        (`task_health`), and for each row with an idle task: in how many seeds, why, and the task's own logs (DaNCE:
+        the share of key weights that survive its cutoffs). '' when no run finished."""
+        ps = getattr(self, "per_seed", None)
+        if ps is None or "run" not in ps: return ""
+        ok = ps[ps["status"] == "ok"].drop_duplicates("run")
+        if ok.empty: return ""
+        idle = {}   # (row, task) -> [health of that task in each seed where it idled]
+        for row, run in zip(ok["row"], ok["run"]):
+            for task, h in task_health(load_result(self.runs / run).history_frame()).items():
+                if not h["alive"]: idle.setdefault((row, task), []).append(h)
+        seeds = ok.groupby("row")["run"].count()
+        if not idle: return f"Every task of each of the {len(ok)} runs had a non-zero loss and gradient in its last epoch."
+        parts = []
+        for (row, task), hs in idle.items():
+            logs = {k: sum(h[k] for h in hs) / len(hs) for k in hs[0] if k not in ("loss", "grad", "alive", "why", "relative_grad")
+                    and all(isinstance(h.get(k), float) for h in hs)}
+            parts.append(f"{row} {task} idle in {len(hs)} of {seeds[row]} seeds ({'; '.join(dict.fromkeys(h['why'] for h in hs))}"
+                         + "".join(f"; mean {k} {v:.2f}" for k, v in logs.items()) + ")")
+        return ("In the last epoch every other task had a non-zero loss and gradient; idle (`task_health`): "
+                + ", ".join(parts) + ".")
 
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."

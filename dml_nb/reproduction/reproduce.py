@@ -42,33 +42,42 @@ def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
     return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
 
 def resolution(path: Path) -> str:
-    "The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), or ''."
-    m = re.search(r"resolves differences of at least (.*?) points", path.read_text())
+    """The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), and
+    paired by seed where it says ('R@1 1.3; paired R@1 1.1'), or ''."""
+    text = path.read_text()
+    m = re.search(r"resolves differences of at least (.*?) points", text)
+    p = re.search(r"the same seeds would resolve (.*?) points", text)
+    return (m.group(1) if m else "") + (f"; paired {p.group(1)}" if m and p else "")
+
+def _sentence(text: str, pattern: str) -> str:
+    m = re.search(pattern, text)
     return m.group(1) if m else ""
 
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
-    """A Markdown table of `figures/*_claims.md` (notebook, recipes and day its figures come from, minutes it took,
-    the verdicts by kind, the smallest difference its seeds resolve, the counts before the miniature regime from `figures/.claims_before.json`, the claims that
-    hold), and the totals by verdict."""
+    """A Markdown table of `figures/*_claims.md` (notebook, the dataset it ran on and the recipes and day of its figures,
+    its runs and their training minutes, the verdicts by kind, the smallest difference its seeds resolve, the counts
+    of the previous regime from `figures/.claims_before.json`, the claims that hold), and the totals by verdict."""
     fdir = Path(figures_dir)
     state = json.loads((fdir / ".reproduced.json").read_text()) if (fdir / ".reproduced.json").exists() else {}
     before = json.loads((fdir / ".claims_before.json").read_text())["notebooks"] if (fdir / ".claims_before.json").exists() else {}
     rows, total = [], dict.fromkeys(VERDICTS, 0)
     for f in sorted(fdir.glob("repro_*_claims.md")):
         cells, ruled = _verdicts(f)
+        text = f.read_text()
         count = {k: sum(1 for c in cells if c[1] == k) for k in VERDICTS}
         for k in VERDICTS: total[k] += count[k]
         stem = f.name[:-len("_claims.md")]
         held = "; ".join(c[0] for c in cells if c[1] == "holds") or "-"
-        secs = state.get(stem, {}).get("seconds")
         b = before.get(stem)
-        was = "" if b is None else f"{b['holds']} / {b['does not hold']}"
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {_provenance(state, stem)} | {'' if secs is None else f'{secs / 60:.1f}'} | "
-                    f"{'2 SE over seeds' if ruled else 'plain comparison'} | "
+        was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
+        runs, minutes = _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"), _sentence(text, r"runs, ([\d.]+) minutes of training")
+        ran_on = _sentence(text, r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+        rows.append(f"| [`{stem}`](figures/{f.name}) | {ran_on} | "
+                    f"{_provenance(state, stem)} | {runs} | {minutes} | {'2 SE over seeds' if ruled else 'plain comparison'} | "
                     + " | ".join(str(count[k]) for k in VERDICTS)
                     + f" | {resolution(f)} | {was} | {held} |")
-    head = ("| notebook | recipes (run on) | minutes | judged by | holds | fails | unresolved | not tested | "
-            "smallest difference resolved | before: hold / do not hold | claims that hold |\n" + "| --- " * 11 + "|\n")
+    head = ("| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
+            "smallest difference resolved | before: hold / fail / unresolved | claims that hold |\n" + "| --- " * 13 + "|\n")
     return head + "\n".join(rows) + "\n", total
 
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
@@ -81,8 +90,10 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     table, total = claims_summary(figures_dir)
     lead = (f"Total: {total['holds']} hold, {total['fails']} fail, {total['unresolved']} unresolved, "
             f"{total['not tested']} not tested. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
-            f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. 'plain comparison': "
-            "a claims file written before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n")
+            f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
+            "time of the notebook's runs, summed (each run one process; two ran side by side on 2 cores). 'before': the "
+            "verdicts of the previous regime (`figures/.claims_before.json`). 'plain comparison': a claims file written "
+            "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n")
     atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
     return total
 
