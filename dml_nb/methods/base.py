@@ -255,7 +255,7 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
     gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`, and its gradient is at least `rel` times the
     largest task's of that epoch (`relative_grad`: a task whose gradient is 1e-5 of its neighbours' trains nothing).
     A recipe with one loss and no task columns is judged on `loss` and `grad_norm`; D&C's learners appear as
-    `learner<k>`, alive when they got tuples."""
+    `learner<k>`, alive when they got tuples (in the epochs that train them: not in the finetune stage)."""
     rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
     if not rows: raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
     row = rows[-1] if epoch is None else next((r for r in rows if int(r.get("epoch", -1)) == int(epoch)), None)
@@ -278,9 +278,8 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
         h["relative_grad"] = h["grad"] / top
         if h["alive"] and h["relative_grad"] < rel:
             h["alive"], h["why"] = False, f"gradient {h['relative_grad']:.1e} of the largest task's"
-    for k, v in row.items():
-        if k.startswith("tuples/learner"):
-            n = num(v)
+    for k, v in row.items():   # a learner not logged in this epoch (NaN: D&C's finetune stage trains the full embedding) is left out
+        if k.startswith("tuples/learner") and (n := num(v)) is not None:
             out[k[7:]] = {"tuples": n, "alive": bool(n), "why": "" if n else "no tuples"}
     return out
 
