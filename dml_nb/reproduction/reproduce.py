@@ -15,8 +15,8 @@ from .experiment import RECIPES_VERSION
 from ..core.base import source_hash, project_root
 
 # %% auto #0
-__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'resolution', 'claims_summary', 'update_readme_claims', 'reproduce',
-           'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
+__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'resolution', 'claims_summary', 'totals_by_setting', 'update_readme_claims',
+           'reproduce', 'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -80,6 +80,16 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
             "smallest difference resolved | before: hold / fail / unresolved | claims that hold |\n" + "| --- " * 13 + "|\n")
     return head + "\n".join(rows) + "\n", total
 
+def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
+    "{the dataset the claims files say they ran on ('not recorded' before the setting line): (notebooks, totals by verdict)}."
+    out = {}
+    for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
+        key = _sentence(f.read_text(), r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+        n, t = out.setdefault(key, (0, dict.fromkeys(VERDICTS, 0)))
+        for _, v in _verdicts(f)[0]: t[v] = t.get(v, 0) + 1
+        out[key] = (n + 1, t)
+    return out
+
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
     readme = Path(readme)
@@ -88,8 +98,11 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     if start not in text or end not in text:
         raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
     table, total = claims_summary(figures_dir)
-    lead = (f"Total: {total['holds']} hold, {total['fails']} fail, {total['unresolved']} unresolved, "
-            f"{total['not tested']} not tested. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
+    by = totals_by_setting(figures_dir)
+    count = lambda t: f"{t['holds']} hold, {t['fails']} fail, {t['unresolved']} unresolved, {t['not tested']} not tested"
+    on = lambda k: "whose claims files do not record their setting (an earlier regime)" if k == "not recorded" else f"on {k}"
+    split = "" if len(by) < 2 else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
+    lead = (f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
             f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
             "time of the notebook's runs, summed (each run one process; two ran side by side on 2 cores). 'before': the "
             "verdicts of the previous regime (`figures/.claims_before.json`). 'plain comparison': a claims file written "
