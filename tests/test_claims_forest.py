@@ -112,3 +112,16 @@ def test_the_claims_file_says_which_tasks_idled(tmp_path, monkeypatch):
     assert "discriminative" not in text and "Margin" not in text
     hist["r0"].update({"loss/dance": 0.1, "grad/dance": 0.1}); hist["r1"].update({"loss/dance": 0.1, "grad/dance": 0.1})
     assert nb.tasks() == "Every task of each of the 3 runs had a non-zero loss and gradient in its last epoch."
+
+
+def test_a_row_run_again_replaces_its_per_seed_lines(tmp_path, monkeypatch):
+    "Running a cell again (the same rows) keeps one line per row and seed, so the difference can still be paired."
+    import dml_nb.reproduction.notebook as N
+    frames = iter([pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.3, 0.4]}),
+                   pd.DataFrame({"row": ["B", "B"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.2, 0.3]}),
+                   pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.5, 0.6]})])
+    monkeypatch.setattr(N, "run_rows", lambda *a, **k: (next(frames), {}))
+    nb = N.Reproduction("repro_demo", "shapes", "cub200", {"train": {"epochs": 1}}, [0, 1], tmp_path, tmp_path, False)
+    for rows in ({"A": {}}, {"B": {}}, {"A": {}}): nb.run(rows)
+    assert sorted(zip(nb.per_seed["row"], nb.per_seed["seed"])) == [("A", 0), ("A", 1), ("B", 0), ("B", 1)]
+    assert nb.per_seed.loc[nb.per_seed["row"] == "A", "recall@1"].tolist() == [0.5, 0.6]

@@ -17,7 +17,7 @@ from .viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
 __all__ = ['Z', 'RULE', 'Verdict', 'Stat', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt',
-           'resolvable', 'paired_difference', 'Claims']
+           'resolvable', 'metric_label', 'metric_key', 'paired_difference', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0   # how many standard errors a difference must clear
@@ -121,9 +121,16 @@ def resolvable(table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | N
     return Z * spread * math.sqrt(2 / float(np.median([s.n for s in st])))
 
 # %% ../../nbs/63_claims.ipynb #46917a4b
-def _metric_key(metric: str) -> str:
-    "The per-seed column of a table's metric ('R@1' -> 'recall@1', 'NMI' -> 'nmi'), as `repro.summarize` names them."
-    return {"NMI": "nmi", "MAP@R": "map@r"}.get(metric, metric.replace("R@", "recall@") if metric.startswith("R@") else metric)
+_LABELS = {"nmi": "NMI", "map@r": "MAP@R"}
+
+def metric_label(name: str) -> str:
+    "A metric's column in a results table ('recall@1' -> 'R@1', 'nmi' -> 'NMI'), as `repro.summarize` writes it."
+    return _LABELS.get(name, name.replace("recall@", "R@"))
+
+def metric_key(label: str) -> str:
+    "The per-seed column of a table's metric: the inverse of `metric_label` ('R@1' -> 'recall@1')."
+    inverse = {v: k for k, v in _LABELS.items()}
+    return inverse.get(label, label.replace("R@", "recall@") if label.startswith("R@") else label)
 
 def paired_difference(per_seed: pd.DataFrame, table: pd.DataFrame, a: str, b: str,
                       metric: str = "R@1") -> tuple[float, float, int, float] | None:
@@ -131,16 +138,15 @@ def paired_difference(per_seed: pd.DataFrame, table: pd.DataFrame, a: str, b: st
     std) from `per_seed` (lines of row, seed, status and metrics, as `run_rows` returns), in the units of `table`.
     None where it cannot be paired: a row missing or run twice with one seed, fewer than two shared seeds, or a
     `table` not computed from these values (its unpaired difference differs)."""
-    key = _metric_key(metric)
+    key = metric_key(metric)
     if per_seed is None or key not in per_seed or "seed" not in per_seed: return None
     vals = []
     for r in (a, b):
         g = per_seed[(per_seed["row"] == r) & (per_seed["status"] == "ok")]
         if g.empty or g["seed"].duplicated().any(): return None
         vals.append(g.set_index("seed")[key].astype(float))
-    shared = vals[0].index.intersection(vals[1].index)
-    if len(shared) < 2 or len(shared) != min(len(vals[0]), len(vals[1])) or len(vals[0]) != len(vals[1]): return None
-    d_raw = (vals[0][shared] - vals[1][shared]).to_numpy()
+    if set(vals[0].index) != set(vals[1].index) or len(vals[0]) < 2: return None   # the table's n is every seed a row ran
+    d_raw = (vals[0] - vals[1].reindex(vals[0].index)).to_numpy()
     d_table = difference(stat(table, a, metric), stat(table, b, metric))[0]
     scale = next((s for s in (1.0, 100.0) if math.isclose(d_raw.mean() * s, d_table, rel_tol=1e-6, abs_tol=1e-9)), None)
     if scale is None: return None
@@ -209,6 +215,9 @@ class Claims:
     def resolution(self) -> str:
         """The sentence under the claims: the smallest difference each metric's seeds resolve, and (where the per-seed
         values were given) the same paired by seed, which the verdicts do not use."""
+        if not self.spread:
+            return ("**Resolution.** No claim here compares two rows of a results table (`beats`): each verdict applies "
+                    "the rule to the per-seed values its numbers give, so this file states no single threshold.")
         found = {m: r for m, r in self.resolves().items() if np.isfinite(r)}
         if not found: return "**Resolution.** No compared row has two seeds: no difference can be resolved."
         text = ("**Resolution.** With these seeds the rule resolves differences of at least "

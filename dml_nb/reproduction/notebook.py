@@ -47,7 +47,8 @@ class Reproduction:
         self.epochs_run = sorted({int(job_config(r, self.base, s).get("train", {}).get("epochs", 10))
                                   for r in rows for s in self.seeds})   # what the note says: rows may set their own
         per_seed, results = run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
-        self.per_seed = pd.concat([getattr(self, "per_seed", None), per_seed], ignore_index=True)   # for `claims`: pairing by seed
+        prev = getattr(self, "per_seed", None)   # for `claims` (pairing by seed, cost, tasks): a row run again replaces its lines
+        self.per_seed = pd.concat([None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True)
         return per_seed, results
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:

@@ -15,7 +15,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from .claims import Claims
+from .claims import Claims, metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
@@ -225,9 +225,6 @@ def reported_as(per_seed: pd.DataFrame) -> str:
         f"{k} ({', '.join(dict.fromkeys(per_seed.loc[per_seed['reported'] == k, 'row']))})" for k in kinds)
 
 # %% ../../nbs/64_repro.ipynb #a5f1edbd
-def _pretty(name: str) -> str:
-    return {"nmi": "NMI", "map@r": "MAP@R"}.get(name, name.replace("recall@", "R@"))
-
 def summarize(per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "recall@2", "nmi"), percent: bool = True) -> pd.DataFrame:
     "Mean and std over seeds per row (rows keep their order): columns '<metric>' and '<metric> std', 'seeds', 'status'."
     out = []
@@ -236,8 +233,8 @@ def summarize(per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "rec
         rec = {"row": name, "seeds": len(ok), "status": "ok" if len(ok) else g["status"].iloc[0]}
         for m in metrics:
             vals = ok[m].astype(float) * (100 if percent else 1) if m in ok else pd.Series(dtype=float)
-            rec[_pretty(m)] = vals.mean() if len(vals) else np.nan
-            rec[f"{_pretty(m)} std"] = vals.std(ddof=1) if len(vals) > 1 else np.nan
+            rec[metric_label(m)] = vals.mean() if len(vals) else np.nan
+            rec[f"{metric_label(m)} std"] = vals.std(ddof=1) if len(vals) > 1 else np.nan
         out.append(rec)
     return pd.DataFrame(out).set_index("row")
 

@@ -53,6 +53,10 @@ def _sentence(text: str, pattern: str) -> str:
     m = re.search(pattern, text)
     return m.group(1) if m else ""
 
+def _ran_on(text: str) -> str:
+    "The dataset a claims file's **Setting.** line names ('not recorded' in a file written before that line)."
+    return _sentence(text, r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
     """A Markdown table of `figures/*_claims.md` (notebook, the dataset it ran on and the recipes and day of its figures,
     its runs and their training minutes, the verdicts by kind, the smallest difference its seeds resolve, the counts
@@ -71,8 +75,7 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         b = before.get(stem)
         was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
         runs, minutes = _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"), _sentence(text, r"runs, ([\d.]+) minutes of training")
-        ran_on = _sentence(text, r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {ran_on} | "
+        rows.append(f"| [`{stem}`](figures/{f.name}) | {_ran_on(text)} | "
                     f"{_provenance(state, stem)} | {runs} | {minutes} | {'2 SE over seeds' if ruled else 'plain comparison'} | "
                     + " | ".join(str(count[k]) for k in VERDICTS)
                     + f" | {resolution(f)} | {was} | {held} |")
@@ -84,7 +87,7 @@ def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
     "{the dataset the claims files say they ran on ('not recorded' before the setting line): (notebooks, totals by verdict)}."
     out = {}
     for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
-        key = _sentence(f.read_text(), r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+        key = _ran_on(f.read_text())
         n, t = out.setdefault(key, (0, dict.fromkeys(VERDICTS, 0)))
         for _, v in _verdicts(f)[0]: t[v] = t.get(v, 0) + 1
         out[key] = (n + 1, t)
@@ -104,7 +107,7 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     split = "" if len(by) < 2 else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
     lead = (f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
             f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
-            "time of the notebook's runs, summed (each run one process; two ran side by side on 2 cores). 'before': the "
+            "time of the notebook's runs, summed (each run one process). 'before': the "
             "verdicts of the previous regime (`figures/.claims_before.json`). 'plain comparison': a claims file written "
             "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n")
     atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
