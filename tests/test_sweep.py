@@ -11,7 +11,9 @@ from dml_nb.reproduction.experiment import run
 from dml_nb.reproduction.repro import base_config, output_dirs, smoke
 from dml_nb.reproduction.reproduce import reproduce_main
 from dml_nb.reproduction.launch import launch
-from dml_nb.reproduction.sweep import Plan, plan_configs
+from dml_nb.reproduction.sweep import MissingRunsError, Plan, PlanStop, SweepMode, SweepResult, _add_jobs, plan_configs
+from dml_nb.reproduction.experiment import load_result
+from dml_nb.reproduction.results import RESULTS_ENV, restore_results, restored, save_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,9 +96,11 @@ def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
         _same_runs(Path(job.run_dir), fresh)
 
 
-def test_readme_cluster_workflow_on_the_local_launcher(tmp_path):
+def test_readme_cluster_workflow_on_the_local_launcher(tmp_path, monkeypatch):
     """Plan, launch, collect on a small notebook at smoke size: the plan lists exactly the run folders its
-    collect-only execution then reads, and nothing else is trained."""
+    collect-only execution then reads, and nothing else is trained. Every run read is saved in the results folder,
+    and a second machine given that folder plans no run again but the ones whose embeddings the figure reads."""
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
     nb = "repro_dnc_fig8"
     runs = output_dirs()[1].parent / f"sweep-{uuid.uuid4().hex[:8]}"   # under pytest the notebooks keep to the smoke folder
     plan_json = tmp_path / "plan.json"
@@ -108,6 +112,36 @@ def test_readme_cluster_workflow_on_the_local_launcher(tmp_path):
     assert reproduce_main([nb, "--collect-only", "--runs-dir", str(runs)]) == 0
     assert {p for p in runs.iterdir() if p.is_dir()} == {Path(j.run_dir) for j in plan.jobs}
     assert all((Path(j.run_dir) / "done").exists() for j in plan.jobs)
+    saved = tmp_path / "results"   # every run, without checkpoint or embeddings
+    assert {p.name for p in saved.iterdir()} == {Path(j.run_dir).name for j in plan.jobs}
+    assert all(sorted(f.name for f in p.iterdir()) == ["config.yaml", "done", "history.csv", "metrics.json"] for p in saved.iterdir())
+    runs2 = runs.with_name(runs.name + "-second")   # the second machine's empty run cache
+    assert reproduce_main([nb, "--plan", "--runs-dir", str(runs2), "--plan-dir", str(tmp_path / "plan2"),
+                           "--json", str(tmp_path / "plan2.json")]) == 0
+    plan2 = Plan.load(tmp_path / "plan2.json")
+    assert {Path(j.run_dir).name for j in plan2.jobs} == {Path(j.run_dir).name for j in plan.jobs}
+    assert all(j.rebuild and j.status.startswith("pending (restored") for j in plan2.jobs), [j.status for j in plan2.jobs]
+    assert not any((Path(j.run_dir) / "checkpoint.pt").exists() for j in plan2.jobs), "planning trains nothing"
+
+
+def test_a_restored_run_a_figure_needs_is_planned_and_trained_again(tmp_path, sequential, monkeypatch):
+    "A run restored from a results folder: finished for the tables; a figure that needs its embeddings lists it in the plan, and the launcher trains it again, to the same numbers."
+    name = "dim 16 seed 0"
+    save_result(sequential[name], tmp_path / "results")
+    (run_dir,) = restore_results(tmp_path / "results", tmp_path / "runs")
+    assert run_dir.name == sequential[name].name and restored(run_dir)
+    assert plan_configs({name: _configs()[name]}, tmp_path / "p0", tmp_path / "runs").pending() == []
+    records = tmp_path / "records.jsonl"; records.touch()   # as `run_rows` reads it in a notebook that `plan_notebook` executes
+    read = SweepResult(**vars(load_result(run_dir)), mode=SweepMode(plan=records))
+    with pytest.raises(PlanStop, match="trained again"): read.embeddings()
+    with pytest.raises(MissingRunsError, match="restored from a results folder"):   # collect-only: named, not trained
+        SweepResult(**vars(load_result(run_dir)), mode=SweepMode(collect=True)).embeddings()
+    jobs = {}; _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], "nb", tmp_path / "plan")
+    plan = Plan(tmp_path / "plan", list(jobs.values()), ["nb"])
+    assert [j.status for j in plan.jobs] == ["pending (restored without embeddings or weights: trained again)"]
+    launch(plan, "local", workers=1, progress=False)
+    assert plan.pending() == [] and not restored(run_dir) and (run_dir / "embeddings.pt").exists()
+    _same_runs(run_dir, sequential[name])
 
 
 def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
@@ -172,3 +206,37 @@ def test_dml_runs_is_the_default_run_cache(tmp_path, monkeypatch):
     assert output_dirs()[1] == tmp_path / "runs"
     monkeypatch.setenv("DML_RUNS", str(tmp_path / "shared"))
     assert output_dirs()[1] == tmp_path / "shared" and output_dirs(runs_dir=tmp_path / "mine")[1] == tmp_path / "mine"
+
+
+def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch):
+    """A run whose recipe cannot form its batches records why (`stopped`): run again it stops with the same reason
+    without training, a plan and a launcher count it as settled, the results folder keeps it, and a notebook's row shows it."""
+    from dml_nb.methods.dnc import ClusterError
+    from dml_nb.reproduction.experiment import run_dir_for
+    from dml_nb.reproduction.results import RunStopped, stopped_record
+    from dml_nb.reproduction.repro import Row, run_rows
+    from dml_nb.training.config import make_config
+    from dml_nb.training.learner import Learner
+    why = "1 of 2 clusters cannot form a batch with negatives"
+    calls = []
+    def fit(self): calls.append(1); raise ClusterError(why)
+    monkeypatch.setattr(Learner, "fit", fit)
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
+    name, raw = next(iter(_configs().items()))
+    run_dir = run_dir_for(make_config(raw), tmp_path / "runs")
+    with pytest.raises(ClusterError): run(raw, runs_dir=tmp_path / "runs", progress=False)
+    assert stopped_record(run_dir)["message"] == why and calls == [1]
+    with pytest.raises(RunStopped, match=why): run(raw, runs_dir=tmp_path / "runs", progress=False)
+    assert calls == [1], "not trained again"
+    plan = plan_configs({name: raw}, tmp_path / "plan", tmp_path / "runs")
+    assert [j.status for j in plan.jobs] == ["stopped"] and plan.pending() == []
+    assert launch(plan, "local", workers=1, progress=False) == []
+    assert sorted(p.name for p in (tmp_path / "results" / run_dir.name).iterdir()) == ["config.yaml", "stopped"]   # fit stopped at once: no history
+    (moved,) = restore_results(tmp_path / "results", tmp_path / "second")   # another machine: settled there too
+    with pytest.raises(RunStopped, match=why): run(raw, runs_dir=tmp_path / "second", progress=False)
+    assert calls == [1]
+    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)   # run_rows on this exact config
+    monkeypatch.setattr("dml_nb.reproduction.repro.smoke", lambda raw, **kw: raw)
+    per_seed, results = run_rows([Row("dim 16", {"name": "baseline", "embedding_dim": 16})], raw, seeds=[raw["seed"]],
+                                 runs_dir=tmp_path / "second", progress=False)
+    assert results == {} and per_seed["status"].tolist() == [f"stopped: {why}"]

@@ -12,6 +12,7 @@ from ..data.formats import DatasetFormatError, DatasetNotFoundError
 from ..data.checks import UnreadableImagesError
 from ..core.registry import PRESETS
 from ..training.config import Config, ConfigError, load_config
+from .results import RunStopped
 from .experiment import config_data_root, process_rank, check_data, run
 
 # %% auto #0
@@ -38,7 +39,9 @@ def _exit_code(e: BaseException) -> int | None:
     checkpoint = sys.modules.get("dml_nb.training.checkpoint")     # loaded only with torch: a checkpoint that cannot be read
     if checkpoint is not None and isinstance(e, checkpoint.CheckpointError): return 2
     learner = sys.modules.get("dml_nb.training.learner")
-    stops = (DiskWriteError,) + ((learner.NonFiniteLossError, learner.NoTuplesError) if learner else ())
+    context = sys.modules.get("dml_nb.training.context")   # a recipe that cannot form its batches on this data
+    stops = ((DiskWriteError, RunStopped) + ((learner.NonFiniteLossError, learner.NoTuplesError) if learner else ())
+             + ((context.BatchFormationError,) if context else ()))
     return 1 if isinstance(e, stops) else None
 
 def _check_data_report(cfg: Config, progress: bool) -> int:

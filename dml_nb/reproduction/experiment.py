@@ -18,10 +18,13 @@ from ..data.formats import REAL_DATASETS, DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
 from ..training.config import Config, ConfigError, config_to_dict, make_config
 if TYPE_CHECKING: from dml_nb.training.learner import Learner   # annotations only: the learner (torch) is imported when a run is built
+from .results import check_stopped, clear_restored, record_stopped, restored, results_dir, save_result
+
 
 # %% auto #0
 __all__ = ['RECIPES_VERSION', 'RUN_FILES', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable',
-           'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'run_key', 'process_rank', 'run', 'run_seeds']
+           'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'run_key', 'process_rank', 'run', 'train_again',
+           'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -181,9 +184,14 @@ class RunResult:
     info: dict
 
     def embeddings(self) -> dict:
-        "The saved final embeddings: {'test': {'labels': ..., name: (N, D)}, 'train': {...}}."
+        "The saved final embeddings: {'test': {'labels': ..., name: (N, D)}, 'train': {...}}; a restored run is trained again first."
         import torch
-        return torch.load(self.run_dir / "embeddings.pt", weights_only=True)
+        path = Path(self.run_dir) / "embeddings.pt"
+        if not path.exists() and restored(self.run_dir): path = self.train_again().run_dir / "embeddings.pt"
+        return torch.load(path, weights_only=True)
+    def train_again(self) -> "RunResult":
+        "This run trained again in its folder (`train_again`): a run restored from a results folder, for its embeddings or weights."
+        return train_again(self)
     def history_frame(self):
         "The per-epoch history as a pandas DataFrame."
         import pandas as pd
@@ -211,16 +219,17 @@ def _versions() -> dict:
             "faiss": fv, "numpy": np.__version__, "python": platform.python_version()}
 
 def load_result(run_dir: str | Path) -> RunResult:
-    "The stored result of a finished run directory (one with a `done` marker)."
+    "The stored result of a finished run directory (one with a `done` marker); saved in the results folder `$DML_RESULTS` names, if set."
     run_dir = Path(run_dir)
     if not (run_dir / "done").exists(): raise FileNotFoundError(f"{run_dir} holds no finished run (no 'done' marker)")
     info = json.loads((run_dir / "metrics.json").read_text())
     import pandas as pd
     hist = pd.read_csv(run_dir / "history.csv").to_dict("records") if (run_dir / "history.csv").exists() else []
+    if (keep := results_dir()) is not None: save_result(run_dir, keep)   # `dml-reproduce`: every finished run it reads
     return RunResult(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), info["metrics"], hist, info)
 
 _PROGRESS = ("checkpoint.pt", "history.csv", "metrics.json", "embeddings.pt", "done")   # what a started run writes
-RUN_FILES = ("config.yaml", *_PROGRESS, ".lock")     # everything `run` writes into a run folder (and its temporaries)
+RUN_FILES = ("config.yaml", *_PROGRESS, "stopped", ".lock")     # everything `run` writes into a run folder (and its temporaries)
 
 def run_key(cdict: dict) -> str:
     "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
@@ -309,6 +318,7 @@ def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Pat
     cfg = make_config(config)
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
+    check_stopped(run_dir, run_key(cdict))     # a run that stopped by design: its reason again, without training
     if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists(): return load_result(run_dir)
     check_data(cfg)                                     # the root and the index files: before anything is written
     main = process_rank() == 0
@@ -362,10 +372,18 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
             atomic_json(info, run_dir / "metrics.json")
             atomic_write(run_dir / "done", info["finished"] + "\n")
     except Exception as e:
+        if learner.is_main: record_stopped(run_dir, e, run_key(cdict))   # by design: the next call reads the reason
         failed = _run_failed(run_dir, e)
         if failed is e: raise
         raise failed from e
     return load_result(run_dir) if learner.is_main else RunResult(run_dir, cdict, metrics, learner.history, {})
+
+def train_again(result: RunResult, progress: bool = False) -> RunResult:
+    "The restored run `result` trained again in its folder, for what a results folder does not keep (embeddings, weights)."
+    print(f"{Path(result.run_dir).name}: restored from a results folder, without the embeddings or weights asked for; training it again", file=sys.stderr)
+    clear_restored(result.run_dir)
+    return run(result.config, run_dir=result.run_dir, progress=progress, wait=True)
+
 
 # %% ../../nbs/60_experiment.ipynb #f8139276
 def run_seeds(config: Config | dict, seeds: Sequence[int] = (0, 1, 2), runs_dir: str | Path = "runs",

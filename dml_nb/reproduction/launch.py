@@ -13,8 +13,9 @@ from typing import Mapping, Sequence
 from tqdm.auto import tqdm
 
 from ..core.base import project_root
+from .results import clear_restored
 from .sweep import (
-    COLLECT_ENV, PLAN_ENV, Job, Plan, collecting, execute, notebook_parameters, notebook_path, plan_notebook)
+    COLLECT_ENV, PLAN_ENV, SETTLED, Job, Plan, collecting, execute, notebook_parameters, notebook_path, plan_notebook)
 
 # %% auto #0
 __all__ = ['LAUNCHERS', 'Failure', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm',
@@ -67,7 +68,7 @@ def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping]
              poll: float = 0.2) -> list[Failure]:
     """Run each job's `dml-train` command in a subprocess, one at a time per slot (its environment variables over
     this process's), its output in `plan_dir/logs/<hash>.log`. One progress bar over `jobs`; returns the failures."""
-    todo = deque(j for j in jobs if j.status != "done")
+    todo = deque(j for j in jobs if j.status not in SETTLED)
     running, failures = {}, []
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="runs", disable=not progress)
     try:
@@ -83,7 +84,7 @@ def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping]
             for i, (p, job, fh, log) in list(running.items()):
                 if p.poll() is None: continue
                 fh.close(); del running[i]; bar.update()
-                if p.returncode != 0 or not (Path(job.run_dir) / "done").exists():
+                if job.status not in SETTLED:   # a run that stopped by design (its `stopped` record) is no failure
                     failures.append(Failure(job, f"dml-train exit status {p.returncode}", log))
     finally:
         for p, _, fh, _ in running.values():   # interrupted: the runs stop; their checkpoints resume on the next launch
@@ -122,7 +123,7 @@ def slurm_executor(folder: str | Path, partition: str | None = None, time_min: i
 def submit_slurm(jobs: Sequence[Job], plan_dir: str | Path, executor, threads: int | None = None,
                  progress: bool = True, poll: float = 5.0) -> list[Failure]:
     "Submit the pending `jobs` as one job array to `executor` (`slurm_executor`), wait with one progress bar; returns the failures."
-    todo = [j for j in jobs if j.status != "done"]
+    todo = [j for j in jobs if j.status not in SETTLED]
     with executor.batch():   # one array
         handles = [executor.submit(_train_job, j.command(plan_dir), threads) for j in todo]
     failures, left = [], dict(zip(range(len(todo)), handles))
@@ -132,7 +133,7 @@ def submit_slurm(jobs: Sequence[Job], plan_dir: str | Path, executor, threads: i
             if not h.done(): continue
             del left[i]; bar.update()
             err = h.exception()
-            if err is not None or not (Path(todo[i].run_dir) / "done").exists():
+            if todo[i].status not in SETTLED:
                 log = Path(getattr(h, "paths").stderr) if hasattr(h, "paths") else todo[i].log_file(plan_dir)
                 failures.append(Failure(todo[i], f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
                                         if err else "no finished run", log))
@@ -147,9 +148,12 @@ def launch(plan: Plan, launcher: str = "local", workers: int = 1, threads: int |
     """Run the plan's pending runs into their run folders: `local` (`workers` processes), `multi_gpu` (one per GPU),
     `slurm` (a submitit job array; `slurm` options to `slurm_executor`). `local` and `multi_gpu` leave out the runs
     the plan found this machine cannot start (the notebook shows them as not run); `slurm` submits them, since its
-    nodes may have what the submitting machine lacks. Raises `SweepFailed` naming the runs that
+    nodes may have what the submitting machine lacks. A run restored from a results folder that a figure needs the
+    embeddings or weights of (`Job.rebuild`) is trained again. Raises `SweepFailed` naming the runs that
     failed and their logs. A run another process is training is waited for (its lock); a killed run resumes."""
     if launcher not in LAUNCHERS: raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    for j in plan.jobs:   # restored from a results folder, needed with its embeddings or weights: trained again
+        if j.rebuild: clear_restored(j.run_dir)
     if launcher == "slurm":
         ex = slurm.pop("executor", None) or slurm_executor(Path(plan.plan_dir) / "slurm", **slurm)
         failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads, progress)

@@ -19,6 +19,7 @@ from .claims import Claims, metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RunResult, build_learner, load_result, run, run_dir_for
+from .results import RunStopped, restored
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..training.config import ConfigError, make_config, merge_layers
@@ -160,8 +161,11 @@ def run_one(raw: Mapping, runs_dir: str | Path, progress: bool = True) -> RunRes
 
 # %% ../../nbs/64_repro.ipynb #2bff406b
 def load_learner(result: RunResult | str | Path):
-    "The `Learner` of a finished run with its final weights, for what the run did not save (features, heads, clusters)."
+    """The `Learner` of a finished run with its final weights, for what the run did not save (features, heads, clusters).
+    A run restored from a results folder is trained again first (`RunResult.train_again`)."""
     run_dir = Path(result.run_dir if isinstance(result, RunResult) else result)
+    if restored(run_dir):   # restored from a results folder: no weights
+        run_dir = (result if isinstance(result, RunResult) else load_result(run_dir)).train_again().run_dir
     if not (run_dir / "checkpoint.pt").exists(): raise FileNotFoundError(f"{run_dir} has no checkpoint.pt to load")
     learner = build_learner(make_config(yaml.safe_load((run_dir / "config.yaml").read_text())), run_dir, progress=False)
     learner.prepare_fit()   # restores the checkpoint
@@ -204,7 +208,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         why = availability(raw)
         if mode is not None and (got := mode.job(row, seed, raw, runs_dir, why)) is not None:
             if isinstance(got, RunResult): results[(row.name, seed)] = got
-            else: skipped[(row.name, seed)] = got
+            else: skipped[(row.name, seed)] = portable(got)
             continue
         if why:
             skipped[(row.name, seed)] = f"not run: {portable(why)}"; continue
@@ -212,7 +216,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
-        except (BatchFormationError, NoTuplesError) as e:   # the method cannot train on this data: shown with the reason
+        except (BatchFormationError, NoTuplesError, RunStopped) as e:   # the method cannot train on this data: shown with the reason
             skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
     if mode is not None: mode.finish()   # collect-only: every run not finished, named in one error
     return collect_runs(runs_dir, rows, base, seeds, skipped), results

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/65_reproduce.ipynb #669734e5
 from __future__ import annotations
-import copy, hashlib, json, os, re, tempfile, time
+import copy, hashlib, json, os, re, sys, tempfile, time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -12,11 +12,14 @@ from tqdm.auto import tqdm
 
 from ..core.base import atomic_write
 from .experiment import RECIPES_VERSION
+from .results import RESULTS_ENV, restore_results
+from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
 # %% auto #0
 __all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'resolution', 'claims_summary', 'totals_by_setting', 'update_readme_claims',
-           'reproduce', 'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
+           'reproduce', 'results_folder', 'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook',
+           'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -144,6 +147,14 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
     if (root / "README.md").exists(): update_readme_claims(root / "README.md", root / "figures")
     return state
 
+def results_folder(given: str | None, root: str | Path) -> Path | None:
+    """The results folder of `dml-reproduce` (`results.save_result`): `given` ('none': no folder), else
+    `$DML_RESULTS` (empty: none), else `<project>/results`. None under tests: smoke runs never reach the committed one."""
+    if given is not None: return None if given.strip().lower() in ("", "none") else Path(given)
+    env = os.environ.get(RESULTS_ENV)
+    if env is not None: return Path(env) if env.strip() else None
+    return None if in_test() else Path(root) / "results"
+
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.launch`)."
     import argparse, functools
@@ -154,11 +165,22 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
     ap.add_argument("--write-notebooks", action="store_true", help="write each executed notebook back over nbs/<name>.ipynb "
                     "with its outputs (table, figures, claims), without machine paths, timings or progress bars")
+    ap.add_argument("--results-dir", help="the results folder: every finished run read is saved there (config, metrics, "
+                    "history; never checkpoints or embeddings), and the runs saved there are restored into the run cache "
+                    "first (default $DML_RESULTS, else <project>/results; 'none': neither)")
     add_sweep_arguments(ap)
     args = ap.parse_args(argv)
-    run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
-    if (code := sweep_command(args, reproduce=run)) is not None: return code   # no import circle
-    state = run(args.notebooks or None, force=args.force)
+    from .sweep import env_vars
+    root = project_root()
+    results = results_folder(args.results_dir, root)
+    if results is not None:   # what an earlier machine finished: read, not trained again
+        runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
+        if got := restore_results(results, runs):
+            print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
+    with env_vars(**{RESULTS_ENV: str(results.resolve()) if results is not None else ""}):
+        run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
+        if (code := sweep_command(args, reproduce=run)) is not None: return code   # no import circle
+        state = run(args.notebooks or None, force=args.force)
     for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
     return 0
 

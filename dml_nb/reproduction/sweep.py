@@ -16,12 +16,14 @@ from tqdm.auto import tqdm
 
 from ..core.base import atomic_write, in_test, project_root
 from ..training.config import config_to_dict, load_config, make_config
-from .experiment import load_result, run_dir_for
+from .experiment import RunResult, load_result, run_dir_for, run_key
+from .results import restored, stopped_record
 
 
 # %% auto #0
-__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'MissingRunsError', 'PlanStop', 'SweepMode', 'sweep_mode', 'collecting', 'Job', 'Plan',
-           'notebook_parameters', 'notebook_path', 'execute', 'plan_configs', 'plan_notebook']
+__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MissingRunsError', 'PlanStop', 'SweepMode', 'SweepResult', 'sweep_mode',
+           'env_vars', 'collecting', 'Job', 'Plan', 'notebook_parameters', 'notebook_path', 'execute', 'plan_configs',
+           'plan_notebook']
 
 # %% ../../nbs/66_sweep.ipynb #76aba256
 PLAN_ENV, COLLECT_ENV = "DML_PLAN", "DML_COLLECT_ONLY"   # set by the planner / for collect-only; read by `repro.run_rows`
@@ -46,11 +48,13 @@ class SweepMode:
         cfg = make_config(raw)
         run_dir = run_dir_for(cfg, runs_dir)
         done = (run_dir / "done").exists()
+        stopped = None if done else stopped_record(run_dir, run_key(config_to_dict(cfg)))   # settled: the recipe cannot train here
         if self.plan is not None:
-            rec = {"row": row.name, "group": row.group, "seed": int(seed), "run_dir": str(run_dir), "done": done,
+            rec = {"row": row.name, "group": row.group, "seed": int(seed), "run_dir": str(run_dir), "done": done or bool(stopped),
                    "config": config_to_dict(cfg), "unavailable": why}
             with open(self.plan, "a") as f: f.write(json.dumps(rec) + "\n")
-        if done: return load_result(run_dir)
+        if done: return SweepResult(**vars(load_result(run_dir)), mode=self)
+        if stopped is not None: return f"stopped: {stopped['message']}"
         if why: return None
         if self.plan is not None:
             self.planned += 1
@@ -73,6 +77,29 @@ class SweepMode:
                                    + "; ".join(n) + ". Train them first (dml-reproduce --launch local|multi_gpu|slurm with the "
                                    f"same notebook and parameters), or unset {COLLECT_ENV} to train them here")
 
+@dataclass
+class SweepResult(RunResult):
+    """A finished run read in a sweep. One restored from a results folder (`results.restored`) is not trained
+    again here for its embeddings or weights: a plan lists it, with the notebook's other restored runs, to be trained
+    again (`Job.rebuild`), and stops the notebook (`PlanStop`); collect-only names it (`MissingRunsError`)."""
+    mode: SweepMode | None = None
+
+    def train_again(self) -> RunResult:
+        run_dir, mode = Path(self.run_dir), self.mode
+        why = f"{run_dir.name} was restored from a results folder, without the embeddings and weights a figure needs"
+        if mode is None or mode.plan is None:
+            raise MissingRunsError(f"collect-only ({COLLECT_ENV} is set): {why}. Train it again first (dml-reproduce "
+                                   "--launch with the same notebook and parameters: its plan lists it)")
+        records = [json.loads(l) for l in mode.plan.read_text().splitlines() if l.strip()]   # which the later cells read is not known
+        again = dict.fromkeys([r["run_dir"] for r in records if restored(r["run_dir"])] + [str(run_dir)])
+        with open(mode.plan, "a") as f:
+            for d in again:
+                cfg = load_result(d).config
+                f.write(json.dumps({"row": "(restored: trained again for its embeddings and weights)", "group": None,
+                                    "seed": cfg.get("seed"), "run_dir": d, "done": True, "config": cfg, "rebuild": True}) + "\n")
+        raise PlanStop(f"planned: {why}; the plan lists it and the notebook's {len(again) - 1} other restored run(s) to be "
+                       "trained again, and the notebook stops here")
+
 def sweep_mode() -> SweepMode | None:
     "The mode `run_rows` is in: a plan (`$DML_PLAN` names the file its jobs go to), collect-only (`$DML_COLLECT_ONLY`), or None."
     plan = os.environ.get(PLAN_ENV)
@@ -81,7 +108,7 @@ def sweep_mode() -> SweepMode | None:
     return SweepMode(Path(plan) if plan else None, collect)
 
 @contextmanager
-def _env(**values):
+def env_vars(**values):
     "Set (or, for None, unset) environment variables for the block; the papermill kernel it starts inherits them."
     old = {k: os.environ.get(k) for k in values}
     try:
@@ -96,10 +123,12 @@ def _env(**values):
 
 def collecting():
     "Collect-only for the block: `run_rows` reads finished runs and raises `MissingRunsError` for the others."
-    return _env(**{COLLECT_ENV: "1", PLAN_ENV: None})
+    return env_vars(**{COLLECT_ENV: "1", PLAN_ENV: None})
 
 
 # %% ../../nbs/66_sweep.ipynb #e09ae89f
+SETTLED = ("done", "stopped")   # the statuses a launcher has nothing left to do for
+
 @dataclass
 class Job:
     "One run of a plan: the rows (notebook, row, seed) that use it, its config, run folder and status."
@@ -109,10 +138,14 @@ class Job:
     uses: list                 # ["notebook: row (seed s)", ...]
     done: bool = False         # finished when planned
     unavailable: str | None = None   # why this machine cannot start it (no GPU, data or weights here); a launcher elsewhere may
+    rebuild: bool = False      # restored from a results folder, and a figure needs its embeddings or weights: trained again
 
     @property
     def status(self) -> str:
-        if (Path(self.run_dir) / "done").exists(): return "done"   # read from the run folder each time
+        "'done', 'stopped', 'pending', 'pending (not here: why)' or 'pending (restored: ...)', read from the run folder each time."
+        if self.rebuild and restored(self.run_dir): return "pending (restored without embeddings or weights: trained again)"
+        if (Path(self.run_dir) / "done").exists(): return "done"
+        if stopped_record(self.run_dir) is not None: return "stopped"   # by design (`results.RunStopped`): settled
         return f"pending (not here: {self.unavailable})" if self.unavailable else "pending"
 
     def config_file(self, plan_dir: str | Path) -> Path: return Path(plan_dir) / "configs" / f"{self.hash}.yaml"
@@ -129,7 +162,7 @@ class Plan:
     jobs: list
     notebooks: list
 
-    def pending(self) -> list[Job]: return [j for j in self.jobs if j.status != "done"]
+    def pending(self) -> list[Job]: return [j for j in self.jobs if j.status not in SETTLED]
 
     def table(self):
         "One line per run: hash, status, the rows that use it, run folder and command."
@@ -185,7 +218,7 @@ def execute(nb: str | Path, params: Mapping, out: str | Path | None = None, **en
     nb = Path(nb)
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="dml_nb_sweep_")) / nb.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _env(**env):
+    with env_vars(**env):
         papermill.execute_notebook(str(nb), str(out), parameters=dict(params), cwd=str(nb.parent), progress_bar=False)
     return out
 
@@ -193,9 +226,10 @@ def _add_jobs(jobs: dict, records: Sequence[Mapping], stem: str, plan_dir: Path)
     "Add the plan records of notebook `stem` to `jobs` ({run folder: Job}), writing each new config to `plan_dir/configs/`."
     for r in records:
         use = f"{stem}: {r['row']} (seed {r['seed']})"
-        if r["run_dir"] in jobs: jobs[r["run_dir"]].uses.append(use); continue
+        if r["run_dir"] in jobs:
+            jobs[r["run_dir"]].uses.append(use); jobs[r["run_dir"]].rebuild |= bool(r.get("rebuild")); continue
         h = Path(r["run_dir"]).name.rsplit("-", 1)[-1]
-        job = jobs[r["run_dir"]] = Job(h, r["run_dir"], r["config"], [use], r["done"], r.get("unavailable"))
+        job = jobs[r["run_dir"]] = Job(h, r["run_dir"], r["config"], [use], r["done"], r.get("unavailable"), bool(r.get("rebuild")))
         f = job.config_file(plan_dir); f.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(f, yaml.safe_dump(r["config"], sort_keys=True))
         again = run_dir_for(load_config(f), Path(r["run_dir"]).parent)
