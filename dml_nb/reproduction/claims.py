@@ -197,6 +197,12 @@ class Claims:
             self.paired_spread.setdefault(metric, {})[(a, b)] = (sd, n)
         return v
 
+    def compared(self, table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | None = None) -> None:
+        """Count the rows (default: all that ran) of `table` whose `metric` the claims compare in other ways than `beats`
+        (`all_hold(better(...) ...)`), so that the resolution gives the difference their seeds resolve."""
+        rows = list(table.index if rows is None else rows)
+        self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in rows if stat(table, r, metric).n > 0})
+
     def resolves(self) -> dict[str, float]:
         "Per metric, the smallest difference the seeds resolve (`resolvable`) over the rows the claims compared."
         return {m: resolvable(pd.DataFrame({m: [s.mean for s in st.values()], f"{m} std": [s.std for s in st.values()],
@@ -215,6 +221,14 @@ class Claims:
     def resolution(self) -> str:
         """The sentence under the claims: the smallest difference each metric's seeds resolve, and (where the per-seed
         values were given) the same paired by seed, which the verdicts do not use."""
+        own = {}   # claims judged on per-seed values (`check(..., difference=(d, se), metric=...)`): 2 SE of each
+        for i in self.items:
+            if np.isfinite(i["se"]) and i["metric"]: own.setdefault(i["metric"], []).append(Z * i["se"])
+        if not self.spread and own:
+            return ("**Resolution.** With these seeds the rule resolves differences of at least "
+                    + ", ".join(f"{m} {float(np.median(v)):.2g}" for m, v in own.items())
+                    + f" points ({Z:g} SE of each claim's difference, the median over the claims on that quantity); an "
+                    "*unresolved* claim is a difference smaller than that.")
         if not self.spread:
             return ("**Resolution.** No claim here compares two rows of a results table (`beats`): each verdict applies "
                     "the rule to the per-seed values its numbers give, so this file states no single threshold.")
