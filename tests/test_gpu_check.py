@@ -5,10 +5,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("environment", "gpu tests", "training", "data path", "projection", "evaluation", "torchrun", "resume")
 
 
+@pytest.mark.slow   # a minute of CI; run it before a GPU session: pytest -m slow tests/test_gpu_check.py
 def test_gpu_check_rehearsal_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.md"
     env = {**os.environ, "GPU_CHECK_TIMEOUT": "1500"}
