@@ -150,10 +150,13 @@ def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root:
 def results_folder(given: str | None, root: str | Path) -> Path | None:
     """The results folder of `dml-reproduce` (`results.save_result`): `given` ('none': no folder), else
     `$DML_RESULTS` (empty: none), else `<project>/results`. None under tests: smoke runs never reach the committed one."""
-    if given is not None: return None if given.strip().lower() in ("", "none") else Path(given)
-    env = os.environ.get(RESULTS_ENV)
-    if env is not None: return Path(env) if env.strip() else None
-    return None if in_test() else Path(root) / "results"
+    if given is not None: out = None if given.strip().lower() in ("", "none") else Path(given)
+    elif (env := os.environ.get(RESULTS_ENV)) is not None: out = Path(env) if env.strip() else None
+    else: out = None if in_test() else Path(root) / "results"
+    if out is not None and out.exists() and not out.is_dir():   # before anything is trained or written
+        raise ValueError(f"results folder {out} is a file, not a folder: name a folder with --results-dir DIR (or "
+                         f"${RESULTS_ENV}), or switch it off with --results-dir none")
+    return out
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.launch`)."
@@ -172,7 +175,8 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from .sweep import env_vars
     root = project_root()
-    results = results_folder(args.results_dir, root)
+    try: results = results_folder(args.results_dir, root)
+    except ValueError as e: ap.error(str(e))
     if results is not None:   # what an earlier machine finished: read, not trained again
         runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
         if got := restore_results(results, runs):
