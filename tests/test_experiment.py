@@ -192,3 +192,43 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     monkeypatch.setattr(dnc_module, "cluster_batch_sampler", lambda *a, **k: (seen.append(k["draw"]), original(*a, **k))[1])
     run(dnc("reshuffle"), runs_dir=tmp_path, progress=False)
     assert seen and set(seen) == {"reshuffle"}
+
+
+# --- the CPU thread count: recorded, and kept by a resume (a CPU's count changes a run's last bits) -----------------
+
+def test_a_run_records_its_thread_count_and_leaves_the_process_count_alone(tmp_path):
+    import torch
+    before = torch.get_num_threads()
+    r = run(TINY, runs_dir=tmp_path, progress=False, threads=2)
+    assert r.info["threads"] == 2 and torch.get_num_threads() == before
+    ck = torch.load(r.run_dir / "checkpoint.pt", weights_only=False)
+    assert ck["threads"] == 2
+    assert run(TINY, runs_dir=tmp_path / "own", progress=False).info["threads"] == before   # None: this process's count
+
+
+def test_a_resumed_run_keeps_the_thread_count_it_started_with(tmp_path, capsys):
+    "An unfinished run (its checkpoint, no `done`) asked for 1 thread resumes on the 2 its checkpoint records."
+    from dml_nb.reproduction.experiment import recorded_threads
+    r = run(TINY, runs_dir=tmp_path, progress=False, threads=2)
+    for name in ("done", "metrics.json"): (r.run_dir / name).unlink()
+    assert recorded_threads(r.run_dir) == 2
+    again = run(TINY, run_dir=r.run_dir, progress=True, threads=1)
+    assert again.info["threads"] == 2 and "resumed on the 2 thread(s) it started with, not 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "2"])
+def test_a_bad_thread_count_is_refused_before_anything_is_written(tmp_path, bad):
+    with pytest.raises(ConfigError, match="threads must be a whole number of at least 1"):
+        run(TINY, runs_dir=tmp_path, progress=False, threads=bad)
+    assert not any(tmp_path.iterdir())
+
+
+def test_dml_train_threads(tmp_path, capsys):
+    import yaml
+    from dml_nb.reproduction.cli import main
+    (params := tmp_path / "p.yaml").write_text(yaml.safe_dump(TINY))
+    with pytest.raises(SystemExit) as e: main([str(params), "--threads", "0", "-o", str(tmp_path / "r")])
+    assert e.value.code == 2 and "--threads: expected a whole number of at least 1; got '0'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    assert main([str(params), "--threads", "2", "-o", str(tmp_path / "r"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "r" / "metrics.json").read_text())["threads"] == 2

@@ -1,13 +1,19 @@
 """Sweeps: the plan of a notebook is the runs it then uses, the launchers give the run folders of the sequential
 path bit for bit, a killed sweep resumes to the same results, and the README's cluster workflow (plan, launch,
-collect) works on the local launcher."""
+collect) works on the local launcher.
+
+Bit for bit holds at the same CPU thread count: on a CPU the count changes a run's last bits (oneDNN's convolution
+weight gradients, whole-tensor sums; `_configs(epochs=4, batches=6)` ends at another loss on 1 and on 2 threads on
+an AVX-512 Xeon, and the 2 x 2 batch runs do on an AMD EPYC). So every comparison here names its count: the
+sequential runs train on `RUN_THREADS` (what `run_rows` and the local and SLURM launchers default to), and a resumed
+run keeps the count it started with, whatever the launcher that resumes it is given."""
 import json, os, signal, subprocess, sys, time, uuid
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from dml_nb.reproduction.experiment import run
+from dml_nb.reproduction.experiment import RUN_THREADS, run
 from dml_nb.reproduction.repro import base_config, output_dirs, smoke
 from dml_nb.reproduction.reproduce import reproduce_main
 from dml_nb.reproduction.launch import launch
@@ -29,10 +35,11 @@ def _configs(epochs=2, batches=2, seeds=(0,)):
     return out
 
 
-def _same_runs(a: Path, b: Path):
-    "metrics.json (less the wall time and the finishing time) and history.csv (less the time column) are equal."
+def _same_runs(a: Path, b: Path, threads: int = RUN_THREADS):
+    "metrics.json (less the wall time and the finishing time) and history.csv (less the time column) are equal; both trained on `threads` CPU threads."
     assert (a / "done").exists() and (b / "done").exists()
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    assert ma["threads"] == mb["threads"] == threads, (ma["threads"], mb["threads"], threads)
     for k in ("wall_time_s", "finished"): ma.pop(k), mb.pop(k)
     assert ma == mb
     ha, hb = (pd.read_csv(d / "history.csv").drop(columns=["time"]) for d in (a, b))
@@ -42,9 +49,9 @@ def _same_runs(a: Path, b: Path):
 
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory):
-    "The sequential path: each config run in this process, one after another."
+    "The sequential path: each config run in this process, one after another, on `RUN_THREADS` threads (as `run_rows`)."
     runs = tmp_path_factory.mktemp("sequential")
-    return {name: run(raw, runs_dir=runs, progress=False).run_dir for name, raw in _configs().items()}
+    return {name: run(raw, runs_dir=runs, progress=False, threads=RUN_THREADS).run_dir for name, raw in _configs().items()}
 
 
 def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
@@ -77,9 +84,10 @@ def test_a_failed_launch_exits_non_zero_naming_runs_and_logs(tmp_path, capsys):
 
 
 def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
+    "Killed on 2 threads a run, relaunched on 1 (the default), resumes on its 2 and ends as an uninterrupted 2-thread run."
     configs = _configs(epochs=4, batches=6, seeds=(0,))
     plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
-    code = f"from dml_nb.reproduction.sweep import Plan; from dml_nb.reproduction.launch import launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, progress=False)"
+    code = f"from dml_nb.reproduction.sweep import Plan; from dml_nb.reproduction.launch import launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, threads=2, progress=False)"
     sweep = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     first = Path(plan.jobs[0].run_dir)
     try:
@@ -89,11 +97,11 @@ def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
     finally: sweep.wait()
     assert (first / "checkpoint.pt").exists() and not (first / "done").exists(), "the kill must land inside the first run"
     assert len(plan.pending()) == 2
-    launch(plan, "local", workers=2, progress=False)   # relaunch: the first run resumes, the second starts
+    launch(plan, "local", workers=2, progress=False)   # relaunch on 1 thread each: the first run resumes on its 2, the second starts on 1
     assert plan.pending() == []
-    for job, raw in zip(plan.jobs, configs.values()):
-        fresh = run(raw, runs_dir=tmp_path / "sequential", progress=False).run_dir
-        _same_runs(Path(job.run_dir), fresh)
+    for job, raw, threads in zip(plan.jobs, configs.values(), (2, RUN_THREADS)):
+        fresh = run(raw, runs_dir=tmp_path / f"sequential{threads}", progress=False, threads=threads).run_dir
+        _same_runs(Path(job.run_dir), fresh, threads)
 
 
 def test_readme_cluster_workflow_on_the_local_launcher(tmp_path, monkeypatch):
@@ -150,7 +158,7 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
     from dml_nb.reproduction.launch import slurm_executor
     plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
     ex = slurm_executor(tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus=0, cpus=1, cluster="local")
-    launch(plan, "slurm", threads=1, executor=ex, progress=False)
+    launch(plan, "slurm", executor=ex, progress=False)   # the default count: RUN_THREADS, as the sequential path
     for job, name in zip(plan.jobs, _configs()): _same_runs(Path(job.run_dir), sequential[name])
 
 

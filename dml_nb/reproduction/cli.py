@@ -57,6 +57,13 @@ def _check_data_report(cfg: Config, progress: bool) -> int:
           "training stops on them; replace them, or leave them out with --set data.on_unreadable=skip"))
     return 0 if skip else 2
 
+def _count(text: str) -> int:
+    "An argparse type: a whole number of at least 1."
+    try: n = int(text)
+    except ValueError: n = 0
+    if n < 1: raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {text!r}")
+    return n
+
 def main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-train`."
     presets = PRESETS.listing().replace("\n", "\n  ")   # read from the sources: --help loads no torch
@@ -71,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--check-data", action="store_true",
                     help="check the dataset (index files, and every image decoded once, cached) and exit")
     ap.add_argument("--wait", action="store_true", help="wait for another process training into the same run directory")
+    ap.add_argument("--threads", type=_count, default=None, metavar="N",
+                    help="CPU threads to train on (default: torch's, i.e. $OMP_NUM_THREADS or the cores); recorded in "
+                         "metrics.json, and a resumed run keeps the count it started with: on a CPU the count changes a run's last bits")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show the traceback of every error")
     args = ap.parse_args(argv)
@@ -81,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         is_main = process_rank() == 0
         try:
             res = run(cfg, runs_dir=args.runs_dir, run_dir=args.run_dir, progress=not args.no_progress and is_main,
-                      wait=args.wait)
+                      wait=args.wait, threads=args.threads)
             if dist:
                 import torch
                 torch.distributed.barrier()   # every rank is done with the group before any rank leaves it

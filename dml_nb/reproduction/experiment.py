@@ -22,9 +22,9 @@ from .results import check_stopped, clear_restored, record_stopped, restored, re
 
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable',
-           'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'run_key', 'process_rank', 'run', 'train_again',
-           'run_seeds']
+__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets',
+           'tolerate_unreadable', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'recorded_threads',
+           'run_key', 'process_rank', 'run', 'train_again', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -231,6 +231,26 @@ def load_result(run_dir: str | Path) -> RunResult:
 _PROGRESS = ("checkpoint.pt", "history.csv", "metrics.json", "embeddings.pt", "done")   # what a started run writes
 RUN_FILES = ("config.yaml", *_PROGRESS, "stopped", ".lock")     # everything `run` writes into a run folder (and its temporaries)
 
+# The CPU threads a reproduction run trains with unless told otherwise (`run_rows`, the local and SLURM launchers):
+# one, the count the committed results/ were trained with. On a CPU the count changes a run's last bits (oneDNN's
+# convolution weight gradients, whole-tensor sums), so every run records its count and is resumed with it.
+RUN_THREADS = 1
+
+def recorded_threads(run_dir: str | Path) -> int | None:
+    "The CPU thread count the run in `run_dir` trained with: its `metrics.json`, else its `checkpoint.pt`; None if neither records one."
+    run_dir = Path(run_dir)
+    try: n = json.loads((run_dir / "metrics.json").read_text()).get("threads")
+    except (OSError, ValueError, AttributeError): n = None
+    if n is None and (run_dir / "checkpoint.pt").exists():
+        from dml_nb.training.checkpoint import CheckpointError, load_checkpoint
+        try: n = load_checkpoint(run_dir / "checkpoint.pt").get("threads")
+        except CheckpointError: n = None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+def _check_threads(threads) -> None:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConfigError(f"threads must be a whole number of at least 1 (or None: this process's count); got {threads!r}")
+
 def run_key(cdict: dict) -> str:
     "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
     return config_hash(cdict, length=16)
@@ -312,9 +332,12 @@ def _run_failed(run_dir: Path, e: BaseException) -> BaseException:
     return disk_write_error(getattr(cause, "filename", None) or run_dir, cause) if cause is not None else e
 
 def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Path | None = None,
-        progress: bool = True, wait: bool = False) -> RunResult:
+        progress: bool = True, wait: bool = False, threads: int | None = None) -> RunResult:
     """Train and evaluate `config` once; reuse a finished run, resume an interrupted one. The run directory is
-    locked while this runs: another process on it is an error naming it, or with `wait=True` waited for."""
+    locked while this runs: another process on it is an error naming it, or with `wait=True` waited for. It trains
+    on `threads` CPU threads (None: this process's `torch.get_num_threads()`), recorded in `metrics.json` and the
+    checkpoint; a resumed run keeps the count it started with, so that it ends as an uninterrupted run would."""
+    _check_threads(threads)
     cfg = make_config(config)
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
@@ -327,7 +350,7 @@ def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Pat
     lock = lock_dir(run_dir, wait=wait, on_wait=say) if main else None
     try:
         if lock is not None: lock.__enter__()
-        return _run_locked(cfg, cdict, run_dir, progress, created, lock)
+        return _run_locked(cfg, cdict, run_dir, progress, created, lock, threads)
     finally:
         if lock is not None: lock.__exit__(None, None, None)
 
@@ -340,12 +363,24 @@ def _remove_created(run_dir: Path, created: Path | None, lock) -> None:
         except OSError: return
         if p == created: return
 
-def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock) -> RunResult:
+def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock,
+                threads: int | None = None) -> RunResult:
     state = _run_state(run_dir, cdict)          # again, under the lock: another process may have written meanwhile
     if state == "done":                         # finished meanwhile (or its config.yaml was lost: rewritten)
         if lock is not None and not (run_dir / "config.yaml").exists():
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
         return load_result(run_dir)
+    import torch
+    kept = recorded_threads(run_dir) if state == "resume" else None
+    if kept and threads and kept != threads and progress:
+        print(f"{run_dir.name}: resumed on the {kept} thread(s) it started with, not {threads}", file=sys.stderr)
+    n, before = kept or threads or torch.get_num_threads(), torch.get_num_threads()
+    torch.set_num_threads(n)
+    try: return _train(cfg, cdict, run_dir, progress, created, lock, n)
+    finally: torch.set_num_threads(before)
+
+def _train(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock, threads: int) -> RunResult:
+    "The body of `_run_locked` for a run to train, on `threads` CPU threads."
     if lock is not None: remove_temp_files(run_dir, everything=True)      # halves of writes that a kill interrupted
     t0 = time.time()
     try: learner = build_learner(cfg, run_dir, progress=progress)
@@ -354,6 +389,7 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
         raise
     import torch
     learner.run_key = run_key(cdict)            # stored in every checkpoint: the proof `_run_state` reads
+    learner.threads = threads                   # stored in every checkpoint: a resume keeps it (`recorded_threads`)
     try:
         if lock is not None and _read_yaml(run_dir / "config.yaml") != cdict:
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
@@ -365,7 +401,7 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
             info = {**reported, "seed": cfg.seed, "epochs": cfg.train.epochs, "config_key": run_key(cdict),
                     "versions": _versions(), "device": str(learner.device),
                     "device_name": torch.cuda.get_device_name(0) if learner.device.type == "cuda" else platform.processor() or platform.machine(),
-                    "wall_time_s": round(time.time() - t0, 2),
+                    "threads": threads, "wall_time_s": round(time.time() - t0, 2),
                     "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             if cfg.eval.save_embeddings:    # the last evaluation's feature pass, reused when the weights did not change
                 atomic_torch_save(learner.eval_embeddings(), run_dir / "embeddings.pt")
@@ -379,10 +415,12 @@ def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created
     return load_result(run_dir) if learner.is_main else RunResult(run_dir, cdict, metrics, learner.history, {})
 
 def train_again(result: RunResult, progress: bool = False) -> RunResult:
-    "The restored run `result` trained again in its folder, for what a results folder does not keep (embeddings, weights)."
+    """The restored run `result` trained again in its folder, for what a results folder does not keep (embeddings,
+    weights), on the thread count it records (`RUN_THREADS` for results saved before runs recorded one)."""
     print(f"{Path(result.run_dir).name}: restored from a results folder, without the embeddings or weights asked for; training it again", file=sys.stderr)
+    threads = result.info.get("threads") or RUN_THREADS
     clear_restored(result.run_dir)
-    return run(result.config, run_dir=result.run_dir, progress=progress, wait=True)
+    return run(result.config, run_dir=result.run_dir, progress=progress, wait=True, threads=threads)
 
 
 # %% ../../nbs/60_experiment.ipynb #f8139276

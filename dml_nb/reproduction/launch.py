@@ -13,7 +13,8 @@ from typing import Mapping, Sequence
 from tqdm.auto import tqdm
 
 from ..core.base import project_root
-from .results import clear_restored
+from .experiment import RUN_THREADS, recorded_threads
+from .results import clear_restored, restored
 from .sweep import (
     COLLECT_ENV, PLAN_ENV, SETTLED, Job, Plan, collecting, execute, notebook_parameters, notebook_path, plan_notebook)
 
@@ -47,13 +48,14 @@ class SweepFailed(RuntimeError):
         super().__init__(f"{len(self.failures)} run(s) failed: " + " | ".join(map(str, self.failures)))
 
 def local_slots(workers: int = 1, threads: int | None = None) -> list[dict]:
-    "The environment of each of `workers` parallel processes: the CPU's threads split between them (`threads` each)."
+    """The environment of each of `workers` parallel processes, `threads` CPU threads each (default `RUN_THREADS`, the
+    count of a notebook's own runs: launched and sequential runs give the same bits)."""
     if workers < 1: raise ValueError(f"workers must be at least 1; got {workers}")
-    n = threads or max(1, (os.cpu_count() or 1) // workers)
+    n = threads or RUN_THREADS
     return [{"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} for _ in range(workers)]
 
 def gpu_slots(gpus: Sequence[str | int] | None = None, threads: int | None = None) -> list[dict]:
-    "One process per GPU (`gpus`, default: those visible, `$CUDA_VISIBLE_DEVICES` or every one torch sees), CPU threads split between them."
+    "One process per GPU (`gpus`, default: those visible, `$CUDA_VISIBLE_DEVICES` or every one torch sees), `threads` CPU threads each (default: the CPUs split between them)."
     if gpus is None:
         vis = os.environ.get("CUDA_VISIBLE_DEVICES")
         if vis is not None: gpus = [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
@@ -62,7 +64,8 @@ def gpu_slots(gpus: Sequence[str | int] | None = None, threads: int | None = Non
             gpus = list(range(torch.cuda.device_count()))
     if not gpus: raise RuntimeError("multi_gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty, or torch sees none); "
                                     "use the local launcher (--launch local --workers N) on this machine")
-    return [{**s, "CUDA_VISIBLE_DEVICES": str(g)} for s, g in zip(local_slots(len(gpus), threads), gpus)]
+    n = threads or max(1, (os.cpu_count() or 1) // len(gpus))
+    return [{**s, "CUDA_VISIBLE_DEVICES": str(g)} for s, g in zip(local_slots(len(gpus), n), gpus)]
 
 def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping], progress: bool = True,
              poll: float = 0.2) -> list[Failure]:
@@ -94,8 +97,8 @@ def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping]
 
 
 # %% ../../nbs/69_launch.ipynb #8256e91e
-def _train_job(command: Sequence[str], threads: int | None = None) -> str:
-    "A SLURM array task: `dml-train` with `command`'s arguments in this process; returns the run folder."
+def _train_job(command: Sequence[str], threads: int | None = RUN_THREADS) -> str:
+    "A SLURM array task: `dml-train` with `command`'s arguments in this process, on `threads` CPU threads; returns the run folder."
     if threads:
         import torch
         torch.set_num_threads(threads)
@@ -153,10 +156,12 @@ def launch(plan: Plan, launcher: str = "local", workers: int = 1, threads: int |
     failed and their logs. A run another process is training is waited for (its lock); a killed run resumes."""
     if launcher not in LAUNCHERS: raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     for j in plan.jobs:   # restored from a results folder, needed with its embeddings or weights: trained again
-        if j.rebuild: clear_restored(j.run_dir)
+        if j.rebuild and restored(j.run_dir):   # on the thread count its results record (`RUN_THREADS` for older results)
+            j.threads = recorded_threads(j.run_dir) or RUN_THREADS
+            clear_restored(j.run_dir)
     if launcher == "slurm":
         ex = slurm.pop("executor", None) or slurm_executor(Path(plan.plan_dir) / "slurm", **slurm)
-        failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads, progress)
+        failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads or RUN_THREADS, progress)
     else:   # this machine: a run it cannot start (no data, weights) is left out, as the notebook's own path leaves it out
         slots = local_slots(workers, threads) if launcher == "local" else gpu_slots(gpus, threads)
         here = [j for j in plan.jobs if not (j.unavailable and j.status != "done")]
@@ -195,7 +200,8 @@ def add_sweep_arguments(ap) -> None:
     g.add_argument("--from-plan", help="launch the runs of this plan JSON (from --plan) instead of planning again")
     g.add_argument("--no-collect", action="store_true", help="with --launch: stop after training")
     g.add_argument("--workers", type=int, default=1, help="local: parallel processes (default 1)")
-    g.add_argument("--threads", type=int, help="CPU threads per process (default: the CPUs split between them)")
+    g.add_argument("--threads", type=int, help="CPU threads per run (default: local and slurm 1, as a notebook's own runs; "
+                   "multi_gpu: the CPUs split between the GPUs); each run records its count in metrics.json")
     g.add_argument("--gpus", help="multi_gpu: comma-separated GPU ids (default: $CUDA_VISIBLE_DEVICES or every GPU)")
     for opt, kw in (("--partition", {}), ("--time", {"type": int, "default": 60, "help": "slurm: minutes per run (default 60)"}),
                     ("--gpus-per-run", {"type": int, "default": 1}), ("--mem-gb", {"type": int, "default": 32}),

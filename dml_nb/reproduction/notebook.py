@@ -13,7 +13,7 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
-from .experiment import load_result
+from .experiment import RUN_THREADS, load_result
 from ..methods.base import task_health
 from .repro import (
     EMBEDDED, Row, base_config, compare, job_config, output_dirs, paper_numbers, paper_variant, reported_as, rows_from,
@@ -37,6 +37,7 @@ class Reproduction:
     figures: Path
     runs: Path
     progress: bool = True
+    threads: int = RUN_THREADS   # the CPU threads each run trains on (`output.threads`; recorded in its metrics.json)
 
     @property
     def embedded(self) -> bool: return self.dataset in EMBEDDED
@@ -46,7 +47,8 @@ class Reproduction:
         rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
         self.epochs_run = sorted({int(job_config(r, self.base, s).get("train", {}).get("epochs", 10))
                                   for r in rows for s in self.seeds})   # what the note says: rows may set their own
-        per_seed, results = run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress)
+        per_seed, results = run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress,
+                                     threads=self.threads)
         prev = getattr(self, "per_seed", None)   # for `claims` (pairing by seed, cost, tasks): a row run again replaces its lines
         self.per_seed = pd.concat([None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True)
         return per_seed, results
@@ -139,7 +141,7 @@ def _small(value, n):
 
 _DIR, _SECTION = (str, Path, type(None)), (Mapping, type(None))
 CONFIG_SECTIONS = dict.fromkeys(("data", "model", "train", "eval"), _SECTION)   # `config`: overrides by section
-OUTPUT_KEYS = {"runs_dir": _DIR, "figures_dir": _DIR, "progress": (bool,)}     # `output`: folders, progress bars
+OUTPUT_KEYS = {"runs_dir": _DIR, "figures_dir": _DIR, "progress": (bool,), "threads": (int,)}   # `output`: folders, progress bars, CPU threads per run
 
 def _parameter_dict(value, name: str, keys: Mapping[str, tuple], stem: str) -> dict:
     "`value` of the notebook parameter `name`: a dict with keys among `keys`, each value of its types (None: empty)."
@@ -172,6 +174,8 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     try:
         base = params_base(params, defaults, stem)    # first: a wrong parameter stops before anything is shrunk
         output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
+        if isinstance(threads := output.get("threads", RUN_THREADS), bool) or threads < 1:
+            raise ValueError(f"output.threads must be a whole number of at least 1 (CPU threads per run); got {threads!r}")
         nb_defaults = notebook_defaults(stem)
         _check_parameters(stem, params, nb_defaults)
         _check_data(base)                              # a paper dataset that is not here: no row could run
@@ -190,7 +194,7 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     progress = output.get("progress", True)
     if progress and not (in_test() or _watched()): text_progress()
     set_style()
-    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, progress)
+    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, progress, threads)
 
 # %% ../../nbs/68_notebook.ipynb #ea32b450
 def _notebook_of(stem: str) -> Path | None:

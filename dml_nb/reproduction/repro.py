@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .claims import Claims, metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, METHODS
-from .experiment import RunResult, build_learner, load_result, run, run_dir_for
+from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
 from .results import RunStopped, restored
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
@@ -155,9 +155,10 @@ def availability(raw: Mapping) -> str | None:
         except (FileNotFoundError, ValueError) as e: return f"backbone weights missing: {e}"
     return None
 
-def run_one(raw: Mapping, runs_dir: str | Path, progress: bool = True) -> RunResult:
-    "`experiment.run`, waiting for the run folder's lock (parallel notebooks wait for each other's identical runs)."
-    return run(make_config(raw), runs_dir=runs_dir, progress=progress, wait=True)
+def run_one(raw: Mapping, runs_dir: str | Path, progress: bool = True, threads: int | None = RUN_THREADS) -> RunResult:
+    """`experiment.run` on `threads` CPU threads (default `RUN_THREADS`, as the launchers), waiting for the run folder's
+    lock (parallel notebooks wait for each other's identical runs)."""
+    return run(make_config(raw), runs_dir=runs_dir, progress=progress, wait=True, threads=threads)
 
 # %% ../../nbs/64_repro.ipynb #2bff406b
 def load_learner(result: RunResult | str | Path):
@@ -194,8 +195,8 @@ def job_config(row: Row, base: Mapping, seed: int) -> dict:
     return smoke({**row.config(base), "seed": int(seed)})
 
 def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), runs_dir: str | Path | None = None,
-             progress: bool = True) -> tuple[pd.DataFrame, dict]:
-    """Run every row for every seed (smoke size under nbdev_test). Returns the per-seed frame that `collect_runs`
+             progress: bool = True, threads: int | None = RUN_THREADS) -> tuple[pd.DataFrame, dict]:
+    """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
     reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.reproduction.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained."""
     from dml_nb.reproduction.sweep import sweep_mode
@@ -213,7 +214,7 @@ def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), ru
         if why:
             skipped[(row.name, seed)] = f"not run: {portable(why)}"; continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
-        try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress)
+        try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress, threads=threads)
         except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
         except (BatchFormationError, NoTuplesError, RunStopped) as e:   # the method cannot train on this data: shown with the reason

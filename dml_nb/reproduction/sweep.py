@@ -139,6 +139,7 @@ class Job:
     done: bool = False         # finished when planned
     unavailable: str | None = None   # why this machine cannot start it (no GPU, data or weights here); a launcher elsewhere may
     rebuild: bool = False      # restored from a results folder, and a figure needs its embeddings or weights: trained again
+    threads: int | None = None   # the CPU threads a rebuilt run trains on again (those its results record), else the slot's
 
     @property
     def status(self) -> str:
@@ -153,7 +154,8 @@ class Job:
 
     def command(self, plan_dir: str | Path) -> list[str]:
         "The `dml-train` command that produces this run (it waits for another process holding the run's lock)."
-        return ["dml-train", str(self.config_file(plan_dir)), "-o", self.run_dir, "--wait", "--no-progress"]
+        cmd = ["dml-train", str(self.config_file(plan_dir)), "-o", self.run_dir, "--wait", "--no-progress"]
+        return cmd + (["--threads", str(self.threads)] if self.threads else [])
 
 @dataclass
 class Plan:

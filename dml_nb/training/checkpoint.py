@@ -102,6 +102,7 @@ class CheckpointMixin:
         return to_safe({
             "format": CHECKPOINT_FORMAT, "epoch": epoch, "step": step, "global_step": self.global_step,
             "epochs": self.epochs, "seed": self.seed, "run_key": getattr(self, "run_key", None),  # experiment.run_key
+            "threads": getattr(self, "threads", None),  # the CPU threads experiment.run trains on (a resume keeps them)
             "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
