@@ -1,5 +1,5 @@
-"""Figures that show what the claims test: the forest plot draws each claim's difference with the very SE its verdict
-used, the paper's difference and zero; the claims file says the smallest difference the seeds resolve; absolute bars
+"""Figures that show what the claims test: the forest plot draws each claim's difference with the very threshold its
+verdict used (t SE), the paper's difference and zero; the claims file says the smallest difference the seeds resolve; absolute bars
 show the SE and leave zero out where it would hide the spread."""
 import math
 from pathlib import Path
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dml_nb.reproduction.claims import Claims, Verdict, Z, difference, judge, resolvable, stat
+from dml_nb.reproduction.claims import Claims, Verdict, critical, difference, judge, resolvable, stat
 from dml_nb.reproduction.reproduce import claims_summary, resolution
 from dml_nb.reproduction.viz import hides_spread, plot_bars
 
@@ -36,7 +36,7 @@ def claims(tmp_path):
     return c, t
 
 
-def test_the_forest_interval_is_the_verdicts_own_two_se(claims):
+def test_the_forest_interval_is_the_verdicts_own_threshold(claims):
     c, t = claims
     fig = c.plot()
     ax = fig.axes[0]
@@ -48,10 +48,11 @@ def test_the_forest_interval_is_the_verdicts_own_two_se(claims):
     expected = []
     for a, b, m in (("DiVA-512", "Margin-512", "R@1"), ("D&C-128", "Margin-128", "R@1"), ("DiVA-512", "Margin-512", "NMI"),
                     ("MIC-128", "Margin-128", "R@1")):
-        d, se = difference(stat(t, a, m), stat(t, b, m))
+        diff = difference(stat(t, a, m), stat(t, b, m))
+        d, thr = diff[0], diff.threshold
         verdict = judge(stat(t, a, m), stat(t, b, m))
-        assert (verdict == Verdict.HOLDS) == (d - Z * se > 0) and (verdict == Verdict.FAILS) == (d + Z * se < 0)
-        expected.append(tuple(np.round([d - Z * se, d + Z * se], 6)))
+        assert (verdict == Verdict.HOLDS) == (d - thr > 0) and (verdict == Verdict.FAILS) == (d + thr < 0)
+        expected.append(tuple(np.round([d - thr, d + thr], 6)))
     assert intervals == sorted(expected)
     paper = [l for l in ax.lines if l.get_label() == "the paper's difference"][0]
     np.testing.assert_allclose(paper.get_xdata(), [69.2 - 63.9, 65.9 - 60.7, np.nan, np.nan])   # no NMI / MIC in the paper file
@@ -63,7 +64,7 @@ def test_the_claims_file_says_what_the_seeds_resolve(claims):
     c, t = claims
     rows = ["DiVA-512", "Margin-512", "D&C-128", "Margin-128", "MIC-128"]
     spread = math.sqrt(np.mean(t.loc[rows, "R@1 std"] ** 2))
-    assert c.resolves()["R@1"] == pytest.approx(2 * spread * math.sqrt(2 / 5)) == pytest.approx(resolvable(t, rows=rows))
+    assert c.resolves()["R@1"] == pytest.approx(critical(8) * spread * math.sqrt(2 / 5)) == pytest.approx(resolvable(t, rows=rows))
     c.save()
     f = c.figures_dir / "repro_demo_claims.md"
     assert f"R@1 {c.resolves()['R@1']:.1f}, NMI {c.resolves()['NMI']:.1f}" == resolution(f)

@@ -17,9 +17,9 @@ from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
 # %% auto #0
-__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'resolution', 'claims_summary', 'totals_by_setting', 'update_readme_claims',
-           'reproduce', 'results_folder', 'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook',
-           'write_executed']
+__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'judged_by', 'resolution', 'claims_summary', 'totals_by_setting',
+           'update_readme_claims', 'reproduce', 'results_folder', 'reproduce_main', 'machine_paths', 'scrub_output',
+           'scrub_notebook', 'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -43,6 +43,10 @@ def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
     lines = [l for l in text.splitlines()[2:] if l.startswith("|")]
     cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
     return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
+
+def judged_by(text: str) -> str:
+    "The rule a claims file states: Welch's t over seeds (since the t rule), or the earlier 2 SE."
+    return "Welch t over seeds" if "Welch" in text else "2 SE over seeds"
 
 def resolution(path: Path) -> str:
     """The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), and
@@ -79,7 +83,7 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
         runs, minutes = _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"), _sentence(text, r"runs, ([\d.]+) minutes of training")
         rows.append(f"| [`{stem}`](figures/{f.name}) | {_ran_on(text)} | "
-                    f"{_provenance(state, stem)} | {runs} | {minutes} | {'2 SE over seeds' if ruled else 'plain comparison'} | "
+                    f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(text) if ruled else 'plain comparison'} | "
                     + " | ".join(str(count[k]) for k in VERDICTS)
                     + f" | {resolution(f)} | {was} | {held} |")
     head = ("| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
@@ -96,6 +100,11 @@ def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
         out[key] = (n + 1, t)
     return out
 
+def _before_what(figures_dir: str | Path) -> str:
+    "What the 'before' column holds: the `short` line of `figures/.claims_before.json` (else 'the verdicts of the previous regime')."
+    f = Path(figures_dir) / ".claims_before.json"
+    return (json.loads(f.read_text()).get("short") if f.exists() else None) or "the verdicts of the previous regime"
+
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
     readme = Path(readme)
@@ -110,8 +119,8 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     split = "" if len(by) < 2 else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
     lead = (f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
             f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
-            "time of the notebook's runs, summed (each run one process). 'before': the "
-            "verdicts of the previous regime (`figures/.claims_before.json`). 'plain comparison': a claims file written "
+            f"time of the notebook's runs, summed (each run one process). 'before': {_before_what(figures_dir)} "
+            "(`figures/.claims_before.json`). 'plain comparison': a claims file written "
             "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n")
     atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
     return total

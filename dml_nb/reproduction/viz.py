@@ -257,25 +257,28 @@ def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: 
 VERDICT_COLOURS = {"holds": PALETTE[2], "fails": PALETTE[3], "unresolved": "0.45", "not tested": "0.75"}
 
 def plot_forest(labels: Sequence[str], diffs: Sequence[float], ses: Sequence[float], paper: Sequence[float] | None = None,
-                verdicts: Sequence[str] | None = None, resolves: Sequence[float] | None = None, z: float = 2.0, ax=None,
+                verdicts: Sequence[str] | None = None, resolves: Sequence[float] | None = None,
+                z: float | Sequence[float] = 2.0, ax=None,
                 xlabel: str = "difference of the two rows (points)", title: str | None = None):
     """One row per claim (top to bottom): the difference `diffs` (dot, coloured by its verdict) with ± `z` `ses`
-    (line; none where the SE is NaN), the paper's difference (`paper`, diamond; NaN: the paper gives none), zero
-    (vertical line) and, in grey, ± `resolves`: differences smaller than the seeds resolve."""
+    (line; none where the SE is NaN; `z` one multiple, or one per claim: the rule's t), the paper's difference
+    (`paper`, diamond; NaN: the paper gives none), zero (vertical line) and, in grey, ± `resolves`: differences
+    smaller than the seeds resolve."""
     n = len(labels)
     d, s = np.asarray(diffs, dtype=float), np.asarray(ses, dtype=float)
     pp = np.full(n, np.nan) if paper is None else np.asarray(paper, dtype=float)
     r = np.full(n, np.nan) if resolves is None else np.asarray(resolves, dtype=float)
     v = list(verdicts) if verdicts is not None else ["unresolved"] * n
+    zs = np.broadcast_to(np.asarray(z, dtype=float), (n,))
     if ax is None: fig, ax = plt.subplots(figsize=(10, 0.45 * n + 1.4))
     else: fig = ax.figure
     y = np.arange(n)[::-1]
     for i in range(n):
         if np.isfinite(r[i]): ax.fill_betweenx([y[i] - 0.35, y[i] + 0.35], -r[i], r[i], color="0.9", lw=0,
                                                label="smaller than the seeds resolve" if i == np.flatnonzero(np.isfinite(r))[0] else None)
-        if np.isfinite(s[i]): ax.plot([d[i] - z * s[i], d[i] + z * s[i]], [y[i]] * 2, color="black", lw=1.5)
+        if np.isfinite(s[i]): ax.plot([d[i] - zs[i] * s[i], d[i] + zs[i] * s[i]], [y[i]] * 2, color="black", lw=1.5)
     ax.axvline(0, color="black", lw=0.8)
-    ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference ± {z:g} SE")
+    ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference ± {zs[0]:g} SE" if np.ndim(z) == 0 else "ours: difference ± t SE (the rule's threshold)")
     for verdict in dict.fromkeys(v):
         k = [i for i in range(n) if v[i] == verdict]
         ax.plot(d[k], y[k], "o", color=VERDICT_COLOURS.get(verdict, "0.45"), ms=7, label=verdict)
