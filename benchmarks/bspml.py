@@ -12,8 +12,12 @@ a half-trained model. The age is the pair-loss floor of the scope (lambda_unit '
 `--old` also times the loss' unsorted `per_sample_terms` (the path BSPML used before) at the smallest size.
 Prints the machine (CPU model, cores, torch, load average before and after) and one markdown table.
 """
+
 from __future__ import annotations
-import argparse, os, platform, time
+import argparse
+import os
+import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +29,10 @@ from dml_nb.blocks.losses import WeightedMultiSimilarityLoss
 def sop_like(n: int, dim: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "n embeddings in classes of 2-12 samples (uniform sizes, mean ~5.3 after truncation, as SOP), around random centres."
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(2, 10, (n,), generator=g)                 # mean 5.5; the last class is cut at n
+    sizes = torch.randint(2, 10, (n,), generator=g)  # mean 5.5; the last class is cut at n
     labels = torch.repeat_interleave(torch.arange(n), sizes)[:n]
     centres = F.normalize(torch.randn(int(labels.max()) + 1, dim, generator=g), dim=1)
-    emb = F.normalize(centres[labels] + 0.9 / dim ** 0.5 * torch.randn(n, dim, generator=g), dim=1)
+    emb = F.normalize(centres[labels] + 0.9 / dim**0.5 * torch.randn(n, dim, generator=g), dim=1)
     return emb, labels
 
 
@@ -36,24 +40,30 @@ def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"): return line.split(":", 1)[1].strip()
-    except OSError: pass
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or "unknown"
 
 
 def loadavg() -> str:
-    try: return open("/proc/loadavg").read().split()[0]
-    except OSError: return "n/a"
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "n/a"
 
 
 def timed(fn, device, repeats: int):
     "Best of `repeats` wall-clock times (synchronising CUDA), and the last result."
     best, out = float("inf"), None
     for _ in range(repeats):
-        if device.type == "cuda": torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t = time.perf_counter()
         out = fn()
-        if device.type == "cuda": torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t)
     return best, out
 
@@ -65,15 +75,22 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--devices", nargs="+", default=["cpu", "cuda"])
     ap.add_argument("--scopes", nargs="+", default=["class", "batch"], choices=["class", "batch"])
-    ap.add_argument("--repeats", type=int, default=3, help="best of this many (terms above 20k samples on the CPU and the stochastic solver: 1)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="best of this many (terms above 20k samples on the CPU and the stochastic solver: 1)",
+    )
     ap.add_argument("--old", action="store_true", help="also time the loss' per_sample_terms at the smallest size")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in args.devices if d != "cuda" or torch.cuda.is_available()]
     skipped = [d for d in args.devices if d == "cuda" and not torch.cuda.is_available()]
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
-          f"torch {torch.__version__}, threads {args.threads}"
-          + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU (cuda path skipped)"))
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
+        f"torch {torch.__version__}, threads {args.threads}"
+        + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU (cuda path skipped)")
+    )
     print(f"load average before: {loadavg()}")
     rows = []
     for n in args.sizes:
@@ -89,10 +106,25 @@ def main(argv=None) -> None:
                 ci = ClassIndex(y)
                 for solver in ("exact", "stochastic"):
                     gen = torch.Generator().manual_seed(0)
-                    t_solve, (w, info) = timed(lambda: solve_spl_weights(xp, xn, ci, lam, lam, solver=solver, generator=gen,
-                                                                         return_info=True), dev, 1 if solver == "stochastic" else args.repeats)
-                    rows.append((n, int(labels.max()) + 1, dev.type, scope, t_terms, solver, t_solve, info["iters"], info["pg"],
-                                 float(w.mean())))
+                    t_solve, (w, info) = timed(
+                        lambda: solve_spl_weights(xp, xn, ci, lam, lam, solver=solver, generator=gen, return_info=True),
+                        dev,
+                        1 if solver == "stochastic" else args.repeats,
+                    )
+                    rows.append(
+                        (
+                            n,
+                            int(labels.max()) + 1,
+                            dev.type,
+                            scope,
+                            t_terms,
+                            solver,
+                            t_solve,
+                            info["iters"],
+                            info["pg"],
+                            float(w.mean()),
+                        )
+                    )
                     print(f"  done: N={n} {dev.type} {scope} {solver} (load {loadavg()})", flush=True)
         if args.old and n == min(args.sizes):
             loss = WeightedMultiSimilarityLoss()
@@ -103,7 +135,8 @@ def main(argv=None) -> None:
     print("| ---: | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for n, C, dev, scope, tt, solver, ts, it, pg, maw in rows:
         print(f"| {n:,} | {C:,} | {dev} | {scope} | {tt:.2f} | {solver} | {ts:.2f} | {it} | {pg:.1e} | {maw:.3f} |")
-    for d in skipped: print(f"\n({d}: not available on this machine, skipped)")
+    for d in skipped:
+        print(f"\n({d}: not available on this machine, skipped)")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,14 @@ worker count, so the per-core rate can be scaled to a larger machine.
 
     python benchmarks/data.py [--images 240] [--workers 0 1 2] [--device cpu] [--threads 2] [--batch 16]
 """
+
 from __future__ import annotations
-import argparse, datetime, os, platform, tempfile, time
+import argparse
+import datetime
+import os
+import platform
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +53,8 @@ def loader_rate(dataset, batch: int, workers: int, collate=None, consume=None) -
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=collate)
     done = 0
     for b in loader:
-        if consume: consume(b)
+        if consume:
+            consume(b)
         done += len(b["y"])
     return done / (time.perf_counter() - t)
 
@@ -55,20 +62,30 @@ def loader_rate(dataset, batch: int, workers: int, collate=None, consume=None) -
 def model_rate(device, batch: int, steps: int) -> float:
     "Bare ResNet50 forward + backward + Adam at 224 px (bf16 + channels_last on CUDA)."
     from dml_nb.blocks.models import build_backbone
+
     torch.manual_seed(0)
     bb = build_backbone("resnet50", frozen_bn=True).to(device)
     cuda = device.type == "cuda"
-    if cuda: bb = bb.to(memory_format=torch.channels_last)
+    if cuda:
+        bb = bb.to(memory_format=torch.channels_last)
     opt = torch.optim.Adam(bb.parameters(), lr=1e-5)
     x = torch.randn(batch, 3, 224, 224, device=device)
+
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda): loss = bb(x).float().sum()
-        opt.zero_grad(); loss.backward(); opt.step()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = bb(x).float().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
     step()
-    if cuda: torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(steps): step()
-    if cuda: torch.cuda.synchronize()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - t)
 
 
@@ -80,46 +97,85 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="loader batch size (small: many batches per pass)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model-batch", type=int, default=None, help="batch of the model-rate measurement (default: 112; CPU: 8)")
-    ap.add_argument("--model-steps", type=int, default=None, help="steps of the model-rate measurement (default 20; CPU 2)")
+    ap.add_argument(
+        "--model-batch", type=int, default=None, help="batch of the model-rate measurement (default: 112; CPU: 8)"
+    )
+    ap.add_argument(
+        "--model-steps", type=int, default=None, help="steps of the model-rate measurement (default 20; CPU 2)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"# {datetime.date.today()} {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, threads {args.threads}")
+    print(
+        f"# {datetime.date.today()} {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, threads {args.threads}"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.root: paths = sorted(Path(args.root).rglob("*.jpg"))[: args.images]
+        if args.root:
+            paths = sorted(Path(args.root).rglob("*.jpg"))[: args.images]
         else:
-            t = time.perf_counter(); paths = write_jpegs(Path(tmp) / "images", args.images)
+            t = time.perf_counter()
+            paths = write_jpegs(Path(tmp) / "images", args.images)
             print(f"wrote {len(paths)} JPEGs in {time.perf_counter() - t:.1f} s", flush=True)
-        ds = ImageListDataset(paths, np.arange(len(paths)) % 10, make_transform("resnet50", train=True), name="bench", split="train")
+        ds = ImageListDataset(
+            paths, np.arange(len(paths)) % 10, make_transform("resnet50", train=True), name="bench", split="train"
+        )
         for w in args.workers:
-            rows.append((f"PIL path: decode + RandomResizedCrop + flip + normalise per item", w,
-                         loader_rate(SeededViews(ds), args.batch, w), os.getloadavg()[0]))
+            rows.append(
+                (
+                    "PIL path: decode + RandomResizedCrop + flip + normalise per item",
+                    w,
+                    loader_rate(SeededViews(ds), args.batch, w),
+                    os.getloadavg()[0],
+                )
+            )
             print(rows[-1], flush=True)
         t = time.perf_counter()
         cached = cache_images(ds, cache_dir=Path(tmp) / "cache", num_workers=max(args.workers), progress=False)
-        rows.append((f"cache build (once): decode + resize to 256", max(args.workers), len(ds) / (time.perf_counter() - t),
-                     os.getloadavg()[0]))
+        rows.append(
+            (
+                "cache build (once): decode + resize to 256",
+                max(args.workers),
+                len(ds) / (time.perf_counter() - t),
+                os.getloadavg()[0],
+            )
+        )
         print(rows[-1], flush=True)
         for w in args.workers:
-            rows.append(("cache path: uint8 from the memory map, padded batch", w,
-                         loader_rate(RawItems(cached), args.batch, w, pad_collate), os.getloadavg()[0]))
+            rows.append(
+                (
+                    "cache path: uint8 from the memory map, padded batch",
+                    w,
+                    loader_rate(RawItems(cached), args.batch, w, pad_collate),
+                    os.getloadavg()[0],
+                )
+            )
             print(rows[-1], flush=True)
         aug = cached.batch_transform
         gen = torch.Generator().manual_seed(0)
+
         def on_device(b):
-            x = aug(b["x"].to(device, non_blocking=True), b["sizes"], gen)
-            if device.type == "cuda": torch.cuda.synchronize()
+            aug(b["x"].to(device, non_blocking=True), b["sizes"], gen)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
         for w in args.workers[-1:]:
-            rows.append((f"cache path + BatchAugment on {device} (crop, flip, normalise)", w,
-                         loader_rate(RawItems(cached), args.batch, w, pad_collate, consume=on_device), os.getloadavg()[0]))
+            rows.append(
+                (
+                    f"cache path + BatchAugment on {device} (crop, flip, normalise)",
+                    w,
+                    loader_rate(RawItems(cached), args.batch, w, pad_collate, consume=on_device),
+                    os.getloadavg()[0],
+                )
+            )
             print(rows[-1], flush=True)
     cpu = device.type == "cpu"
     mb = args.model_batch or (8 if cpu else 112)
     rate = model_rate(device, mb, args.model_steps or (2 if cpu else 20))
-    rows.append((f"model: bare ResNet50 fwd+bwd+Adam at 224 px, batch {mb}, on {device}", "-", rate, os.getloadavg()[0]))
+    rows.append(
+        (f"model: bare ResNet50 fwd+bwd+Adam at 224 px, batch {mb}, on {device}", "-", rate, os.getloadavg()[0])
+    )
     print("\n| pipeline | workers | images/s | vs model | load avg |\n| --- | ---: | ---: | ---: | ---: |")
     for what, w, r, load in rows:
         print(f"| {what} | {w} | {r:.1f} | {r / rate:.2f}x | {load:.1f} |")

@@ -15,36 +15,54 @@ Sections, each with its own time limit (the whole run stops short of `--budget` 
     bash benchmarks/gpu_check.sh                         # on the GPU machine (PYTHONPATH=., no network)
     bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal: every section at toy size on the CPU
 """
+
 from __future__ import annotations
-import argparse, datetime, json, os, platform, subprocess, sys, tempfile, textwrap, time, traceback
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 METHODS = ("baseline", "diva", "dnc", "sharing", "bspml")
-CUB_TRAIN, CUB_TEST, EPOCHS = 5864, 5924, 350       # CUB200's split; DiVA's sample runs train 350 epochs
+CUB_TRAIN, CUB_TEST, EPOCHS = 5864, 5924, 350  # CUB200's split; DiVA's sample runs train 350 epochs
 
 
 class Check:
     "The table: rows (section, item, value, note), written to `out` after every section; the clock of the whole run."
+
     def __init__(self, out: Path, budget: float):
         self.out, self.budget, self.t0, self.rows = out, budget, time.perf_counter(), []
-    def left(self) -> float: return self.budget - (time.perf_counter() - self.t0)
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
     def add(self, section, item, value, note=""):
         self.rows.append((section, item, value, note))
         print(f"  {section} | {item} | {value} | {note}", flush=True)
+
     def table(self) -> str:
         lines = ["| section | item | value | note |", "| --- | --- | --- | --- |"]
         lines += [f"| {s} | {i} | {v} | {n} |" for s, i, v, n in self.rows]
         return "\n".join(lines)
+
     def write(self):
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(f"# gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-                            f"{time.perf_counter() - self.t0:.0f} s\n\n{self.table()}\n")
+        self.out.write_text(
+            f"# gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+            f"{time.perf_counter() - self.t0:.0f} s\n\n{self.table()}\n"
+        )
+
     def section(self, name: str, limit: float, fn, *args):
         "Run one section if `limit` seconds are left; a failure is a row, not the end of the check."
         if self.left() < limit:
@@ -52,7 +70,8 @@ class Check:
             return
         print(f"== {name} (limit {limit:.0f} s, {self.left():.0f} s left)", flush=True)
         t = time.perf_counter()
-        try: fn(self, limit, *args)
+        try:
+            fn(self, limit, *args)
         except Exception as e:
             self.add(name, "FAILED", type(e).__name__, str(e).replace("|", "/").replace("\n", " ")[:300])
             traceback.print_exc()
@@ -61,47 +80,74 @@ class Check:
 
 
 def sync(device):
-    if device.type == "cuda": torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------------------------------ sections
 
+
 def environment(c: Check, limit, device):
     import torchvision
+
     c.add("environment", "machine", platform.node(), f"{os.cpu_count()} cores, Python {platform.python_version()}")
-    c.add("environment", "torch / torchvision", f"{torch.__version__} / {torchvision.__version__}",
-          f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    c.add(
+        "environment",
+        "torch / torchvision",
+        f"{torch.__version__} / {torchvision.__version__}",
+        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}",
+    )
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         c.add("environment", "device", p.name, f"{p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} GPU(s)")
-    else: c.add("environment", "device", "cpu", "rehearsal")
+    else:
+        c.add("environment", "device", "cpu", "rehearsal")
     from dml_nb.data.batches import nvjpeg_available
-    c.add("environment", "nvJPEG decode", nvjpeg_available(device) if device.type == "cuda" else "n/a", "torchvision.io.decode_jpeg on the device")
+
+    c.add(
+        "environment",
+        "nvJPEG decode",
+        nvjpeg_available(device) if device.type == "cuda" else "n/a",
+        "torchvision.io.decode_jpeg on the device",
+    )
     try:
         import faiss
         from dml_nb.evaluation.faiss_backend import faiss_gpus
+
         c.add("environment", "faiss", faiss.__version__, f"{faiss_gpus()} GPU(s) for faiss")
-    except ImportError: c.add("environment", "faiss", "absent", "DiVA, D&C and Sharing cluster with faiss: carry a faiss wheel in .whl/")
+    except ImportError:
+        c.add(
+            "environment", "faiss", "absent", "DiVA, D&C and Sharing cluster with faiss: carry a faiss wheel in .whl/"
+        )
     try:
         import pytorch_metric_learning as pml
+
         c.add("environment", "pytorch-metric-learning", pml.__version__, "")
-    except ImportError: c.add("environment", "pytorch-metric-learning", "absent", "the SOP comparison is skipped")
+    except ImportError:
+        c.add("environment", "pytorch-metric-learning", "absent", "the SOP comparison is skipped")
 
 
 def gpu_tests(c: Check, limit, device):
-    files = ["tests/"] if device.type == "cuda" else ["tests/test_gpu_paths.py", "tests/test_jpeg_path.py"]  # rehearsal: 2 files
+    files = (
+        ["tests/"] if device.type == "cuda" else ["tests/test_gpu_paths.py", "tests/test_jpeg_path.py"]
+    )  # rehearsal: 2 files
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if device.type != "cuda": env["CUDA_VISIBLE_DEVICES"] = ""          # the rehearsal: they skip, the collection runs
+    if device.type != "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the rehearsal: they skip, the collection runs
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit, env=env)
     last = [l for l in r.stdout.strip().splitlines() if l.strip()][-1:] or ["(no output)"]
-    c.add("gpu tests", "pytest -m gpu", "passed" if r.returncode in (0, 5) else f"rc {r.returncode}", last[0].strip("= "))
-    if r.returncode not in (0, 5): print(r.stdout[-4000:], r.stderr[-2000:])
+    c.add(
+        "gpu tests", "pytest -m gpu", "passed" if r.returncode in (0, 5) else f"rc {r.returncode}", last[0].strip("= ")
+    )
+    if r.returncode not in (0, 5):
+        print(r.stdout[-4000:], r.stderr[-2000:])
 
 
 def write_cub(root: Path, classes: int, per_class: int) -> Path:
     "A CUB200-format tree (images.txt, image_class_labels.txt, classes.txt) of generated JPEGs of 500 x 375 (CUB's size)."
     from data import write_jpegs
+
     base = root / "CUB_200_2011"
     lines, labels, names, i = [], [], [], 0
     for c in range(1, classes + 1):
@@ -109,7 +155,8 @@ def write_cub(root: Path, classes: int, per_class: int) -> Path:
         names.append(f"{c} {folder}")
         for p in write_jpegs(base / "images" / folder, per_class, seed=c):
             i += 1
-            lines.append(f"{i} {folder}/{p.name}"); labels.append(f"{i} {c}")
+            lines.append(f"{i} {folder}/{p.name}")
+            labels.append(f"{i} {c}")
     (base / "images.txt").write_text("\n".join(lines) + "\n")
     (base / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
     (base / "classes.txt").write_text("\n".join(names) + "\n")
@@ -118,30 +165,54 @@ def write_cub(root: Path, classes: int, per_class: int) -> Path:
 
 def paper_config(method: str, root: Path, device, tiny: bool, steps: int, extra=()):
     from dml_nb.training.config import load_config
-    over = [f"data.root={root}", "model.pretrained=false", "train.epochs=1", f"train.batches_per_epoch={steps}",
-            f"train.device={device.type}", "data.eval_train=false", f"train.num_workers={2 if tiny else 14}", *extra]
-    if tiny: over += ["data.size=32", "train.batch_size=8",           # ResNet50 with random weights at 32 px;
-                      "train.stop_on_empty_tuples=false"]            # toy batches may leave a task without tuples
-    if tiny and method == "diva": over += ["method.queue_batches=2"]
-    if tiny and method == "dnc": over += ["method.num_learners=2"]
+
+    over = [
+        f"data.root={root}",
+        "model.pretrained=false",
+        "train.epochs=1",
+        f"train.batches_per_epoch={steps}",
+        f"train.device={device.type}",
+        "data.eval_train=false",
+        f"train.num_workers={2 if tiny else 14}",
+        *extra,
+    ]
+    if tiny:
+        over += [
+            "data.size=32",
+            "train.batch_size=8",  # ResNet50 with random weights at 32 px;
+            "train.stop_on_empty_tuples=false",
+        ]  # toy batches may leave a task without tuples
+    if tiny and method == "diva":
+        over += ["method.queue_batches=2"]
+    if tiny and method == "dnc":
+        over += ["method.num_learners=2"]
     return load_config(ROOT / "params" / "train" / f"cub200_{method}.yaml", overrides=over)
 
 
 def bare_rate(device, batch: int, size: int, steps: int, channels_last: bool, limit: float) -> float:
     "torchvision's ResNet50 + a 128-d linear layer, fp32, forward + backward + Adam on random input: img/s."
     import torchvision
+
     torch.manual_seed(0)
     net = torchvision.models.resnet50(num_classes=128).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     net = net.to(memory_format=fmt)
     opt = torch.optim.Adam(net.parameters(), lr=1e-5)
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+
     def step():
-        loss = net(x).float().pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
-    for _ in range(3): step()
-    sync(device); t, n = time.perf_counter(), 0
+        loss = net(x).float().pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    sync(device)
+    t, n = time.perf_counter(), 0
     while n < steps and time.perf_counter() - t < limit:
-        step(); n += 1
+        step()
+        n += 1
     sync(device)
     return batch * n / (time.perf_counter() - t)
 
@@ -149,20 +220,28 @@ def bare_rate(device, batch: int, size: int, steps: int, channels_last: bool, li
 def step_clock(device):
     "A callback that records the time after every training step, the device synchronised."
     from dml_nb.training.callbacks import Callback
+
     class StepClock(Callback):
-        def __init__(self): self.times = []
-        def after_step(self, learner, logs): sync(device); self.times.append(time.perf_counter())
+        def __init__(self):
+            self.times = []
+
+        def after_step(self, learner, logs):
+            sync(device)
+            self.times.append(time.perf_counter())
+
     return StepClock()
 
 
 def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object]:
     "(img/s of the steps after `warmup`, peak GPU memory GiB, learner) of one short epoch of `cfg` (no evaluation)."
     from dml_nb.reproduction.experiment import build_learner
+
     learn = build_learner(cfg, run_dir=None, progress=False)
-    learn.eval_sets = {}                                        # steps only: no evaluation at the epoch's end
+    learn.eval_sets = {}  # steps only: no evaluation at the epoch's end
     clock = step_clock(device)
     learn.callbacks.append(clock)
-    if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     learn.fit()
     t = clock.times[warmup:]
     rate = cfg.train.batch_size * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
@@ -176,29 +255,42 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
     steps, warmup = (2, 0) if tiny else (14, 4)
     per = limit / (len(METHODS) + 2)
     bare = bare_rate(device, batch, size, 4 if tiny else 30, cuda, per)
-    c.add("training", f"bare torchvision ResNet50, fp32, batch {batch}, {size} px{', channels_last' if cuda else ''}",
-          f"{bare:.1f} img/s", "random input, forward + backward + Adam")
+    c.add(
+        "training",
+        f"bare torchvision ResNet50, fp32, batch {batch}, {size} px{', channels_last' if cuda else ''}",
+        f"{bare:.1f} img/s",
+        "random input, forward + backward + Adam",
+    )
     results["bare"] = bare
     for m in METHODS:
-        if c.left() < per: c.add("training", m, "skipped", "time"); continue
+        if c.left() < per:
+            c.add("training", m, "skipped", "time")
+            continue
         t = time.perf_counter()
         try:
             rate, peak, learn = method_rate(paper_config(m, root, device, tiny, warmup + steps), device, warmup)
         except Exception as e:
-            c.add("training", m, "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/").replace("\n", " ")); continue
+            c.add("training", m, "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/").replace("\n", " "))
+            continue
         results[m] = rate
         target = {"baseline": 0.15, "diva": 0.45}.get(m)
-        c.add("training", f"{m} (params/train/cub200_{m}.yaml)", f"{rate:.1f} img/s",
-              f"overhead {bare / rate - 1:+.0%} vs bare{'' if target is None else f' (target <= {target:.0%})'}; "
-              f"amp {learn.amp or 'fp32'}, channels_last {learn.channels_last}, "
-              f"peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; {time.perf_counter() - t:.0f} s")
-        if m == "diva": results["diva_learner"] = learn
+        c.add(
+            "training",
+            f"{m} (params/train/cub200_{m}.yaml)",
+            f"{rate:.1f} img/s",
+            f"overhead {bare / rate - 1:+.0%} vs bare{'' if target is None else f' (target <= {target:.0%})'}; "
+            f"amp {learn.amp or 'fp32'}, channels_last {learn.channels_last}, "
+            f"peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; {time.perf_counter() - t:.0f} s",
+        )
+        if m == "diva":
+            results["diva_learner"] = learn
 
 
 def data_path(c: Check, limit, device, tiny, root: Path):
     from jpeg import pipeline_rate
-    from dml_nb.data.batches import JpegImages, SeededViews, jpeg_collate, to_device
+    from dml_nb.data.batches import JpegImages, SeededViews, to_device
     from dml_nb.data.datasets import load_dataset
+
     workers, batch = (2, 8) if tiny else (14, 112)
     src = load_dataset("cub200", root=root, split="train", size=32 if tiny else None)
     ji = JpegImages(src, decode_on="device" if device.type == "cuda" else "worker")
@@ -206,7 +298,12 @@ def data_path(c: Check, limit, device, tiny, root: Path):
     consume = (lambda b: (to_device(b, device, transform=ji.batch_transform), sync(device))) if collate else None
     rate, per_cpu = pipeline_rate(items, collate, len(src), batch, workers, consume)
     where = "nvJPEG on the device" if collate else "libjpeg-turbo in the workers"
-    c.add("data path", f"JPEG path, {workers} workers, batch {batch}", f"{rate:.0f} img/s", f"{len(src)} images of 500 x 375, decoded by {where}")
+    c.add(
+        "data path",
+        f"JPEG path, {workers} workers, batch {batch}",
+        f"{rate:.0f} img/s",
+        f"{len(src)} images of 500 x 375, decoded by {where}",
+    )
     if c.left() > limit / 2:
         rate, _ = pipeline_rate(SeededViews(src), None, len(src), batch, workers)
         c.add("data path", f"PIL path, {workers} workers, batch {batch}", f"{rate:.0f} img/s", "for comparison")
@@ -217,55 +314,93 @@ def projection(c: Check, limit, device, tiny, root: Path, results: dict):
     from dml_nb.data.batches import JpegImages
     from dml_nb.evaluation.metrics import evaluate
     from eval import synthetic
+
     learn = results.get("diva_learner")
     if learn is None or "diva" not in results:
-        c.add("projection", "DiVA CUB200, 350 epochs", "-", "needs the DiVA row above"); return
+        c.add("projection", "DiVA CUB200, 350 epochs", "-", "needs the DiVA row above")
+        return
     test = JpegImages(load_dataset("cub200", root=root, split="test", size=32 if tiny else None))
-    t = time.perf_counter(); learn.embed(test); sync(device)
+    t = time.perf_counter()
+    learn.embed(test)
+    sync(device)
     embed_rate = len(test) / (time.perf_counter() - t)
     n, classes = (600, 10) if tiny else (CUB_TEST, 100)
     emb, labels = synthetic(n, classes, noise=0.15)
     emb, labels = emb.to(device), labels.to(device)
     kw = dict(learn.evaluator.readings)
-    t = time.perf_counter(); evaluate(emb, labels, learn.evaluator.metrics, **kw); sync(device)
+    t = time.perf_counter()
+    evaluate(emb, labels, learn.evaluator.metrics, **kw)
+    sync(device)
     metrics_s = (time.perf_counter() - t) * (CUB_TEST / n)
     train_s, eval_s = CUB_TRAIN / results["diva"], CUB_TEST / embed_rate + metrics_s
     total = EPOCHS * (train_s + eval_s)
-    c.add("projection", "DiVA CUB200, 350 epochs, evaluation every epoch", f"{total / 3600:.2f} h",
-          f"per epoch: training {train_s:.0f} s ({results['diva']:.0f} img/s), evaluation {eval_s:.1f} s "
-          f"(embedding {embed_rate:.0f} img/s, metrics {metrics_s:.1f} s{' scaled from a toy set' if tiny else ''})")
+    c.add(
+        "projection",
+        "DiVA CUB200, 350 epochs, evaluation every epoch",
+        f"{total / 3600:.2f} h",
+        f"per epoch: training {train_s:.0f} s ({results['diva']:.0f} img/s), evaluation {eval_s:.1f} s "
+        f"(embedding {embed_rate:.0f} img/s, metrics {metrics_s:.1f} s{' scaled from a toy set' if tiny else ''})",
+    )
 
 
 def sop_eval(c: Check, limit, device, tiny):
     from eval import RETRIEVAL, SCALES, synthetic
     from dml_nb.evaluation.metrics import evaluate
-    from dml_nb.evaluation.faiss_backend import FaissMissingError, faiss_gpus
+    from dml_nb.evaluation.faiss_backend import faiss_gpus
     from dml_nb.evaluation.neighbours import knn
+
     scale = dict(n=3000, classes=560, noise=0.1, min_size=2) if tiny else SCALES["sop"]
     emb, labels = synthetic(**scale)
     emb, labels = emb.to(device), labels.to(device)
     what = f"{len(emb):,} x 512, {len(labels.unique()):,} classes"
+
     def timed(fn):
-        sync(device); t = time.perf_counter(); out = fn(); sync(device); return out, time.perf_counter() - t
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        return out, time.perf_counter() - t
+
     ours, t_r = timed(lambda: evaluate(emb, labels, metrics=RETRIEVAL))
     _, t_n = timed(lambda: evaluate(emb, labels, metrics=("nmi",)))
-    c.add("evaluation", f"dml_nb torch back end ({what})", f"{t_r + t_n:.1f} s", f"retrieval {t_r:.1f} s (R@1 {ours['recall@1']:.3f}), NMI {t_n:.1f} s")
+    c.add(
+        "evaluation",
+        f"dml_nb torch back end ({what})",
+        f"{t_r + t_n:.1f} s",
+        f"retrieval {t_r:.1f} s (R@1 {ours['recall@1']:.3f}), NMI {t_n:.1f} s",
+    )
     try:
         import faiss  # noqa: F401
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
     except ImportError as e:
-        c.add("evaluation", "pytorch-metric-learning", "skipped", f"{e} (carry its wheel and faiss's in .whl/)"); return
-    import logging; logging.getLogger("PML").setLevel(logging.ERROR)
-    calc = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r", "r_precision", "NMI"),
-                              k="max_bin_count", device=device)
+        c.add("evaluation", "pytorch-metric-learning", "skipped", f"{e} (carry its wheel and faiss's in .whl/)")
+        return
+    import logging
+
+    logging.getLogger("PML").setLevel(logging.ERROR)
+    calc = AccuracyCalculator(
+        include=("precision_at_1", "mean_average_precision_at_r", "r_precision", "NMI"),
+        k="max_bin_count",
+        device=device,
+    )
     pml, t_p = timed(lambda: calc.get_accuracy(emb, labels))
-    c.add("evaluation", "pytorch-metric-learning (faiss inside)", f"{t_p:.1f} s",
-          f"ours / PML = {(t_r + t_n) / t_p:.2f} (target <= 0.5 at SOP scale); PML P@1 {pml['precision_at_1']:.3f}")
+    c.add(
+        "evaluation",
+        "pytorch-metric-learning (faiss inside)",
+        f"{t_p:.1f} s",
+        f"ours / PML = {(t_r + t_n) / t_p:.2f} (target <= 0.5 at SOP scale); PML P@1 {pml['precision_at_1']:.3f}",
+    )
     if faiss_gpus() > 0 and device.type == "cuda":
         _, t_f = timed(lambda: knn(emb, emb, 8, exclude_self=True, backend="faiss_gpu"))
         _, t_t = timed(lambda: knn(emb, emb, 8, exclude_self=True, backend="torch"))
-        c.add("evaluation", "k-NN, k = 8: faiss-gpu / torch", f"{t_f:.2f} s / {t_t:.2f} s", "exact flat search, same neighbours")
-    else: c.add("evaluation", "faiss-gpu", "not carried", "faiss has no GPU here")
+        c.add(
+            "evaluation",
+            "k-NN, k = 8: faiss-gpu / torch",
+            f"{t_f:.2f} s / {t_t:.2f} s",
+            "exact flat search, same neighbours",
+        )
+    else:
+        c.add("evaluation", "faiss-gpu", "not carried", "faiss has no GPU here")
 
 
 NCCL_CHILD = """
@@ -294,17 +429,32 @@ dist.destroy_process_group()
 
 def torchrun(c: Check, limit, device):
     import shutil
+
     exe = Path(sys.executable).with_name("torchrun")
     exe = str(exe) if exe.exists() else shutil.which("torchrun")
-    if exe is None: c.add("torchrun", "torchrun", "absent", "not on PATH beside python"); return
+    if exe is None:
+        c.add("torchrun", "torchrun", "absent", "not on PATH beside python")
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "child.py"; script.write_text(NCCL_CHILD)
+        script = Path(tmp) / "child.py"
+        script.write_text(NCCL_CHILD)
         env = {**os.environ, "DML_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([exe, "--standalone", "--nproc_per_node", "1", str(script), device.type], capture_output=True,
-                           text=True, timeout=limit, env=env)
+        r = subprocess.run(
+            [exe, "--standalone", "--nproc_per_node", "1", str(script), device.type],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            env=env,
+        )
     ok = [l for l in r.stdout.splitlines() if l.startswith("OK")]
-    c.add("torchrun", "torchrun --nproc_per_node 1", ok[0] if ok and r.returncode == 0 else f"rc {r.returncode}",
-          "process group, dml_nb's collectives, a DDP step" if ok else (r.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    c.add(
+        "torchrun",
+        "torchrun --nproc_per_node 1",
+        ok[0] if ok and r.returncode == 0 else f"rc {r.returncode}",
+        "process group, dml_nb's collectives, a DDP step"
+        if ok
+        else (r.stderr.strip().splitlines() or ["no output"])[-1][:200],
+    )
 
 
 def resume(c: Check, limit, device, tiny):
@@ -315,37 +465,76 @@ def resume(c: Check, limit, device, tiny):
     from dml_nb.methods.base import BaselineMethod
     from dml_nb.blocks.models import build_backbone
     from dml_nb.data.samplers import ClassBalancedBatchSampler
+
     train = load_dataset("shapes", split="train", images_per_class=4)
+
     class Kill(Callback):
         def after_step(self, learner, logs):
-            if (learner.epoch, learner.step) == (1, 3): raise KeyboardInterrupt("killed")
+            if (learner.epoch, learner.step) == (1, 3):
+                raise KeyboardInterrupt("killed")
+
     def learner(run_dir, callbacks=()):
         torch.manual_seed(0)
         w = 8 if tiny else 32
         m = BaselineMethod(build_backbone("small_cnn", width=w, feature_dim=4 * w), train.num_classes, embedding_dim=16)
-        s = ClassBalancedBatchSampler(train.labels, batch_size=16 if tiny else 64, samples_per_class=4, seed=0, batches_per_epoch=5)
-        return Learner(m, train, s, epochs=2, lr=1e-3, run_dir=run_dir, device=str(device), eval_sets={}, progress=False,
-                       seed=3, checkpoint_every_steps=2, callbacks=list(callbacks))
+        s = ClassBalancedBatchSampler(
+            train.labels, batch_size=16 if tiny else 64, samples_per_class=4, seed=0, batches_per_epoch=5
+        )
+        return Learner(
+            m,
+            train,
+            s,
+            epochs=2,
+            lr=1e-3,
+            run_dir=run_dir,
+            device=str(device),
+            eval_sets={},
+            progress=False,
+            seed=3,
+            checkpoint_every_steps=2,
+            callbacks=list(callbacks),
+        )
+
     with tempfile.TemporaryDirectory() as tmp:
-        ref = learner(Path(tmp) / "ref"); ref.fit()
-        try: learner(Path(tmp) / "run", [Kill()]).fit()
-        except KeyboardInterrupt: pass
-        res = learner(Path(tmp) / "run"); res.fit()
-        same = all(torch.equal(a, b) for a, b in zip(ref.method.state_dict().values(), res.method.state_dict().values())
-                   if isinstance(a, torch.Tensor))
-        diff = max(((a.float() - b.float()).abs().max().item() for a, b in
-                    zip(ref.method.state_dict().values(), res.method.state_dict().values())
-                    if isinstance(a, torch.Tensor) and a.is_floating_point()), default=0.0)
-    c.add("resume", f"killed at epoch 2, step 3, resumed, on {device.type}", "equal" if same and res.resumed else "DIFFERENT",
-          f"largest weight difference {diff:.2e}; amp {res.amp or 'fp32'}, channels_last {res.channels_last}")
+        ref = learner(Path(tmp) / "ref")
+        ref.fit()
+        try:
+            learner(Path(tmp) / "run", [Kill()]).fit()
+        except KeyboardInterrupt:
+            pass
+        res = learner(Path(tmp) / "run")
+        res.fit()
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(ref.method.state_dict().values(), res.method.state_dict().values())
+            if isinstance(a, torch.Tensor)
+        )
+        diff = max(
+            (
+                (a.float() - b.float()).abs().max().item()
+                for a, b in zip(ref.method.state_dict().values(), res.method.state_dict().values())
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
+            ),
+            default=0.0,
+        )
+    c.add(
+        "resume",
+        f"killed at epoch 2, step 3, resumed, on {device.type}",
+        "equal" if same and res.resumed else "DIFFERENT",
+        f"largest weight difference {diff:.2e}; amp {res.amp or 'fp32'}, channels_last {res.channels_last}",
+    )
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (the CPU rehearsal)")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (gpu_check.sh stops it at "
-                    "$GPU_CHECK_TIMEOUT, 480 s by default)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds for the whole check (gpu_check.sh stops it at $GPU_CHECK_TIMEOUT, 480 s by default)",
+    )
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.md"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -354,17 +543,17 @@ def main(argv=None):
     torch.set_num_threads(min(4, os.cpu_count() or 1) if args.tiny else (os.cpu_count() or 1))
     c = Check(Path(args.out), args.budget)
     tiny = args.tiny
-    lim = (lambda full, small: small if tiny else full)
+    lim = lambda full, small: small if tiny else full
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 3)))   # CUB: classes 1-100 train, 101-200 test
+        root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 3)))  # CUB: classes 1-100 train, 101-200 test
         c.section("environment", 10, environment, device)
         c.section("gpu tests", lim(75, 60), gpu_tests, device)
         c.section("training", lim(170, 60), training, device, tiny, root, results)
         c.section("data path", lim(40, 20), data_path, device, tiny, root)
         c.section("projection", lim(25, 15), projection, device, tiny, root, results)
         c.section("evaluation", lim(60, 20), sop_eval, device, tiny)
-        c.section("torchrun", lim(50, 90), torchrun, device)   # its start-up alone took > 40 s at a load of 20-30
+        c.section("torchrun", lim(50, 90), torchrun, device)  # its start-up alone took > 40 s at a load of 20-30
         c.section("resume", lim(25, 30), resume, device, tiny)
     c.write()
     print(f"\n{c.table()}\n\nwritten to {c.out} ({time.perf_counter() - c.t0:.0f} s)")

@@ -9,8 +9,11 @@ interleaved so that CPU load from other processes hits both alike; the table sho
 
 DaNCE (no PML equivalent) is timed as DiVA runs it: 112 x 128 queries against a 3,360-key queue.
 """
+
 from __future__ import annotations
-import argparse, statistics, time
+import argparse
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,9 +26,9 @@ from dml_nb.core.registry import LOSSES, MINERS
 @dataclass
 class Case:
     name: str
-    ours: Callable            # step(embeddings, labels) -> scalar loss
-    pml: Callable | None      # the same with PML, or None when PML has no equivalent
-    dim: int = 512            # embedding dimension of the batch
+    ours: Callable  # step(embeddings, labels) -> scalar loss
+    pml: Callable | None  # the same with PML, or None when PML has no equivalent
+    dim: int = 512  # embedding dimension of the batch
 
 
 def make_batch(n_classes: int = 56, per_class: int = 2, dim: int = 512, seed: int = 0):
@@ -38,40 +41,58 @@ def make_batch(n_classes: int = 56, per_class: int = 2, dim: int = 512, seed: in
 
 def pair(miner, loss, **call_kw):
     "A step function: mine, then the loss on the mined tuples."
+
     def step(emb, labels):
         return loss(emb, labels, miner(emb, labels, **call_kw))
+
     return step
 
 
 def core_cases(n_classes: int) -> list[Case]:
     from pytorch_metric_learning import losses as pl, miners as pm
+
     gen = torch.Generator().manual_seed(0)
     return [
-        Case("multi-similarity + MS miner",
-             pair(MINERS.build("multi_similarity"), LOSSES.build("multi_similarity")),
-             pair(pm.MultiSimilarityMiner(epsilon=0.1), pl.MultiSimilarityLoss(alpha=2, beta=50, base=0.5))),
-        Case("margin + distance-weighted",
-             pair(MINERS.build("distance_weighted", generator=gen), LOSSES.build("margin", num_classes=n_classes)),
-             pair(pm.DistanceWeightedMiner(cutoff=0.5, nonzero_loss_cutoff=1.4),
-                  pl.MarginLoss(margin=0.2, beta=1.2, learn_beta=True, num_classes=n_classes))),
-        Case("triplet + semi-hard (all, = PML's)",
-             pair(MINERS.build("semihard", mode="all"), LOSSES.build("triplet", margin=0.2)),
-             pair(pm.TripletMarginMiner(margin=0.2, type_of_triplets="semihard"), pl.TripletMarginLoss(margin=0.2))),
-        Case("triplet + semi-hard (sample, default)",
-             pair(MINERS.build("semihard", generator=gen), LOSSES.build("triplet", margin=0.2)),
-             pair(pm.TripletMarginMiner(margin=0.2, type_of_triplets="semihard"), pl.TripletMarginLoss(margin=0.2))),
+        Case(
+            "multi-similarity + MS miner",
+            pair(MINERS.build("multi_similarity"), LOSSES.build("multi_similarity")),
+            pair(pm.MultiSimilarityMiner(epsilon=0.1), pl.MultiSimilarityLoss(alpha=2, beta=50, base=0.5)),
+        ),
+        Case(
+            "margin + distance-weighted",
+            pair(MINERS.build("distance_weighted", generator=gen), LOSSES.build("margin", num_classes=n_classes)),
+            pair(
+                pm.DistanceWeightedMiner(cutoff=0.5, nonzero_loss_cutoff=1.4),
+                pl.MarginLoss(margin=0.2, beta=1.2, learn_beta=True, num_classes=n_classes),
+            ),
+        ),
+        Case(
+            "triplet + semi-hard (all, = PML's)",
+            pair(MINERS.build("semihard", mode="all"), LOSSES.build("triplet", margin=0.2)),
+            pair(pm.TripletMarginMiner(margin=0.2, type_of_triplets="semihard"), pl.TripletMarginLoss(margin=0.2)),
+        ),
+        Case(
+            "triplet + semi-hard (sample, default)",
+            pair(MINERS.build("semihard", generator=gen), LOSSES.build("triplet", margin=0.2)),
+            pair(pm.TripletMarginMiner(margin=0.2, type_of_triplets="semihard"), pl.TripletMarginLoss(margin=0.2)),
+        ),
     ]
 
 
 def dance_case() -> Case:
     "DaNCE as DiVA runs it: 112 queries of one 128-d head against a 3,360-key queue (30 batches); no PML equivalent."
     import dml_nb.blocks.proxy_nce  # noqa: F401  (registers DaNCE into LOSSES)
+
     dance = LOSSES.build("dance")
     g = torch.Generator().manual_seed(1)
     keys = F.normalize(torch.randn(112, 128, generator=g), dim=1)
     queue = F.normalize(torch.randn(3360, 128, generator=g), dim=1)
-    return Case("DaNCE, 112 x 128, queue of 3,360 keys", lambda emb, labels: dance(emb, labels, keys=keys, queue=queue),
-                None, dim=128)
+    return Case(
+        "DaNCE, 112 x 128, queue of 3,360 keys",
+        lambda emb, labels: dance(emb, labels, keys=keys, queue=queue),
+        None,
+        dim=128,
+    )
 
 
 def time_step(step, emb, labels) -> float:
@@ -90,11 +111,13 @@ def run(repeats: int = 200, warmup: int = 20, threads: int = 2) -> list[tuple[st
         emb, labels = make_batch(n_classes, dim=case.dim)
         for _ in range(warmup):
             time_step(case.ours, emb, labels)
-            if case.pml: time_step(case.pml, emb, labels)
+            if case.pml:
+                time_step(case.pml, emb, labels)
         ours, theirs = [], []
         for _ in range(repeats):
             ours.append(time_step(case.ours, emb, labels))
-            if case.pml: theirs.append(time_step(case.pml, emb, labels))
+            if case.pml:
+                theirs.append(time_step(case.pml, emb, labels))
         rows.append((case.name, 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs) if theirs else None))
     return rows
 
@@ -106,7 +129,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     rows = run(args.repeats, args.warmup, args.threads)
-    print(f"| case | ours ms/batch | PML ms/batch | ours/PML |\n| --- | ---: | ---: | ---: |")
+    print("| case | ours ms/batch | PML ms/batch | ours/PML |\n| --- | ---: | ---: | ---: |")
     for name, ours, theirs in rows:
         pml_s, ratio = ("-", "-") if theirs is None else (f"{theirs:.2f}", f"{ours / theirs:.2f}x")
         print(f"| {name} | {ours:.2f} | {pml_s} | {ratio} |")

@@ -17,10 +17,16 @@ time (all threads), per training step or per evaluation pass, the best of `--rep
 `--busy N` starts N spinning processes beside the measurement (a shared machine); compare its CPU times with
 `--busy 0` (idle): wasted CPU (threads that spin or oversubscribe) shows as the difference.
 """
-from __future__ import annotations
-import argparse, copy, datetime, multiprocessing as mp, os, platform, time
 
-import dml_nb   # first: it sets OpenMP's wait policy (PASSIVE unless the environment says otherwise) before torch loads
+from __future__ import annotations
+import argparse
+import copy
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import time
+
 import torch
 
 
@@ -28,14 +34,17 @@ def spin(stop):
     "A busy process: pure Python arithmetic until told to stop."
     x = 0
     while not stop.is_set():
-        for i in range(100_000): x += i
+        for i in range(100_000):
+            x += i
 
 
 def cpu(fn, repeats: int) -> float:
     "Best process CPU time of `fn()` over `repeats` runs."
     best = float("inf")
     for _ in range(repeats):
-        t = time.process_time(); fn(); best = min(best, time.process_time() - t)
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
     return best
 
 
@@ -61,26 +70,38 @@ def main():
 
     raw = copy.deepcopy(NOVEL_BASE)
     raw["method"] = {"name": "baseline", "embedding_dim": 128, "loss": "margin", "miner": "distance_weighted"}
-    raw["train"].update(batches_per_epoch=args.steps, epochs=1, channels_last="on" if args.channels_last else "off",
-                        amp="bf16" if args.bf16 else "none")
-    if args.lr: raw["train"]["lr"] = args.lr
+    raw["train"].update(
+        batches_per_epoch=args.steps,
+        epochs=1,
+        channels_last="on" if args.channels_last else "off",
+        amp="bf16" if args.bf16 else "none",
+    )
+    if args.lr:
+        raw["train"]["lr"] = args.lr
     raw["eval"]["save_embeddings"] = False
-    if args.cache: raw["data"]["cache"] = True
+    if args.cache:
+        raw["data"]["cache"] = True
     cfg = make_config(raw)
 
     stop = mp.Event()
     busy = [mp.Process(target=spin, args=(stop,), daemon=True) for _ in range(args.busy)]
-    for p in busy: p.start()
-    print(f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, threads {args.threads}, channels_last {args.channels_last}, bf16 {args.bf16}, "
-          f"cache {args.cache}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}, busy processes {args.busy}, load average {os.getloadavg()[0]:.1f}")
+    for p in busy:
+        p.start()
+    print(
+        f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, threads {args.threads}, channels_last {args.channels_last}, bf16 {args.bf16}, "
+        f"cache {args.cache}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}, busy processes {args.busy}, load average {os.getloadavg()[0]:.1f}"
+    )
     try:
         learner = build_learner(cfg, None, progress=False)
         learner.prepare_fit()
-        batches = [[int(i) for i in b] for b in learner.sampler.batches(0)][:args.steps]
-        transform = learner.batch_transform    # the cache path: uint8 items, augmented in batches
-        views, collate = (SeededViews(learner.train_ds), torch.utils.data.default_collate) if transform is None \
+        batches = [[int(i) for i in b] for b in learner.sampler.batches(0)][: args.steps]
+        transform = learner.batch_transform  # the cache path: uint8 items, augmented in batches
+        views, collate = (
+            (SeededViews(learner.train_ds), torch.utils.data.default_collate)
+            if transform is None
             else (RawItems(learner.train_ds), pad_collate)
+        )
 
         def load(s, b):
             out = collate([views[(i, stream_seed(0, "sample", 0, s, j, 0))] for j, i in enumerate(b)])
@@ -88,11 +109,13 @@ def main():
             return to_device(out, learner.device, args.channels_last, transform, 1, gen)
 
         def data():
-            for s, b in enumerate(batches): load(s, b)
+            for s, b in enumerate(batches):
+                load(s, b)
 
-        fresh = []   # a fresh learner for each timed fit (built outside the timing): one epoch of `steps` steps
+        fresh = []  # a fresh learner for each timed fit (built outside the timing): one epoch of `steps` steps
         for _ in range(args.repeats):
-            fresh.append(build_learner(cfg, None, progress=False)); fresh[-1].eval_sets = {}
+            fresh.append(build_learner(cfg, None, progress=False))
+            fresh[-1].eval_sets = {}
         fit = lambda: fresh.pop().fit()
 
         method, opt_lr = learner.method, cfg.train.lr
@@ -102,32 +125,48 @@ def main():
 
         def bare_method():
             for _ in range(len(batches)):
-                with ac(): loss = method.training_step(dict(batch))["loss"]
-                opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+                with ac():
+                    loss = method.training_step(dict(batch))["loss"]
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
 
         def bare_net():
             for _ in range(len(batches)):
-                with ac(): loss = sum(v.float().sum() for v in method(batch["x"]).values())
-                opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+                with ac():
+                    loss = sum(v.float().sum() for v in method(batch["x"]).values())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
 
         n = len(batches)
-        rows = {"data": cpu(data, args.repeats) / n, "step": cpu(fit, args.repeats) / n,
-                "bare method": cpu(bare_method, args.repeats) / n, "bare net": cpu(bare_net, args.repeats) / n,
-                "eval": cpu(learner.evaluate, max(1, args.repeats - 1))}
-        sets = ", ".join(f"{k} {len(v[0]) + len(v[1]) if isinstance(v, tuple) else len(v)}" for k, v in learner.eval_sets.items())
+        rows = {
+            "data": cpu(data, args.repeats) / n,
+            "step": cpu(fit, args.repeats) / n,
+            "bare method": cpu(bare_method, args.repeats) / n,
+            "bare net": cpu(bare_net, args.repeats) / n,
+            "eval": cpu(learner.evaluate, max(1, args.repeats - 1)),
+        }
+        sets = ", ".join(
+            f"{k} {len(v[0]) + len(v[1]) if isinstance(v, tuple) else len(v)}" for k, v in learner.eval_sets.items()
+        )
     finally:
         stop.set()
-        for p in busy: p.join(5)
-    print(f"| what | CPU s | per step vs bare method |\n| --- | ---: | ---: |")
+        for p in busy:
+            p.join(5)
+    print("| what | CPU s | per step vs bare method |\n| --- | ---: | ---: |")
     for k, v in rows.items():
         ratio = f"{v / rows['bare method']:.2f}" if k != "eval" else ""
         print(f"| {k}{' (per pass: ' + sets + ' images)' if k == 'eval' else ' (per step)'} | {v:.4f} | {ratio} |")
     steps_per_epoch = -(-len(learner.train_ds) // cfg.train.batch_size)
     per_run = NOVEL_BASE["train"]["epochs"] * steps_per_epoch * rows["step"] + rows["eval"] * (
-        NOVEL_BASE["train"]["epochs"] // NOVEL_BASE["eval"]["every"] + 1)
-    print(f"\none NOVEL_BASE baseline run ({NOVEL_BASE['train']['epochs']} epochs x {steps_per_epoch} steps, "
-          f"{NOVEL_BASE['train']['epochs'] // NOVEL_BASE['eval']['every']} evaluation(s) + the frozen one): "
-          f"about {per_run:.0f} CPU s")
+        NOVEL_BASE["train"]["epochs"] // NOVEL_BASE["eval"]["every"] + 1
+    )
+    print(
+        f"\none NOVEL_BASE baseline run ({NOVEL_BASE['train']['epochs']} epochs x {steps_per_epoch} steps, "
+        f"{NOVEL_BASE['train']['epochs'] // NOVEL_BASE['eval']['every']} evaluation(s) + the frozen one): "
+        f"about {per_run:.0f} CPU s"
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ right before and right after each method, in the same process, best of 3 bursts 
     python benchmarks/train.py [--methods baseline diva dnc sharing bspml] [--cache off on] [--epochs 3] [--threads 2]
     python benchmarks/train.py --variant resnet50 --device cuda [--steps 30] [--compile]
 """
+
 from __future__ import annotations
-import argparse, datetime, os, platform, statistics, time
+import argparse
+import datetime
+import os
+import platform
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +39,17 @@ METHODS = ("baseline", "diva", "dnc", "sharing", "bspml")
 
 class EpochClock(Callback):
     "Wall-clock time stamps: before the first epoch and after every epoch (after everything else of that epoch)."
+
     order = 10**9
-    def __init__(self): self.stamps = []
-    def before_fit(self, learner): self.stamps.append(time.perf_counter())
-    def after_epoch(self, learner): self.stamps.append(time.perf_counter())
+
+    def __init__(self):
+        self.stamps = []
+
+    def before_fit(self, learner):
+        self.stamps.append(time.perf_counter())
+
+    def after_epoch(self, learner):
+        self.stamps.append(time.perf_counter())
 
 
 def bare_rate(cfg, device, batch: int, size: int, steps: int, bursts: int = 3) -> float:
@@ -45,22 +57,33 @@ def bare_rate(cfg, device, batch: int, size: int, steps: int, bursts: int = 3) -
     torch.manual_seed(0)
     bb = build_backbone(cfg.model.backbone, pretrained=None, **cfg.model.options).to(device)
     cuda = device.type == "cuda"
-    if cuda: bb = bb.to(memory_format=torch.channels_last)
-    if cfg.train.compile: bb.compile()
+    if cuda:
+        bb = bb.to(memory_format=torch.channels_last)
+    if cfg.train.compile:
+        bb.compile()
     opt = torch.optim.Adam([p for p in bb.parameters() if p.requires_grad], lr=1e-5)
     x = torch.randn(batch, 3, size, size, device=device)
-    if cuda: x = x.contiguous(memory_format=torch.channels_last)
+    if cuda:
+        x = x.contiguous(memory_format=torch.channels_last)
+
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = bb(x).float().sum()
-        opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
-    for _ in range(3): step()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
     best = 0.0
-    for _ in range(bursts):                  # the machine may be shared: the least disturbed burst counts
-        if cuda: torch.cuda.synchronize()
+    for _ in range(bursts):  # the machine may be shared: the least disturbed burst counts
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(steps): step()
-        if cuda: torch.cuda.synchronize()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
         best = max(best, batch * steps / (time.perf_counter() - t))
     return best
 
@@ -72,19 +95,22 @@ def generated_sets(n_classes: int, per_class: int, size: int = 224, side: int = 
     imgs = (torch.nn.functional.interpolate(low, size=(side, side), mode="bilinear") * 255).to(torch.uint8)
     arr = np.ascontiguousarray(imgs.permute(0, 2, 3, 1).numpy())
     labels = np.repeat(np.arange(n_classes), per_class)
-    train = ArrayDataset(arr, labels, make_transform("resnet50", train=True, size=size), name="generated", split="train")
+    train = ArrayDataset(
+        arr, labels, make_transform("resnet50", train=True, size=size), name="generated", split="train"
+    )
     test = ArrayDataset(arr, labels, make_transform("resnet50", train=False, size=size), name="generated", split="test")
     return train, test
 
 
 def method_rate(cfg, epochs: int, sets=None) -> tuple[float, float, int]:
     "(images/s of the best of epochs 2.. (whole epoch), of the best of their step loops, batch) of one recipe, built as dml-train builds it."
-    if sets is not None:   # the generated-image variant: the same builder, with these datasets
+    if sets is not None:  # the generated-image variant: the same builder, with these datasets
         from dml_nb.data.cache import cache_images
+
         train, test = sets
         X.build_datasets = lambda cfg, progress=True: (cache_images(train), {"test": cache_images(test)})
     learner = X.build_learner(cfg, run_dir=None, progress=False)
-    learner.eval_sets = {}          # time training only; D&C and Sharing still embed the training set themselves
+    learner.eval_sets = {}  # time training only; D&C and Sharing still embed the training set themselves
     clock = EpochClock()
     learner.callbacks.append(clock)
     learner.fit()
@@ -100,7 +126,9 @@ def main():
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--cache", nargs="+", default=["off", "on"], choices=("off", "on"))
     ap.add_argument("--epochs", type=int, default=3, help="epochs per method (the first is not counted)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the whole set, shapes; 30, resnet50)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="steps per epoch (default: the whole set, shapes; 30, resnet50)"
+    )
     ap.add_argument("--bare-steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=None, help="override the recipe's batch size (smoke runs)")
     ap.add_argument("--size", type=int, default=224, help="crop size of the resnet50 variant")
@@ -110,22 +138,32 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}, device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, threads {args.threads}")
+    print(
+        f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, threads {args.threads}"
+    )
     rows = []
     for m in args.methods:
-        for cache in (args.cache if args.variant == "shapes" else ["on"]):
-            over = [f"train.epochs={args.epochs}", f"train.device={args.device}", "eval.save_embeddings=false",
-                    f"train.compile={'true' if args.compile else 'false'}"]
+        for cache in args.cache if args.variant == "shapes" else ["on"]:
+            over = [
+                f"train.epochs={args.epochs}",
+                f"train.device={args.device}",
+                "eval.save_embeddings=false",
+                f"train.compile={'true' if args.compile else 'false'}",
+            ]
             if args.variant == "shapes":
                 over.append(f"data.cache={'true' if cache == 'on' else 'false'}")
                 cfg = load_config(PARAMS / f"shapes_{m}.yaml", overrides=over)
             else:
-                cfg = load_config(PARAMS / f"cub200_{m}.yaml", overrides=over + ["model.pretrained=null", "data.name=shapes"])
-            if args.batch: cfg.train.batch_size = args.batch
+                cfg = load_config(
+                    PARAMS / f"cub200_{m}.yaml", overrides=over + ["model.pretrained=null", "data.name=shapes"]
+                )
+            if args.batch:
+                cfg.train.batch_size = args.batch
             steps = args.steps or (None if args.variant == "shapes" else 30)
-            if steps: cfg.train.batches_per_epoch = steps
+            if steps:
+                cfg.train.batches_per_epoch = steps
             sets = None
             if args.variant == "resnet50":
                 per = cfg.train.samples_per_class * 2
@@ -138,9 +176,14 @@ def main():
             bare = (before + after) / 2
             load1 = os.getloadavg()[0]
             rows.append((m, cache, batch, rate, steps_rate, bare, bare / rate - 1, f"{load0:.1f}-{load1:.1f}"))
-            print(f"{m:9s} cache={cache:3s} batch {batch}: {rate:7.1f} img/s (steps only {steps_rate:7.1f}), bare "
-                  f"{before:7.1f} / {after:7.1f} img/s, overhead {100 * (bare / rate - 1):+.0f}%, load {rows[-1][-1]}", flush=True)
-    print("\n| method | cache | batch | method img/s (epoch) | steps only img/s | bare backbone img/s | overhead | load avg |")
+            print(
+                f"{m:9s} cache={cache:3s} batch {batch}: {rate:7.1f} img/s (steps only {steps_rate:7.1f}), bare "
+                f"{before:7.1f} / {after:7.1f} img/s, overhead {100 * (bare / rate - 1):+.0f}%, load {rows[-1][-1]}",
+                flush=True,
+            )
+    print(
+        "\n| method | cache | batch | method img/s (epoch) | steps only img/s | bare backbone img/s | overhead | load avg |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for m, cache, batch, rate, steps_rate, bare, over, load in rows:
         print(f"| {m} | {cache} | {batch} | {rate:.1f} | {steps_rate:.1f} | {bare:.1f} | {100 * over:+.0f}% | {load} |")

@@ -8,5 +8,5 @@ __all__ = []
 
 # %% ../nbs/03_threads.ipynb #7753fce4
 import os
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads OpenMP: waiting threads sleep while they wait
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: waiting threads sleep while they wait

@@ -1,4 +1,5 @@
 "Fixtures shared by several test modules: the procedural `shapes` sets that the training tests run on."
+
 import pytest
 
 from dml_nb.data.datasets import load_dataset
@@ -6,9 +7,11 @@ from dml_nb.data.datasets import load_dataset
 
 def shapes_sets(images_per_class: int, test_images_per_class: int = 4) -> tuple:
     "shapes train (augmented), the same images with test transforms, and test."
-    return (load_dataset("shapes", split="train", images_per_class=images_per_class),
-            load_dataset("shapes", split="train", images_per_class=images_per_class, augment=False),
-            load_dataset("shapes", split="test", images_per_class=test_images_per_class))
+    return (
+        load_dataset("shapes", split="train", images_per_class=images_per_class),
+        load_dataset("shapes", split="train", images_per_class=images_per_class, augment=False),
+        load_dataset("shapes", split="test", images_per_class=test_images_per_class),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,10 @@ def shapes8():
 
 
 def _has_faiss() -> bool:
-    try: import faiss  # noqa: F401
-    except ImportError: return False
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
     return True
 
 
@@ -35,10 +40,13 @@ HAS_FAISS = _has_faiss()
 def pytest_collection_modifyitems(config, items):
     "Tests marked `gpu` skip where torch sees no CUDA device (benchmarks/gpu_check.sh runs them on a GPU)."
     import torch
-    if torch.cuda.is_available(): return
+
+    if torch.cuda.is_available():
+        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; benchmarks/gpu_check.sh)")
     for item in items:
-        if "gpu" in item.keywords: item.add_marker(skip)
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,9 +55,11 @@ def pytest_runtest_makereport(item, call):
     back end (a comparison with faiss, or a recipe whose code clusters with faiss) is skipped, naming the extra."""
     outcome = yield
     rep = outcome.get_result()
-    if HAS_FAISS or call.excinfo is None: return
+    if HAS_FAISS or call.excinfo is None:
+        return
     from dml_nb.evaluation.faiss_backend import FaissMissingError
-    e = call.excinfo.value      # dml_nb's error, or `import faiss` itself failing (pytorch-metric-learning's calculator)
+
+    e = call.excinfo.value  # dml_nb's error, or `import faiss` itself failing (pytorch-metric-learning's calculator)
     if isinstance(e, FaissMissingError) or (isinstance(e, ImportError) and e.name == "faiss"):
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, "Skipped: needs faiss (pip install 'dml_nb[faiss-cpu]')")

@@ -1,6 +1,7 @@
 """Checks of dml_nb.data.cache: the batched crop/resize against torchvision, the box sampler against torchvision's,
 the cache file against the PIL path (same crop boxes, same pixels up to the cache's extra resampling), reuse,
 invalidation, loader workers, and the errors for bad input. All on the CPU."""
+
 import os
 
 import numpy as np
@@ -10,8 +11,15 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from dml_nb.data.cache import (BatchAugment, RawItems, cache_images, center_crop_boxes, crop_resize,
-                          pad_collate, random_resized_crop_boxes)
+from dml_nb.data.cache import (
+    BatchAugment,
+    RawItems,
+    cache_images,
+    center_crop_boxes,
+    crop_resize,
+    pad_collate,
+    random_resized_crop_boxes,
+)
 from dml_nb.data.datasets import ImageListDataset, load_dataset, make_transform
 from dml_nb.data.checks import write_fake_dataset
 
@@ -53,11 +61,16 @@ def test_box_sampler_matches_torchvision_in_distribution():
     H, W, n = 120, 300, 2000
     ours = random_resized_crop_boxes([H] * 40000, [W] * 40000, generator=torch.Generator().manual_seed(0)).double()
     torch.manual_seed(0)
-    tv = torch.tensor([v2.RandomResizedCrop.get_params(torch.zeros(1, H, W), (0.08, 1.0), (3 / 4, 4 / 3))
-                       for _ in range(n)]).double()
-    for f in (lambda b: b[:, 2] * b[:, 3] / (H * W), lambda b: b[:, 3] / b[:, 2], lambda b: b[:, 1] / (W - b[:, 3] + 1),
-              lambda b: (b[:, 2] == H).double()):
-        assert float(f(ours).mean()) == pytest.approx(float(f(tv).mean()), abs=float(4 * f(tv).std() / n ** 0.5) + 1e-9)
+    tv = torch.tensor(
+        [v2.RandomResizedCrop.get_params(torch.zeros(1, H, W), (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(n)]
+    ).double()
+    for f in (
+        lambda b: b[:, 2] * b[:, 3] / (H * W),
+        lambda b: b[:, 3] / b[:, 2],
+        lambda b: b[:, 1] / (W - b[:, 3] + 1),
+        lambda b: (b[:, 2] == H).double(),
+    ):
+        assert float(f(ours).mean()) == pytest.approx(float(f(tv).mean()), abs=float(4 * f(tv).std() / n**0.5) + 1e-9)
     assert (ours[:, 0] + ours[:, 2] <= H).all() and (ours[:, 1] + ours[:, 3] <= W).all() and (ours[:, :2] >= 0).all()
 
 
@@ -66,8 +79,10 @@ def test_test_pipeline_on_a_padded_batch_matches_make_transform(preset):
     size = 48
     aug = BatchAugment.from_transform(make_transform(preset, train=False, size=size))
     assert aug == aug.test_version() or not aug.train_mode
-    imgs = [(torch.rand(3, h, w, generator=torch.Generator().manual_seed(h)) * 255).to(torch.uint8)
-            for h, w in [(60, 80), (90, 56), (56, 56)]]
+    imgs = [
+        (torch.rand(3, h, w, generator=torch.Generator().manual_seed(h)) * 255).to(torch.uint8)
+        for h, w in [(60, 80), (90, 56), (56, 56)]
+    ]
     batch = pad_collate([{"x": im, "y": 1, "index": i} for i, im in enumerate(imgs)])
     out = aug(batch["x"], batch["sizes"])
     for k, im in enumerate(imgs):
@@ -86,14 +101,31 @@ def test_augmentation_is_deterministic_given_the_generator():
 def test_cache_matches_the_pil_path(jpegs):
     cached = cache_images(jpegs, progress=False)
     assert cached.path.parent == jpegs.paths[0].parent / ".dml_nb_cache"
-    assert [tuple(cached.load(i).shape[1:]) for i in range(5)] == [(256, 341), (384, 256), (256, 256), (240, 320), (341, 256)]
+    assert [tuple(cached.load(i).shape[1:]) for i in range(5)] == [
+        (256, 341),
+        (384, 256),
+        (256, 256),
+        (240, 320),
+        (341, 256),
+    ]
     errors = []
     for i in range(len(jpegs)):
         orig, img = TF.pil_to_tensor(jpegs.load(i)), cached.load(i)
         sy, sx = img.shape[1] / orig.shape[1], img.shape[2] / orig.shape[2]
-        boxes = random_resized_crop_boxes([orig.shape[1]] * 10, [orig.shape[2]] * 10, generator=torch.Generator().manual_seed(i))
-        out = crop_resize(img[None].expand(10, -1, -1, -1), boxes[:, 0] * sy, boxes[:, 1] * sx, boxes[:, 2] * sy,
-                          boxes[:, 3] * sx, 224) / 255
+        boxes = random_resized_crop_boxes(
+            [orig.shape[1]] * 10, [orig.shape[2]] * 10, generator=torch.Generator().manual_seed(i)
+        )
+        out = (
+            crop_resize(
+                img[None].expand(10, -1, -1, -1),
+                boxes[:, 0] * sy,
+                boxes[:, 1] * sx,
+                boxes[:, 2] * sy,
+                boxes[:, 3] * sx,
+                224,
+            )
+            / 255
+        )
         for k in range(10):
             ref = TF.resized_crop(orig.float() / 255, *boxes[k].tolist(), [224, 224], antialias=True)
             errors.append(((out[k] - ref).abs().mean().item(), (out[k] - ref).abs().max().item()))
@@ -120,7 +152,7 @@ def test_cache_is_reused_and_follows_changes(jpegs, tmp_path):
 
 def test_loader_workers_read_the_memory_map(jpegs, tmp_path):
     cached = cache_images(jpegs, cache_dir=tmp_path / "c", progress=False)
-    cached.load(0)                                     # the parent has mapped the file: workers must map their own
+    cached.load(0)  # the parent has mapped the file: workers must map their own
     loader = torch.utils.data.DataLoader(RawItems(cached), batch_size=5, num_workers=2, collate_fn=pad_collate)
     batch = next(iter(loader))
     for i in range(5):
@@ -134,7 +166,7 @@ def test_real_reader_and_label_noise_pass_through(tmp_path):
     ds = load_dataset("cub200", root=root, split="train", size=32)
     cached = cache_images(ds, cache_dir=tmp_path / "c", progress=False)
     assert len(cached) == len(ds) and cached.num_classes == ds.num_classes
-    ds.labels = ds.labels[::-1].copy()                 # set on the source later (label noise): seen through the cache
+    ds.labels = ds.labels[::-1].copy()  # set on the source later (label noise): seen through the cache
     assert list(cached.labels) == list(ds.labels)
     x, y = cached[1]
     assert x.shape == (3, 32, 32) and y == ds.labels[1]
@@ -149,7 +181,8 @@ def test_embedded_sets_are_used_in_memory():
 
 def test_errors_name_the_problem_and_the_fix(jpegs, tmp_path):
     cached = cache_images(jpegs, cache_dir=tmp_path / "c", progress=False)
-    with open(cached.path, "r+b") as f: f.truncate(10)
+    with open(cached.path, "r+b") as f:
+        f.truncate(10)
     with pytest.raises(ValueError, match="incomplete or damaged.*to rebuild the cache"):
         cache_images(jpegs, cache_dir=tmp_path / "c", progress=False)
     index = cached.path.with_name(cached.path.name.replace(".u8", ".idx.npz"))
@@ -160,7 +193,9 @@ def test_errors_name_the_problem_and_the_fix(jpegs, tmp_path):
     blocker.write_text("x")
     with pytest.raises(PermissionError, match="cache_dir="):
         cache_images(jpegs, cache_dir=blocker / "sub", progress=False)
-    jitter = ImageListDataset(jpegs.paths, jpegs.labels, v2.Compose([v2.ToImage(), v2.ColorJitter(0.3), v2.CenterCrop(8)]))
+    jitter = ImageListDataset(
+        jpegs.paths, jpegs.labels, v2.Compose([v2.ToImage(), v2.ColorJitter(0.3), v2.CenterCrop(8)])
+    )
     with pytest.raises(ValueError, match="data.cache: false"):
         cache_images(jitter, cache_dir=tmp_path / "c")
     with pytest.raises(TypeError, match="cannot cache"):

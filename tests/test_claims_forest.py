@@ -1,10 +1,12 @@
 """Figures that show what the claims test: the forest plot draws each claim's difference with the very threshold its
 verdict used (t SE), the paper's difference and zero; the claims file says the smallest difference the seeds resolve; absolute bars
 show the SE and leave zero out where it would hide the spread."""
+
 import math
 from pathlib import Path
 
 import matplotlib
+
 matplotlib.use("Agg")
 import numpy as np
 import pandas as pd
@@ -18,9 +20,16 @@ from dml_nb.reproduction.viz import hides_spread, plot_bars
 def flagship_like():
     "Seven rows within 2 points, std about 1 over 5 seeds: the shape of the flagship table."
     rows = ["Margin-512", "DiVA-512", "Margin-128", "D&C-128", "MIC-128", "MultiSim-512", "BSPML-512"]
-    return pd.DataFrame({"R@1": [62.1, 63.8, 62.5, 62.1, 63.0, 62.4, 63.3], "R@1 std": [1.3, 0.8, 1.0, 1.1, 0.9, 1.2, 0.7],
-                         "NMI": [55.0, 57.5, 55.2, 55.1, 55.9, 54.8, 56.0], "NMI std": [0.5, 0.6, 0.4, 0.5, 0.6, 0.5, 0.4],
-                         "seeds": [5] * 7}, index=pd.Index(rows, name="row"))
+    return pd.DataFrame(
+        {
+            "R@1": [62.1, 63.8, 62.5, 62.1, 63.0, 62.4, 63.3],
+            "R@1 std": [1.3, 0.8, 1.0, 1.1, 0.9, 1.2, 0.7],
+            "NMI": [55.0, 57.5, 55.2, 55.1, 55.9, 54.8, 56.0],
+            "NMI std": [0.5, 0.6, 0.4, 0.5, 0.6, 0.5, 0.4],
+            "seeds": [5] * 7,
+        },
+        index=pd.Index(rows, name="row"),
+    )
 
 
 @pytest.fixture
@@ -31,7 +40,7 @@ def claims(tmp_path):
     c.beats("DiVA beats Margin (R@1)", t, "DiVA-512", "Margin-512")
     c.beats("D&C beats Margin", t, "D&C-128", "Margin-128")
     c.beats("DiVA beats Margin on NMI", t, "DiVA-512", "Margin-512", "NMI")
-    c.beats("MIC beats Margin", t, "MIC-128", "Margin-128")          # the paper file has no MIC row
+    c.beats("MIC beats Margin", t, "MIC-128", "Margin-128")  # the paper file has no MIC row
     c.check("DiVA beats all", Verdict.UNRESOLVED, "several comparisons")
     return c, t
 
@@ -40,14 +49,28 @@ def test_the_forest_interval_is_the_verdicts_own_threshold(claims):
     c, t = claims
     fig = c.plot()
     ax = fig.axes[0]
-    labels = [x.get_text() for x in ax.get_yticklabels()]                # drawn top to bottom, in the order checked
-    assert labels == ["DiVA beats Margin (R@1)", "D&C beats Margin [R@1]", "DiVA beats Margin on NMI [NMI]", "MIC beats Margin [R@1]"]
-    intervals = sorted(tuple(np.round(l.get_xdata(), 6)) for l in ax.lines
-                       if len(l.get_xdata()) == 2 and l.get_linestyle() == "-" and l.get_color() == "black"
-                       and not l.get_xdata()[0] == l.get_xdata()[1] == 0)                # not the zero line
+    labels = [x.get_text() for x in ax.get_yticklabels()]  # drawn top to bottom, in the order checked
+    assert labels == [
+        "DiVA beats Margin (R@1)",
+        "D&C beats Margin [R@1]",
+        "DiVA beats Margin on NMI [NMI]",
+        "MIC beats Margin [R@1]",
+    ]
+    intervals = sorted(
+        tuple(np.round(l.get_xdata(), 6))
+        for l in ax.lines
+        if len(l.get_xdata()) == 2
+        and l.get_linestyle() == "-"
+        and l.get_color() == "black"
+        and not l.get_xdata()[0] == l.get_xdata()[1] == 0
+    )  # not the zero line
     expected = []
-    for a, b, m in (("DiVA-512", "Margin-512", "R@1"), ("D&C-128", "Margin-128", "R@1"), ("DiVA-512", "Margin-512", "NMI"),
-                    ("MIC-128", "Margin-128", "R@1")):
+    for a, b, m in (
+        ("DiVA-512", "Margin-512", "R@1"),
+        ("D&C-128", "Margin-128", "R@1"),
+        ("DiVA-512", "Margin-512", "NMI"),
+        ("MIC-128", "Margin-128", "R@1"),
+    ):
         diff = difference(stat(t, a, m), stat(t, b, m))
         d, thr = diff[0], diff.threshold
         verdict = judge(stat(t, a, m), stat(t, b, m))
@@ -55,8 +78,10 @@ def test_the_forest_interval_is_the_verdicts_own_threshold(claims):
         expected.append(tuple(np.round([d - thr, d + thr], 6)))
     assert intervals == sorted(expected)
     paper = [l for l in ax.lines if l.get_label() == "the paper's difference"][0]
-    np.testing.assert_allclose(paper.get_xdata(), [69.2 - 63.9, 65.9 - 60.7, np.nan, np.nan])   # no NMI / MIC in the paper file
-    assert any(l.get_xdata()[0] == 0 == l.get_xdata()[1] and len(l.get_xdata()) == 2 for l in ax.lines)   # zero marked
+    np.testing.assert_allclose(
+        paper.get_xdata(), [69.2 - 63.9, 65.9 - 60.7, np.nan, np.nan]
+    )  # no NMI / MIC in the paper file
+    assert any(l.get_xdata()[0] == 0 == l.get_xdata()[1] and len(l.get_xdata()) == 2 for l in ax.lines)  # zero marked
     assert (c.figures_dir / "repro_demo_claims.png").stat().st_size > 0
 
 
@@ -64,7 +89,11 @@ def test_the_claims_file_says_what_the_seeds_resolve(claims):
     c, t = claims
     rows = ["DiVA-512", "Margin-512", "D&C-128", "Margin-128", "MIC-128"]
     spread = math.sqrt(np.mean(t.loc[rows, "R@1 std"] ** 2))
-    assert c.resolves()["R@1"] == pytest.approx(critical(8) * spread * math.sqrt(2 / 5)) == pytest.approx(resolvable(t, rows=rows))
+    assert (
+        c.resolves()["R@1"]
+        == pytest.approx(critical(8) * spread * math.sqrt(2 / 5))
+        == pytest.approx(resolvable(t, rows=rows))
+    )
     c.save()
     f = c.figures_dir / "repro_demo_claims.md"
     assert f"R@1 {c.resolves()['R@1']:.1f}, NMI {c.resolves()['NMI']:.1f}" == resolution(f)
@@ -92,37 +121,70 @@ def test_absolute_bars_show_the_se_and_leave_out_zero_when_it_hides_the_spread()
     seg = [c for c in ax.collections if hasattr(c, "get_segments")][0].get_segments()
     np.testing.assert_allclose([s[1][1] - s[0][1] for s in seg], 2 * t["R@1 std"].values / math.sqrt(5))
     wide = plot_bars(pd.Series([20.0, 60.0], index=["a", "b"]), pd.Series([1.0, 1.0], index=["a", "b"]))
-    assert wide.axes[0].get_ylim()[0] == 0                             # a spread the bars show: from zero
+    assert wide.axes[0].get_ylim()[0] == 0  # a spread the bars show: from zero
 
 
 def test_the_claims_file_says_which_tasks_idled(tmp_path, monkeypatch):
     "`Reproduction.tasks` reads each finished run's last epoch: an idle task is named with its seeds, why and its own logs."
     import types
     import dml_nb.reproduction.notebook as N
-    hist = {"r0": {"epoch": 8, "loss/discriminative": 0.5, "grad/discriminative": 0.25, "loss/dance": 0.0, "grad/dance": 0.0,
-                   "nonzero_weights/dance": 1.0},
-            "r1": {"epoch": 8, "loss/discriminative": 0.4, "grad/discriminative": 0.2, "loss/dance": 2e-4, "grad/dance": 1e-5,
-                   "nonzero_weights/dance": 0.9},
-            "b0": {"epoch": 8, "loss": 0.3, "grad_norm": 0.1}}
-    monkeypatch.setattr(N, "load_result", lambda d: types.SimpleNamespace(history_frame=lambda: pd.DataFrame([hist[Path(d).name]])))
+
+    hist = {
+        "r0": {
+            "epoch": 8,
+            "loss/discriminative": 0.5,
+            "grad/discriminative": 0.25,
+            "loss/dance": 0.0,
+            "grad/dance": 0.0,
+            "nonzero_weights/dance": 1.0,
+        },
+        "r1": {
+            "epoch": 8,
+            "loss/discriminative": 0.4,
+            "grad/discriminative": 0.2,
+            "loss/dance": 2e-4,
+            "grad/dance": 1e-5,
+            "nonzero_weights/dance": 0.9,
+        },
+        "b0": {"epoch": 8, "loss": 0.3, "grad_norm": 0.1},
+    }
+    monkeypatch.setattr(
+        N, "load_result", lambda d: types.SimpleNamespace(history_frame=lambda: pd.DataFrame([hist[Path(d).name]]))
+    )
     nb = N.Reproduction("repro_demo", "shapes", "cub200", {}, [0, 1], tmp_path, tmp_path, False)
-    nb.per_seed = pd.DataFrame({"row": ["DiVA", "DiVA", "Margin", "Margin"], "seed": [0, 1, 0, 1], "status": ["ok", "ok", "ok", "x"],
-                                "run": ["r0", "r1", "b0", None]})
+    nb.per_seed = pd.DataFrame(
+        {
+            "row": ["DiVA", "DiVA", "Margin", "Margin"],
+            "seed": [0, 1, 0, 1],
+            "status": ["ok", "ok", "ok", "x"],
+            "run": ["r0", "r1", "b0", None],
+        }
+    )
     text = nb.tasks()
-    assert "DiVA dance idle in 2 of 2 seeds (zero loss and gradient; gradient 5.0e-05 of the largest task's; mean nonzero_weights 0.95)" in text
+    assert (
+        "DiVA dance idle in 2 of 2 seeds (zero loss and gradient; gradient 5.0e-05 of the largest task's; mean nonzero_weights 0.95)"
+        in text
+    )
     assert "discriminative" not in text and "Margin" not in text
-    hist["r0"].update({"loss/dance": 0.1, "grad/dance": 0.1}); hist["r1"].update({"loss/dance": 0.1, "grad/dance": 0.1})
+    hist["r0"].update({"loss/dance": 0.1, "grad/dance": 0.1})
+    hist["r1"].update({"loss/dance": 0.1, "grad/dance": 0.1})
     assert nb.tasks() == "Every task of each of the 3 runs had a non-zero loss and gradient in its last epoch."
 
 
 def test_a_row_run_again_replaces_its_per_seed_lines(tmp_path, monkeypatch):
     "Running a cell again (the same rows) keeps one line per row and seed, so the difference can still be paired."
     import dml_nb.reproduction.notebook as N
-    frames = iter([pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.3, 0.4]}),
-                   pd.DataFrame({"row": ["B", "B"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.2, 0.3]}),
-                   pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.5, 0.6]})])
+
+    frames = iter(
+        [
+            pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.3, 0.4]}),
+            pd.DataFrame({"row": ["B", "B"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.2, 0.3]}),
+            pd.DataFrame({"row": ["A", "A"], "seed": [0, 1], "status": ["ok", "ok"], "recall@1": [0.5, 0.6]}),
+        ]
+    )
     monkeypatch.setattr(N, "run_rows", lambda *a, **k: (next(frames), {}))
     nb = N.Reproduction("repro_demo", "shapes", "cub200", {"train": {"epochs": 1}}, [0, 1], tmp_path, tmp_path, False)
-    for rows in ({"A": {}}, {"B": {}}, {"A": {}}): nb.run(rows)
+    for rows in ({"A": {}}, {"B": {}}, {"A": {}}):
+        nb.run(rows)
     assert sorted(zip(nb.per_seed["row"], nb.per_seed["seed"])) == [("A", 0), ("A", 1), ("B", 0), ("B", 1)]
     assert nb.per_seed.loc[nb.per_seed["row"] == "A", "recall@1"].tolist() == [0.5, 0.6]

@@ -1,4 +1,5 @@
 "Dataset readers on tiny trees written in each real on-disk format, embedded sets, label noise."
+
 import warnings
 
 import numpy as np
@@ -14,8 +15,10 @@ from dml_nb.data.checks import write_fake_dataset
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     base = tmp_path_factory.mktemp("data")
-    return {n: write_fake_dataset(n, base / n, n_classes=8, per_class=3) for n in
-            ("cub200", "cars196", "sop", "inshop", "vehicleid")}
+    return {
+        n: write_fake_dataset(n, base / n, n_classes=8, per_class=3)
+        for n in ("cub200", "cars196", "sop", "inshop", "vehicleid")
+    }
 
 
 @pytest.mark.parametrize("name", ["cub200", "cars196", "sop"])
@@ -49,6 +52,7 @@ def test_cub_without_image_class_labels(trees, tmp_path):
 
 def test_cars_class_ids_come_from_the_mat_not_file_order(trees):
     from scipy.io import loadmat
+
     ann = loadmat(trees["cars196"] / "cars_annos.mat", squeeze_me=True)["annotations"]
     cls = dict(zip(ann["relative_im_path"], ann["class"]))
     tr = load_dataset("cars196", trees["cars196"], "train", transform=None)
@@ -165,30 +169,50 @@ def test_label_noise_protocol():
 _IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 _CAFFE = ((0.502, 0.4588, 0.4078), (1 / 255,) * 3)
 
-@pytest.mark.parametrize("preset,size,crop,resize,norm,bgr,scale,ratio", [
-    ("resnet50", None, 224, 256, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
-    ("resnet50", 250, 250, 286, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),     # 256/224 of the crop, rounded
-    ("googlenet", None, 224, 256, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
-    ("googlenet", 227, 227, 259, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
-    ("bninception", None, 227, 256, _CAFFE, True, (0.08, 1.0), (3 / 4, 4 / 3)),
-    ("bninception", 224, 224, 256, _CAFFE, True, (0.08, 1.0), (3 / 4, 4 / 3)),
-    ("small", 32, 32, 32, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1)),
-    ("small_cnn", 48, 48, 48, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1))])
+
+@pytest.mark.parametrize(
+    "preset,size,crop,resize,norm,bgr,scale,ratio",
+    [
+        ("resnet50", None, 224, 256, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
+        ("resnet50", 250, 250, 286, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),  # 256/224 of the crop, rounded
+        ("googlenet", None, 224, 256, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
+        ("googlenet", 227, 227, 259, _IMAGENET, False, (0.08, 1.0), (3 / 4, 4 / 3)),
+        ("bninception", None, 227, 256, _CAFFE, True, (0.08, 1.0), (3 / 4, 4 / 3)),
+        ("bninception", 224, 224, 256, _CAFFE, True, (0.08, 1.0), (3 / 4, 4 / 3)),
+        ("small", 32, 32, 32, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1)),
+        ("small_cnn", 48, 48, 48, ((0.5,) * 3, (0.5,) * 3), False, (0.7, 1.0), (0.9, 1.1)),
+    ],
+)
 def test_the_papers_transform_numbers(preset, size, crop, resize, norm, bgr, scale, ratio):
     from dml_nb.data.datasets import make_transform
+
     train, test = make_transform(preset, train=True, size=size), make_transform(preset, size=size)
     names = lambda t: [type(o).__name__ for o in t.transforms]
     tail = ["Normalize"] + (["ToBGR"] if bgr else [])
     assert names(train) == ["ToImage", "ToDtype", "RandomResizedCrop", "RandomHorizontalFlip", *tail]
     assert names(test) == ["ToImage", "ToDtype", "Resize", "CenterCrop", *tail]
-    assert names(make_transform(preset, train=True, size=size, flip=False)) == ["ToImage", "ToDtype", "RandomResizedCrop", *tail]
+    assert names(make_transform(preset, train=True, size=size, flip=False)) == [
+        "ToImage",
+        "ToDtype",
+        "RandomResizedCrop",
+        *tail,
+    ]
     rrc, rs, cc, nm = train.transforms[2], test.transforms[2], test.transforms[3], test.transforms[4]
-    assert (tuple(rrc.size), rrc.scale, rrc.ratio, tuple(rs.size), tuple(cc.size)) == ((crop,) * 2, scale, ratio, (resize,), (crop,) * 2)
+    assert (tuple(rrc.size), rrc.scale, rrc.ratio, tuple(rs.size), tuple(cc.size)) == (
+        (crop,) * 2,
+        scale,
+        ratio,
+        (resize,),
+        (crop,) * 2,
+    )
     assert (tuple(nm.mean), tuple(nm.std)) == norm and train.transforms[-len(tail)].mean == nm.mean
     assert train.preprocessing == test.preprocessing
 
 
 def test_unknown_preset_and_missing_size_are_errors():
     from dml_nb.data.datasets import make_transform
-    with pytest.raises(ValueError, match="Did you mean 'resnet50'"): make_transform("resnet")
-    with pytest.raises(ValueError, match="needs size="): make_transform("small")
+
+    with pytest.raises(ValueError, match="Did you mean 'resnet50'"):
+        make_transform("resnet")
+    with pytest.raises(ValueError, match="needs size="):
+        make_transform("small")

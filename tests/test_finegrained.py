@@ -1,11 +1,18 @@
 "The embedded fine-grained set: fixed disjoint class sets, deterministic images, sizes and types, load_dataset."
+
 import numpy as np
 import pytest
 
 from dml_nb.data.datasets import load_dataset
 from dml_nb.training.config import make_config
-from dml_nb.data.finegrained import (CLASSES_PER_SPLIT, FACTORS, factor_grid, finegrained_classes, make_finegrained,
-                                render_finegrained)
+from dml_nb.data.finegrained import (
+    CLASSES_PER_SPLIT,
+    FACTORS,
+    factor_grid,
+    finegrained_classes,
+    make_finegrained,
+    render_finegrained,
+)
 
 
 def test_three_class_sets_are_disjoint_and_cover_every_combination():
@@ -14,10 +21,11 @@ def test_three_class_sets_are_disjoint_and_cover_every_combination():
     assert set(sets["train"]).isdisjoint(sets["test"])
     assert set(sets["pretrain"]).isdisjoint(set(sets["train"]) | set(sets["test"]))
     assert len(np.unique(np.concatenate(list(sets.values())))) == len(factor_grid()) == 3840
-    grid = factor_grid()   # what the sets share is factor values, never combinations
+    grid = factor_grid()  # what the sets share is factor values, never combinations
     for i, values in enumerate(FACTORS.values()):
-        for s in sets.values(): assert len(np.unique(grid[s, i])) == len(values)
-    np.testing.assert_array_equal(finegrained_classes("train"), sets["train"])   # fixed, no seed involved
+        for s in sets.values():
+            assert len(np.unique(grid[s, i])) == len(values)
+    np.testing.assert_array_equal(finegrained_classes("train"), sets["train"])  # fixed, no seed involved
 
 
 def test_images_are_deterministic_and_depend_on_the_seed():
@@ -37,14 +45,18 @@ def test_sizes_dtype_and_factor_ids(size):
     np.testing.assert_array_equal(np.sort(ds.class_ids), np.sort(finegrained_classes("pretrain")[:7]))
     grid = factor_grid()[ds.class_ids[ds.labels]]
     np.testing.assert_array_equal(np.stack([ds.shape_ids, ds.texture_ids, ds.palette_ids, ds.part_ids], 1), grid)
-    assert ds.images.std() > 20    # not blank
+    assert ds.images.std() > 20  # not blank
 
 
 def test_bad_arguments_name_the_fix():
-    with pytest.raises(ValueError, match="between 2 and 100"): make_finegrained("test", num_classes=101)
-    with pytest.raises(ValueError, match="between 32 and 64"): make_finegrained("test", size=16)
-    with pytest.raises(ValueError, match="at least 2"): make_finegrained("test", images_per_class=1)
-    with pytest.raises(ValueError, match="pretrain, test, train"): make_finegrained("val")
+    with pytest.raises(ValueError, match="between 2 and 100"):
+        make_finegrained("test", num_classes=101)
+    with pytest.raises(ValueError, match="between 32 and 64"):
+        make_finegrained("test", size=16)
+    with pytest.raises(ValueError, match="at least 2"):
+        make_finegrained("test", images_per_class=1)
+    with pytest.raises(ValueError, match="pretrain, test, train"):
+        make_finegrained("val")
 
 
 def test_load_dataset_and_config_know_the_name():
@@ -53,7 +65,8 @@ def test_load_dataset_and_config_know_the_name():
     x, y = tr[0]
     assert x.shape == (3, 32, 32) and x.dtype.is_floating_point and y == tr.labels[0]
     assert set(tr.class_ids).isdisjoint(te.class_ids)
-    with pytest.raises(Exception, match="pretrain|split"): load_dataset("finegrained", split="pretrain")
+    with pytest.raises(Exception, match="pretrain|split"):
+        load_dataset("finegrained", split="pretrain")
     assert make_config({"data": {"name": "finegrained"}}).data.name == "finegrained"
 
 
@@ -61,6 +74,7 @@ def test_config_images_per_class_reaches_the_finegrained_set():
     "`data.images_per_class` in a config is passed to the embedded fine-grained set (it was once silently ignored)."
     from dml_nb.training.config import make_config
     from dml_nb.reproduction.experiment import build_datasets
+
     train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)
     assert len(train) == 100 * 4 and len(evals["test"]) == 100 * 4
 
@@ -68,30 +82,40 @@ def test_config_images_per_class_reaches_the_finegrained_set():
 def test_novel_family_is_never_shown_to_the_pretraining_pool():
     "`finegrained_novel`: train and test are combinations of the family's shapes and textures, the pool uses none of them."
     from dml_nb.data.finegrained import NOVEL_FAMILY, novel_classes
+
     sets = {s: novel_classes(s) for s in ("train", "test", "pretrain")}
     assert [len(v) for v in sets.values()] == [CLASSES_PER_SPLIT, CLASSES_PER_SPLIT, 8 * 6 * 8 * 4]
-    assert len(np.unique(np.concatenate(list(sets.values())))) == 2 * CLASSES_PER_SPLIT + 8 * 6 * 8 * 4   # disjoint
+    assert len(np.unique(np.concatenate(list(sets.values())))) == 2 * CLASSES_PER_SPLIT + 8 * 6 * 8 * 4  # disjoint
     grid = factor_grid()
     for f, values in NOVEL_FAMILY.items():
         i, ids = list(FACTORS).index(f), {FACTORS[f].index(v) for v in values}
         assert set(grid[sets["pretrain"], i]).isdisjoint(ids)
-        assert set(grid[sets["train"], i]) == ids == set(grid[sets["test"], i])   # every family value, in both splits
-    for i, f in enumerate(FACTORS):   # palettes and parts are shared, as colour is between ImageNet and birds
-        if f not in NOVEL_FAMILY: assert len(np.unique(grid[sets["pretrain"], i])) == len(FACTORS[f])
-    np.testing.assert_array_equal(novel_classes("test"), sets["test"])   # fixed, no seed involved
-    np.testing.assert_array_equal(finegrained_classes("train")[:3], [3354, 1351, 489])   # finegrained's layout unchanged
+        assert set(grid[sets["train"], i]) == ids == set(grid[sets["test"], i])  # every family value, in both splits
+    for i, f in enumerate(FACTORS):  # palettes and parts are shared, as colour is between ImageNet and birds
+        if f not in NOVEL_FAMILY:
+            assert len(np.unique(grid[sets["pretrain"], i])) == len(FACTORS[f])
+    np.testing.assert_array_equal(novel_classes("test"), sets["test"])  # fixed, no seed involved
+    np.testing.assert_array_equal(finegrained_classes("train")[:3], [3354, 1351, 489])  # finegrained's layout unchanged
 
 
 def test_finegrained_novel_loads_by_name_and_from_a_config():
     from dml_nb.reproduction.experiment import build_datasets
     from dml_nb.data.finegrained import novel_classes
+
     ds = load_dataset("finegrained_novel", split="test", images_per_class=2, num_classes=3)
     assert ds.name == "finegrained_novel" and set(ds.class_ids) == set(novel_classes("test")[:3])
     assert ds[0][0].shape == (3, 32, 32)
-    np.testing.assert_array_equal(make_finegrained("train", 2, num_classes=2, layout="novel").images,
-                                  load_dataset("finegrained_novel", images_per_class=2, num_classes=2).images)
-    train, evals = build_datasets(make_config({"data": {"name": "finegrained_novel", "images_per_class": 3}}), progress=False)
-    assert len(train) == 100 * 3 and len(evals["test"]) == 100 * 3 and set(train.class_ids) == set(novel_classes("train"))
-    with pytest.raises(ValueError, match="novel, shared"): make_finegrained("train", layout="other")
+    np.testing.assert_array_equal(
+        make_finegrained("train", 2, num_classes=2, layout="novel").images,
+        load_dataset("finegrained_novel", images_per_class=2, num_classes=2).images,
+    )
+    train, evals = build_datasets(
+        make_config({"data": {"name": "finegrained_novel", "images_per_class": 3}}), progress=False
+    )
+    assert (
+        len(train) == 100 * 3 and len(evals["test"]) == 100 * 3 and set(train.class_ids) == set(novel_classes("train"))
+    )
+    with pytest.raises(ValueError, match="novel, shared"):
+        make_finegrained("train", layout="other")
     with pytest.raises(ValueError, match="finegrained_novel/test must be between 2 and 100"):
         make_finegrained("test", num_classes=101, layout="novel")

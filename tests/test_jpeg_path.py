@@ -2,6 +2,7 @@
 boxes and flips, and on the CPU its pixels equal the PIL path's to the bit (both decode with libjpeg-turbo and crop,
 resize and normalise with the same torchvision functions; measured tolerance: 0). A run trains identically on both
 paths. On a GPU (nvJPEG) the decode differs by a few levels: the `gpu` test bounds it and gpu_check.sh measures it."""
+
 from __future__ import annotations
 from pathlib import Path
 
@@ -11,7 +12,15 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from dml_nb.data.batches import JpegDecode, JpegImages, JpegItems, SeededViews, jpeg_size, random_resized_crop_params, to_device
+from dml_nb.data.batches import (
+    JpegDecode,
+    JpegImages,
+    JpegItems,
+    SeededViews,
+    jpeg_size,
+    random_resized_crop_params,
+    to_device,
+)
 from dml_nb.training.config import ConfigError, make_config
 from dml_nb.core.base import seed_everything
 from dml_nb.data.datasets import ImageListDataset, make_transform
@@ -23,7 +32,10 @@ def photo(h: int, w: int, seed: int) -> np.ndarray:
     "A smooth colour field with fine noise: a JPEG decode of it costs and rounds like a photograph's."
     g = torch.Generator().manual_seed(seed)
     low = torch.rand(1, 3, 7, 7, generator=g)
-    x = torch.nn.functional.interpolate(low, size=(h, w), mode="bicubic")[0] * 210 + torch.rand(3, h, w, generator=g) * 45
+    x = (
+        torch.nn.functional.interpolate(low, size=(h, w), mode="bicubic")[0] * 210
+        + torch.rand(3, h, w, generator=g) * 45
+    )
     return x.clamp(0, 255).byte().permute(1, 2, 0).numpy()
 
 
@@ -37,7 +49,7 @@ def files(tmp_path_factory) -> list[Path]:
         Image.fromarray(photo(h, w, k)).save(p, quality=90, progressive=k == 1)
         out.append(p)
     Image.fromarray(photo(300, 400, 50)).convert("L").save(d / "grey.jpg", quality=85)
-    Image.fromarray(photo(120, 160, 51)).save(d / "png.jpg", format="PNG")            # a PNG named .jpg
+    Image.fromarray(photo(120, 160, 51)).save(d / "png.jpg", format="PNG")  # a PNG named .jpg
     Image.fromarray(photo(200, 150, 52)).convert("CMYK").save(d / "cmyk.jpg", quality=90)
     return out + [d / "grey.jpg", d / "png.jpg", d / "cmyk.jpg"]
 
@@ -47,17 +59,21 @@ def dataset(files, train=True, preset="resnet50", size=None):
 
 
 def test_header_sizes_and_what_pil_decodes(files):
-    for p in files[:len(SIZES)]:
-        with Image.open(p) as im: assert jpeg_size(p.read_bytes()) == (im.height, im.width)
-    assert jpeg_size(files[-3].read_bytes()) == (300, 400)              # grey JPEG: decoded on the device too
-    assert jpeg_size(files[-2].read_bytes()) is None and jpeg_size(files[-1].read_bytes()) is None   # PNG, CMYK: PIL
+    for p in files[: len(SIZES)]:
+        with Image.open(p) as im:
+            assert jpeg_size(p.read_bytes()) == (im.height, im.width)
+    assert jpeg_size(files[-3].read_bytes()) == (300, 400)  # grey JPEG: decoded on the device too
+    assert jpeg_size(files[-2].read_bytes()) is None and jpeg_size(files[-1].read_bytes()) is None  # PNG, CMYK: PIL
 
 
-@pytest.mark.parametrize("scale, ratio", [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.16, 1.0), (3 / 4, 4 / 3)), ((0.5, 0.9), (0.2, 5.0))])
+@pytest.mark.parametrize(
+    "scale, ratio", [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.16, 1.0), (3 / 4, 4 / 3)), ((0.5, 0.9), (0.2, 5.0))]
+)
 def test_crop_boxes_and_flips_are_the_pil_paths_draws(scale, ratio):
     "Same generator state -> the boxes and flips of the v2 pipeline's RandomResizedCrop and flip (fallbacks included)."
     pre = make_transform("resnet50", train=True).preprocessing
     from dataclasses import replace
+
     t = replace(pre, train_scale=scale, train_ratio=ratio).transform(train=True)
     jd = JpegDecode.from_transform(t)
     rrc, flip = t.transforms[2], t.transforms[3]
@@ -66,7 +82,7 @@ def test_crop_boxes_and_flips_are_the_pil_paths_draws(scale, ratio):
         h, w = SIZES[seed % len(SIZES)]
         seed_everything(seed, cuda=False)
         boxes, flips = jd.draw(h, w, views=2)
-        after = torch.rand(1)                  # both paths leave the generator in the same state
+        after = torch.rand(1)  # both paths leave the generator in the same state
         seed_everything(seed, cuda=False)
         want = []
         for _ in range(2):
@@ -74,13 +90,15 @@ def test_crop_boxes_and_flips_are_the_pil_paths_draws(scale, ratio):
             want.append([p["top"], p["left"], p["height"], p["width"], bool(torch.rand(1) < flip.p)])
         assert [b + [f] for b, f in zip(boxes.tolist(), flips.tolist())] == want
         assert torch.equal(after, torch.rand(1))
-        seed_everything(seed, cuda=False)      # unflipped views (without_flips): the crops' draws only, in a row
+        seed_everything(seed, cuda=False)  # unflipped views (without_flips): the crops' draws only, in a row
         b, f = jd.draw(h, w, views=2, flip=False)
         seed_everything(seed, cuda=False)
         assert b.tolist() == [list(random_resized_crop_params(h, w, scale, ratio)) for _ in range(2)] and not f.any()
 
 
-@pytest.mark.parametrize("preset, size", [("resnet50", None), ("bninception", None), ("googlenet", 227), ("resnet50", 96)])
+@pytest.mark.parametrize(
+    "preset, size", [("resnet50", None), ("bninception", None), ("googlenet", 227), ("resnet50", 96)]
+)
 def test_pixels_equal_the_pil_path(files, preset, size):
     "Batched (as on the device), in the worker and per item: the PIL path's tensors, bit for bit, train and test."
     src = dataset(files, train=True, preset=preset, size=size)
@@ -93,7 +111,9 @@ def test_pixels_equal_the_pil_path(files, preset, size):
     worker = JpegImages(src, decode_on="worker").loader_items(2, "cpu")[0]
     for j, k in enumerate(keys):
         ref = pil[k]
-        assert torch.equal(batch["x"][j], ref["x"]) and torch.equal(batch["extra_views"][0][j], ref["extra_views"][0]), k
+        assert torch.equal(batch["x"][j], ref["x"]) and torch.equal(
+            batch["extra_views"][0][j], ref["extra_views"][0]
+        ), k
         got = worker[k]
         assert torch.equal(got["x"], ref["x"]) and torch.equal(got["extra_views"][0], ref["extra_views"][0]), k
         assert (batch["y"][j].item(), batch["index"][j].item()) == (ref["y"], ref["index"])
@@ -102,24 +122,36 @@ def test_pixels_equal_the_pil_path(files, preset, size):
     ev = JpegImages(src).eval_view()
     for i in range(len(files)):
         assert torch.equal(ev[i][0], test.source[i][0]) and torch.equal(test[i][0], test.source[i][0]), i
-    seed_everything(3, cuda=False); a = ji[2][0]
-    seed_everything(3, cuda=False); assert torch.equal(a, src[2][0])       # ds[i]: torch's global RNG, like source[i]
+    seed_everything(3, cuda=False)
+    a = ji[2][0]
+    seed_everything(3, cuda=False)
+    assert torch.equal(a, src[2][0])  # ds[i]: torch's global RNG, like source[i]
 
 
 def test_a_run_trains_identically_on_both_paths(tmp_path, monkeypatch):
     "A short run on CUB-format JPEGs: the same losses and metrics on the PIL path and the JPEG path (both of its modes)."
     from dml_nb.data.checks import write_fake_dataset
     from dml_nb.reproduction.experiment import run
+
     root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=8, per_class=4, size=40)
-    cfg = {"data": {"name": "cub200", "root": str(root), "size": 32},
-           "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
-           "method": {"name": "baseline", "embedding_dim": 8, "loss": "triplet", "miner": "semihard"},
-           "train": {"epochs": 2, "batch_size": 16, "samples_per_class": 4, "batches_per_epoch": 2, "lr": 1e-3, "device": "cpu"},
-           "eval": {"every": 1, "metrics": ["recall@1", "nmi"], "save_embeddings": False}}
+    cfg = {
+        "data": {"name": "cub200", "root": str(root), "size": 32},
+        "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},
+        "method": {"name": "baseline", "embedding_dim": 8, "loss": "triplet", "miner": "semihard"},
+        "train": {
+            "epochs": 2,
+            "batch_size": 16,
+            "samples_per_class": 4,
+            "batches_per_epoch": 2,
+            "lr": 1e-3,
+            "device": "cpu",
+        },
+        "eval": {"every": 1, "metrics": ["recall@1", "nmi"], "save_embeddings": False},
+    }
     pil = run(cfg, runs_dir=tmp_path / "pil", progress=False)
     jpeg_cfg = {**cfg, "data": {**cfg["data"], "decode": "jpeg_batch"}}
     worker = run(jpeg_cfg, runs_dir=tmp_path / "worker", progress=False)
-    monkeypatch.setattr(JpegImages, "decodes_on_device", lambda self, device: True)     # the GPU's mode, on the CPU
+    monkeypatch.setattr(JpegImages, "decodes_on_device", lambda self, device: True)  # the GPU's mode, on the CPU
     device = run(jpeg_cfg, runs_dir=tmp_path / "device", progress=False)
     strip = lambda h: [{k: v for k, v in row.items() if k != "time" and not k.startswith("time/")} for row in h]
     assert strip(pil.history) == strip(worker.history) == strip(device.history)
@@ -132,12 +164,13 @@ def test_bad_settings_are_clear_errors(files):
     with pytest.raises(ConfigError, match="data.decode"):
         make_config({"data": {"name": "cub200", "decode": "nvjpeg"}})
     from dml_nb.data.datasets import load_dataset
+
     with pytest.raises(TypeError, match="data.decode: pil"):
         JpegImages(load_dataset("shapes", split="train", images_per_class=2))
     with pytest.raises(ValueError, match="make_transform"):
         JpegImages(ImageListDataset(files[:2], [0, 1], transform=v2.Compose([v2.PILToTensor()])))
     bad = files[0].parent / "broken.jpg"
-    bad.write_bytes(files[0].read_bytes()[:3000])                     # the header and part of the scan
+    bad.write_bytes(files[0].read_bytes()[:3000])  # the header and part of the scan
     ji = JpegImages(ImageListDataset([bad], [0], make_transform("resnet50", train=True)), decode_on="device")
     items, collate = ji.loader_items(1, "cpu")
     with pytest.raises(RuntimeError, match=r"dataset indices \[0\].*check-data"):
@@ -149,7 +182,9 @@ def test_nvjpeg_path_on_the_gpu(files):
     """On a CUDA device: the same boxes; pixels within the decode's difference. The bounds (normalised units; one
     8-bit level is 1/255/0.225 = 0.017) are provisional until gpu_check.sh has measured nvJPEG against libjpeg-turbo."""
     from dml_nb.data.batches import nvjpeg_available
-    if not nvjpeg_available("cuda"): pytest.skip("torchvision has no nvJPEG decode here")
+
+    if not nvjpeg_available("cuda"):
+        pytest.skip("torchvision has no nvJPEG decode here")
     src = dataset(files, train=True)
     ji = JpegImages(src, decode_on="device")
     items, collate = ji.loader_items(1, "cuda")

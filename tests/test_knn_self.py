@@ -5,6 +5,7 @@ have exact ties (small integer coordinates: every distance is exact in float32 a
 near-duplicates (copies moved by 1e-3, far below bfloat16's resolution), and the blocks are small so that many
 blocks, partial screening groups and a short last block are exercised.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +23,9 @@ def hard(n=300, dim=8, seed=0):
     distance stays exact in float32, so brute force in float64 is the float32 truth); labels in 12 classes."""
     rng = np.random.default_rng(seed)
     x = rng.integers(-2, 3, (n, dim)).astype(np.float32)
-    x[20:40] = x[:20]                                               # exact duplicates
+    x[20:40] = x[:20]  # exact duplicates
     x[40:80] = x[100:140]
-    x[np.arange(40, 80), rng.integers(0, dim, 40)] += rng.choice([-1, 1], 40) / 64      # near-duplicates
+    x[np.arange(40, 80), rng.integers(0, dim, 40)] += rng.choice([-1, 1], 40) / 64  # near-duplicates
     return x, rng.integers(0, 12, n)
 
 
@@ -47,7 +48,8 @@ def clustered_unit(n=400, dim=32, classes=40, seed=0):
 @pytest.mark.parametrize("data", [hard, clustered_unit])
 @pytest.mark.parametrize("block", [None, 64, 100])
 def test_self_search_equals_brute_force(backend, data, block, monkeypatch):
-    if block: monkeypatch.setattr(M, "block_rows", lambda n, device: block)
+    if block:
+        monkeypatch.setattr(M, "block_rows", lambda n, device: block)
     x, y = data()
     expected = brute_neighbours(x, x, True)
     for k in (1, 5, 23):
@@ -74,7 +76,7 @@ def test_bf16_alone_is_not_exact_but_the_reranking_is():
     assert not torch.equal(raw, expected)
     _, idx = M._knn_self_lowp(x, 6)
     assert torch.equal(idx, expected)
-    _, idx = M._knn_self_lowp(x, 6, extra=0)            # no spare candidates: every row fails the certificate
+    _, idx = M._knn_self_lowp(x, 6, extra=0)  # no spare candidates: every row fails the certificate
     assert torch.equal(idx, expected)
 
 
@@ -114,7 +116,8 @@ def test_set_num_threads_sets_torch_and_faiss():
     try:
         F.set_num_threads(1)
         assert torch.get_num_threads() == 1 and faiss.omp_get_max_threads() == 1
-    finally: F.set_num_threads(n)
+    finally:
+        F.set_num_threads(n)
 
 
 @pytest.mark.parametrize("data", [hard, clustered_unit])
@@ -123,7 +126,7 @@ def test_bookkeeping_threads_do_not_change_the_neighbours(data, monkeypatch):
     x = torch.from_numpy(data()[0])
     out, n = [], torch.get_num_threads()
     try:
-        torch.set_num_threads(2)                      # two threads to choose between, even where the default is one
+        torch.set_num_threads(2)  # two threads to choose between, even where the default is one
         for idle in (0, 99):
             monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
             out.append(M._knn_self(x, 7, block=64))
@@ -138,18 +141,23 @@ def test_bookkeeping_threads_follow_idle_cores(monkeypatch):
         torch.set_num_threads(2)
         for idle, inside in ((0, 1), (1, 1), (2, 2), (64, 2)):
             monkeypatch.setattr(M, "_idle_cores", lambda idle=idle: idle)
-            with M._bookkeeping_threads(): assert torch.get_num_threads() == inside
-            assert torch.get_num_threads() == 2                           # restored
+            with M._bookkeeping_threads():
+                assert torch.get_num_threads() == inside
+            assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(n)
 
 
 def test_idle_cores_reads_proc_and_is_zero_without_it(monkeypatch):
     import os
-    monkeypatch.setattr(M, "_idle_reading", [float("-inf"), 0])   # a cache of its own, restored afterwards
+
+    monkeypatch.setattr(M, "_idle_reading", [float("-inf"), 0])  # a cache of its own, restored afterwards
     idle = M._idle_cores(max_age=0)
     assert isinstance(idle, int) and idle <= len(os.sched_getaffinity(0))
-    def no_proc(*a, **k): raise FileNotFoundError("/proc/loadavg")
-    monkeypatch.setattr(M, "open", no_proc, raising=False)         # the module's own `open`, builtins untouched
-    assert M._idle_cores(max_age=60) == idle                        # a recent reading is reused
-    assert M._idle_cores(max_age=0) == 0                            # a fresh one: no /proc, nothing counts as idle
+
+    def no_proc(*a, **k):
+        raise FileNotFoundError("/proc/loadavg")
+
+    monkeypatch.setattr(M, "open", no_proc, raising=False)  # the module's own `open`, builtins untouched
+    assert M._idle_cores(max_age=60) == idle  # a recent reading is reused
+    assert M._idle_cores(max_age=0) == 0  # a fresh one: no /proc, nothing counts as idle

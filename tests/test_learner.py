@@ -2,6 +2,7 @@
 non-finite stops, bit-identical resume after a kill (with and without step checkpoints, with loader workers),
 checkpoint format (weights_only, atomic writes), multi-embedding evaluation, method state, and bad input.
 All on small shapes sets on the CPU."""
+
 import csv
 import io
 import os
@@ -28,7 +29,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="module")
-def sets(shapes4): return shapes4       # shapes, 4 images per class: train (augmented), train with test transforms, test
+def sets(shapes4):
+    return shapes4  # shapes, 4 images per class: train (augmented), train with test transforms, test
 
 
 def model(seed=0, width=8, dim=16):
@@ -45,8 +47,9 @@ def baseline(num_classes=None, loss="margin", seed=0, width=8, dim=16, cls=Basel
 
 
 def sampler_for(ds, steps=4, batch=16, seed=0):
-    return ClassBalancedBatchSampler(ds.labels, batch_size=batch, samples_per_class=4, seed=seed,
-                                     batches_per_epoch=steps)
+    return ClassBalancedBatchSampler(
+        ds.labels, batch_size=batch, samples_per_class=4, seed=seed, batches_per_epoch=steps
+    )
 
 
 def learner(sets, run_dir=None, epochs=2, steps=4, method=None, **kw):
@@ -64,17 +67,23 @@ def assert_same_weights(a: nn.Module, b: nn.Module):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
-        if isinstance(sa[k], torch.Tensor): assert torch.equal(sa[k], sb[k]), k
+        if isinstance(sa[k], torch.Tensor):
+            assert torch.equal(sa[k], sb[k]), k
 
 
 class KillAt(Callback):
     "Raise after step `step` of epoch `epoch`, as a killed process would stop."
-    def __init__(self, epoch, step): self.at = (epoch, step)
+
+    def __init__(self, epoch, step):
+        self.at = (epoch, step)
+
     def after_step(self, learner, logs):
-        if (learner.epoch, learner.step) == self.at: raise KeyboardInterrupt("killed")
+        if (learner.epoch, learner.step) == self.at:
+            raise KeyboardInterrupt("killed")
 
 
 # learning ------------------------------------------------------------------------------------------------------
+
 
 def test_short_run_learns():
     # 12 of the 60 shapes classes: on all 60, 45 steps of a width-8 CNN from scratch left the unseen test classes near
@@ -84,12 +93,22 @@ def test_short_run_learns():
     def classes(ds, n=12):
         keep = ds.labels < n
         return ArrayDataset(ds.images[keep], ds.labels[keep], ds.transform, name=ds.name, split=ds.split)
+
     train = classes(load_dataset("shapes", split="train", images_per_class=8))
     train_eval = classes(load_dataset("shapes", split="train", images_per_class=8, augment=False))
     test = classes(load_dataset("shapes", split="test", images_per_class=8))
     method = baseline(train.num_classes, width=8, dim=32)
-    learn = Learner(method, train, sampler_for(train, steps=15, batch=32), epochs=4, lr=3e-3, weight_decay=0,
-                    eval_sets={"test": test, "train": train_eval}, metrics=("recall@1",), progress=False)
+    learn = Learner(
+        method,
+        train,
+        sampler_for(train, steps=15, batch=32),
+        epochs=4,
+        lr=3e-3,
+        weight_decay=0,
+        eval_sets={"test": test, "train": train_eval},
+        metrics=("recall@1",),
+        progress=False,
+    )
     before = learn.evaluate()
     hist = learn.fit()
     assert hist[-1]["loss"] < 0.85 * hist[0]["loss"]
@@ -99,10 +118,20 @@ def test_short_run_learns():
 
 # schedules and parameter groups --------------------------------------------------------------------------------
 
+
 def test_multistep_and_cosine_change_lr_at_the_right_epochs(sets):
-    hist = learner(sets, epochs=5, steps=1, lr=1e-2, schedule={"kind": "multistep", "milestones": [1, 3], "gamma": 0.1}, eval_sets={}).fit()
+    hist = learner(
+        sets,
+        epochs=5,
+        steps=1,
+        lr=1e-2,
+        schedule={"kind": "multistep", "milestones": [1, 3], "gamma": 0.1},
+        eval_sets={},
+    ).fit()
     np.testing.assert_allclose([r["lr/backbone"] for r in hist], [1e-2, 1e-3, 1e-3, 1e-4, 1e-4])
-    np.testing.assert_allclose([r["lr/tasks.discriminative.loss"] for r in hist], [5e-4, 5e-5, 5e-5, 5e-6, 5e-6])   # beta's own lr
+    np.testing.assert_allclose(
+        [r["lr/tasks.discriminative.loss"] for r in hist], [5e-4, 5e-5, 5e-5, 5e-6, 5e-6]
+    )  # beta's own lr
     hist = learner(sets, epochs=4, steps=1, lr=1e-2, schedule={"kind": "cosine", "min_factor": 0.1}, eval_sets={}).fit()
     f = [0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * e / 4)) for e in range(4)]
     np.testing.assert_allclose([r["lr/heads"] for r in hist], 1e-2 * np.array(f))
@@ -111,8 +140,12 @@ def test_multistep_and_cosine_change_lr_at_the_right_epochs(sets):
 
 
 def test_param_groups_get_their_lr_and_weight_decay(sets):
-    learn = learner(sets, lr=1e-5, weight_decay=4e-4,
-                    group_options={"heads": {"lr": 1e-3}, "tasks.discriminative.loss": {"weight_decay": 1e-6}})
+    learn = learner(
+        sets,
+        lr=1e-5,
+        weight_decay=4e-4,
+        group_options={"heads": {"lr": 1e-3}, "tasks.discriminative.loss": {"weight_decay": 1e-6}},
+    )
     learn.prepare_fit()
     g = {grp["name"]: grp for grp in learn.optimizer.param_groups}
     assert set(g) == {"tasks.discriminative.loss", "backbone", "heads"}
@@ -133,30 +166,48 @@ def test_projector_modules_with_param_lr_get_own_groups_and_frozen_params_none()
             super().__init__()
             self.model = model()
             self.decorrelation = nn.ModuleDict({"a": nn.Linear(16, 16), "b": nn.Linear(16, 16)})
-            for m in self.decorrelation.values(): m.param_lr = 1e-5
+            for m in self.decorrelation.values():
+                m.param_lr = 1e-5
             self.frozen = nn.Linear(3, 3).requires_grad_(False)
             self.extra = nn.Linear(2, 2)
+
     groups = {g["name"]: g for g in Projected().param_groups(1e-3, 0.1)}
     assert list(groups) == ["decorrelation.a", "decorrelation.b", "backbone", "heads", "other"]
     assert (groups["decorrelation.a"]["lr"], groups["decorrelation.a"]["weight_decay"]) == (1e-5, 0.0)
-    assert len(groups["other"]["params"]) == 2    # extra's weight and bias; frozen is left out
+    assert len(groups["other"]["params"]) == 2  # extra's weight and bias; frozen is left out
 
 
 # callbacks: history, progress ------------------------------------------------------------------------------------
 
+
 def test_history_csv_metrics_json_and_progress(sets, tmp_path):
     buf = io.StringIO()
     _, train_eval, test = sets
-    learn = learner(sets, tmp_path, epochs=3, every=2, eval_sets={"test": test, "train": train_eval},
-                    metrics=("recall@1", "recall@2"), callbacks=[ProgressCallback(file=buf)])
+    learn = learner(
+        sets,
+        tmp_path,
+        epochs=3,
+        every=2,
+        eval_sets={"test": test, "train": train_eval},
+        metrics=("recall@1", "recall@2"),
+        callbacks=[ProgressCallback(file=buf)],
+    )
     hist = learn.fit()
     rows = list(csv.DictReader(open(tmp_path / "history.csv")))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    assert rows[0]["test/recall@1"] == ""                            # evaluated every 2 epochs and at the end
+    assert rows[0]["test/recall@1"] == ""  # evaluated every 2 epochs and at the end
     assert float(rows[1]["train/recall@2"]) == pytest.approx(hist[1]["train/recall@2"])
     assert float(rows[2]["loss"]) == pytest.approx(hist[2]["loss"])
-    assert {"lr/backbone", "lr/heads", "lr/tasks.discriminative.loss", "grad_norm", "tuples/discriminative", "time"} <= set(rows[0])
+    assert {
+        "lr/backbone",
+        "lr/heads",
+        "lr/tasks.discriminative.loss",
+        "grad_norm",
+        "tuples/discriminative",
+        "time",
+    } <= set(rows[0])
     import json
+
     m = json.load(open(tmp_path / "metrics.json"))
     assert m["metrics"]["test/recall@1"] == pytest.approx(hist[-1]["test/recall@1"])
     assert m["reported"] == "last epoch"
@@ -171,14 +222,18 @@ def test_history_csv_handles_rows_with_different_columns():
 
 # non-finite loss -------------------------------------------------------------------------------------------------
 
+
 class NaNAt(BaselineMethod):
     "The baseline, whose loss (or gradient) turns non-finite at one (epoch, step)."
+
     def __init__(self, *a, at=(1, 2), grad=False, **kw):
-        super().__init__(*a, **kw); self.at, self.grad = at, grad
+        super().__init__(*a, **kw)
+        self.at, self.grad = at, grad
+
     def training_step(self, batch):
         out = super().training_step(batch)
         if (batch["epoch"], batch["step"]) == self.at:
-            if self.grad:   # finite loss, infinite gradient
+            if self.grad:  # finite loss, infinite gradient
                 out["loss"] = out["loss"] + _inf_grad(self.model.head.heads["embedding"].linear.bias)
             else:
                 out["loss"] = out["loss"] * float("nan")
@@ -187,12 +242,16 @@ class NaNAt(BaselineMethod):
 
 class _InfGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x): return x.sum() * 0
+    def forward(ctx, x):
+        return x.sum() * 0
+
     @staticmethod
-    def backward(ctx, g): return torch.full((2,), float("inf"))
+    def backward(ctx, g):
+        return torch.full((2,), float("inf"))
 
 
-def _inf_grad(bias): return _InfGrad.apply(bias[:2])
+def _inf_grad(bias):
+    return _InfGrad.apply(bias[:2])
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -200,19 +259,25 @@ def test_nonfinite_stops_with_clear_message_and_keeps_last_good_checkpoint(sets,
     method = baseline(None, "triplet", cls=NaNAt, at=(1, 2), grad=grad)
     learn = learner(sets, tmp_path, epochs=3, method=method, checkpoint_every_steps=1, eval_sets={})
     what = "the gradient norm is inf" if grad else "the loss is nan"
-    with pytest.raises(NonFiniteLossError, match=f"{what} at epoch 1 \\(0-based\\), step 2.*last good checkpoint "
-                                                  f"is kept at .*checkpoint.pt \\(epoch 1, step 2\\)"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=f"{what} at epoch 1 \\(0-based\\), step 2.*last good checkpoint "
+        f"is kept at .*checkpoint.pt \\(epoch 1, step 2\\)",
+    ):
         learn.fit()
     params = dict(learn.method.named_parameters())
     ck = load_checkpoint(tmp_path / "checkpoint.pt")
     assert (ck["epoch"], ck["step"]) == (1, 2)
     for k, v in ck["method"].items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point(): assert torch.isfinite(v).all(), k
-        if k in params: assert torch.equal(v, params[k].detach()), k     # no optimiser step after the checkpoint
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            assert torch.isfinite(v).all(), k
+        if k in params:
+            assert torch.equal(v, params[k].detach()), k  # no optimiser step after the checkpoint
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 # resume ------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("every,kill,expect", [(2, (1, 3), (1, 2)), (None, (1, 3), (1, 0)), (3, (0, 4), (0, 3))])
 def test_kill_mid_epoch_and_resume_is_bit_identical(sets, tmp_path, every, kill, expect):
@@ -265,7 +330,7 @@ def test_resume_extends_a_finished_run_and_does_not_retrain(sets, tmp_path):
     ref.fit()
     short = learner(sets, tmp_path / "run", epochs=2)
     short.fit()
-    again = learner(sets, tmp_path / "run", epochs=2, callbacks=[KillAt(0, 1)])   # finished: no step runs
+    again = learner(sets, tmp_path / "run", epochs=2, callbacks=[KillAt(0, 1)])  # finished: no step runs
     assert no_time(again.fit()) == no_time(short.history)
     longer = learner(sets, tmp_path / "run", epochs=3)
     assert no_time(longer.fit()) == no_time(ref.history)
@@ -281,11 +346,14 @@ def test_resume_false_starts_over(sets, tmp_path):
 
 # checkpoints ---------------------------------------------------------------------------------------------------
 
+
 def test_checkpoint_loads_weights_only_and_holds_everything(sets, tmp_path):
     learner(sets, tmp_path, epochs=1).fit()
     ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert {"method", "optimizer", "schedule", "sampler", "rng", "history", "epoch", "step", "callbacks"} <= set(ck)
-    assert "tasks.discriminative.loss.beta" in ck["method"] and "model.head.heads.embedding.linear.weight" in ck["method"]
+    assert (
+        "tasks.discriminative.loss.beta" in ck["method"] and "model.head.heads.embedding.linear.weight" in ck["method"]
+    )
     assert ck["sampler"] == {"seed": 0, "epoch": 0}
     assert set(ck["rng"]) == {"torch", "cuda", "numpy", "python"}
 
@@ -295,8 +363,11 @@ def test_checkpoint_writes_are_atomic(sets, tmp_path, monkeypatch):
     learn.fit()
     good = (tmp_path / "checkpoint.pt").read_bytes()
     real_save = torch.save
+
     def crash(obj, f, *a, **kw):
-        f.write(b"half a checkpoint"); raise OSError("disk full")
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         learner(sets, tmp_path, epochs=3, eval_sets={}).fit()
@@ -317,21 +388,27 @@ def test_checkpoint_of_another_model_is_a_clear_error(sets, tmp_path):
 
 class Counting(BaselineMethod):
     "The baseline with method state outside parameters: a buffer and extra state (NumPy, a generator)."
+
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.register_buffer("seen", torch.zeros(60, dtype=torch.long))
         self.weights = np.ones(240)
         self.generator = torch.Generator().manual_seed(7)
+
     def training_step(self, batch):
         self.seen += torch.bincount(batch["y"], minlength=60)
         i = torch.randint(0, 240, (4,), generator=self.generator).numpy()
-        self.weights[i] *= 0.9                                         # e.g. SPL weights
+        self.weights[i] *= 0.9  # e.g. SPL weights
         out = super().training_step(batch)
         out["loss"] = out["loss"] * float(self.weights.mean())
         return out
-    def get_extra_state(self): return {"weights": self.weights, "generator": self.generator.get_state()}
+
+    def get_extra_state(self):
+        return {"weights": self.weights, "generator": self.generator.get_state()}
+
     def set_extra_state(self, state):
-        self.weights = state["weights"].numpy().copy(); self.generator.set_state(state["generator"])
+        self.weights = state["weights"].numpy().copy()
+        self.generator.set_state(state["generator"])
 
 
 def test_method_state_survives_a_kill(sets, tmp_path):
@@ -339,8 +416,9 @@ def test_method_state_survives_a_kill(sets, tmp_path):
     ref = learner(sets, tmp_path / "ref", epochs=2, steps=4, method=mk())
     ref.fit()
     with pytest.raises(KeyboardInterrupt):
-        learner(sets, tmp_path / "run", epochs=2, steps=4, method=mk(), checkpoint_every_steps=1,
-                callbacks=[KillAt(1, 2)]).fit()
+        learner(
+            sets, tmp_path / "run", epochs=2, steps=4, method=mk(), checkpoint_every_steps=1, callbacks=[KillAt(1, 2)]
+        ).fit()
     res = learner(sets, tmp_path / "run", epochs=2, steps=4, method=mk())
     res.fit()
     assert int(res.method.seen.sum()) == 2 * 4 * 16
@@ -350,9 +428,12 @@ def test_method_state_survives_a_kill(sets, tmp_path):
 
 # recipes: views, groups, several embeddings, query/gallery ----------------------------------------------------------
 
+
 class TwoHeads(Method):
     "Two heads and two augmentations: checks extra views, batch groups and per-head evaluation."
+
     views = 2
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -360,6 +441,7 @@ class TwoHeads(Method):
         self.model = EmbeddingModel(bb, MultiHead(32, {"a": 8, "b": 8}))
         self.loss = LOSSES.build("triplet")
         self.seen_groups, self.view_shapes = [], []
+
     def training_step(self, batch):
         self.seen_groups.append(batch["group"])
         self.view_shapes.append(tuple(batch["extra_views"][0].shape))
@@ -368,6 +450,7 @@ class TwoHeads(Method):
         y = torch.cat([batch["y"], batch["y"]])
         head = "a" if batch["group"] in (None, 0) else "b"
         return {"loss": self.loss(out[head].float(), y)}
+
     def embed(self, x):
         f = self.model.features(x)
         return {"concat": self.model.head.embed(f), **self.model.head(f)}
@@ -377,16 +460,32 @@ def test_views_groups_and_per_head_evaluation(sets):
     train, train_eval, test = sets
     clusters = np.arange(len(train)) % 2
     rr = RoundRobinBatchSampler.from_clusters(train.labels, clusters, batch_size=8, samples_per_class=2)
-    for s in rr.samplers: s.batches_per_epoch = 2
+    for s in rr.samplers:
+        s.batches_per_epoch = 2
     method = TwoHeads()
-    learn = Learner(method, train, rr, epochs=1, lr=1e-3, progress=False, metrics=("recall@1", "map@r"),
-                    eval_sets={"test": test, "retrieval": (test, test)})
+    learn = Learner(
+        method,
+        train,
+        rr,
+        epochs=1,
+        lr=1e-3,
+        progress=False,
+        metrics=("recall@1", "map@r"),
+        eval_sets={"test": test, "retrieval": (test, test)},
+    )
     hist = learn.fit()
     assert method.seen_groups == [0, 1, 0, 1]
     assert method.view_shapes == [(8, 3, 32, 32)] * 4
-    keys = {"test/recall@1", "test/map@r", "test/a/recall@1", "test/b/map@r", "retrieval/recall@1", "retrieval/b/recall@1"}
+    keys = {
+        "test/recall@1",
+        "test/map@r",
+        "test/a/recall@1",
+        "test/b/map@r",
+        "retrieval/recall@1",
+        "retrieval/b/recall@1",
+    }
     assert keys <= set(hist[-1])
-    assert hist[-1]["retrieval/recall@1"] == 1.0    # a gallery holding the queries themselves (no self-exclusion)
+    assert hist[-1]["retrieval/recall@1"] == 1.0  # a gallery holding the queries themselves (no self-exclusion)
 
 
 def test_seeds_are_positional():
@@ -394,6 +493,7 @@ def test_seeds_are_positional():
 
 
 # GPU options on the CPU, bad input ---------------------------------------------------------------------------------
+
 
 def test_bf16_autocast_and_channels_last_run_on_cpu(sets):
     learn = learner(sets, epochs=1, steps=2, amp="bf16", channels_last="on", eval_sets={"test": sets[2]})
@@ -414,8 +514,11 @@ def test_bad_input_is_a_clear_error(sets):
     other = load_dataset("shapes", split="train", images_per_class=8)
     with pytest.raises(IndexError, match="build the sampler from this dataset's labels"):
         Learner(baseline(None, "triplet"), sets[0], sampler_for(other), progress=False).fit()
+
     class NoLoss(BaselineMethod):
-        def training_step(self, batch): return {"value": super().training_step(batch)["loss"]}
+        def training_step(self, batch):
+            return {"value": super().training_step(batch)["loss"]}
+
     with pytest.raises(TypeError, match="must return a dict with a 'loss' entry"):
         learner(sets, method=baseline(None, "triplet", cls=NoLoss), eval_sets={}).fit()
     with pytest.raises(ValueError, match="unknown schedule 'step'"):
@@ -424,7 +527,7 @@ def test_bad_input_is_a_clear_error(sets):
 
 # distributed ---------------------------------------------------------------------------------------------------
 
-DDP_SCRIPT = r'''
+DDP_SCRIPT = r"""
 import sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 from dml_nb.data.datasets import load_dataset
@@ -449,40 +552,62 @@ hist = learn.fit()
 torch.save({"params": {k: v for k, v in method.named_parameters()},
             "buffers": {k: v for k, v in method.named_buffers()}, "hist": hist}, f"{out}/rank{rank}.pt")
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_torchrun_two_processes_stay_in_sync(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
+
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
-    for k in a["params"]: assert torch.equal(a["params"][k], b["params"][k]), k
-    for k in a["buffers"]: assert torch.equal(a["buffers"][k], b["buffers"][k]), k
-    assert no_time(a["hist"]) == no_time(b["hist"])      # same mean loss and metrics on both ranks
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    for k in a["buffers"]:
+        assert torch.equal(a["buffers"][k], b["buffers"][k]), k
+    assert no_time(a["hist"]) == no_time(b["hist"])  # same mean loss and metrics on both ranks
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint.pt", "history.csv", "metrics.json"]
     ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    for k, v in a["params"].items(): assert torch.equal(ck["method"][k], v), k
+    for k, v in a["params"].items():
+        assert torch.equal(ck["method"][k], v), k
 
 
 # the image cache: augmentation on the device, in batches (issue 6) --------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cached_sets(sets):
     from dml_nb.data.cache import cache_images
+
     return tuple(cache_images(s) for s in sets)
 
 
 class Record(Method):
     "A baseline that keeps every batch it trains on (to check what the learner hands the recipe)."
+
     def __init__(self, base, views=1):
         super().__init__()
         self.base, self.views, self.seen = base, views, []
         self.model = base.model
+
     def training_step(self, batch):
         self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()})
         return self.base.training_step(batch)
@@ -499,6 +624,7 @@ def test_cached_training_set_is_augmented_on_the_device_in_batches(cached_sets):
     assert len(b["extra_views"]) == 1 and not torch.equal(b["x"], b["extra_views"][0])
     # the views are BatchAugment of the raw images with the generator of stream 'augment' at (epoch, step, rank)
     from dml_nb.data.cache import RawItems, pad_collate
+
     raw = pad_collate([RawItems(train)[int(i)] for i in b["index"]])
     g = torch.Generator().manual_seed(stream_seed(3, "augment", 0, 0, 0))
     x = train.batch_transform(raw["x"], raw["sizes"], g)
@@ -554,13 +680,14 @@ def test_learner_refuses_a_bad_nmi_seeds_at_construction(sets):
 
 def test_eval_embeddings_reuse_the_last_evaluation_until_the_weights_change(sets, monkeypatch):
     learn = learner(sets, epochs=1, steps=2)
-    learn.fit()                                     # evaluates the test set after its one epoch
+    learn.fit()  # evaluates the test set after its one epoch
     passes = []
     embed = Learner.embed
     monkeypatch.setattr(Learner, "embed", lambda self, *a, **k: passes.append(1) or embed(self, *a, **k))
     first = learn.eval_embeddings()
     assert passes == [] and set(first) == {"test"}
-    with torch.no_grad(): next(learn.method.parameters()).mul_(2.0)     # an in-place change, as an optimizer makes
+    with torch.no_grad():
+        next(learn.method.parameters()).mul_(2.0)  # an in-place change, as an optimizer makes
     second = learn.eval_embeddings()
     assert passes == [1] and not torch.equal(first["test"]["embedding"], second["test"]["embedding"])
     assert torch.equal(second["test"]["embedding"], learn.eval_embeddings()["test"]["embedding"]) and passes == [1, 1]
@@ -570,18 +697,27 @@ def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
     """`evaluate()` keeps its feature pass for `eval_embeddings()`; the next epoch changes the weights, so it lets go of
     those tensors before its first step (at SOP scale about 250 MB on the training device) and reuses nothing stale."""
     held = []
+
     class Probe(Callback):
-        order = 15                                   # after the evaluation (10), before the logging callbacks
-        def before_epoch(self, learner): held.append(getattr(learner, "_eval_pass", (None, None))[1] is not None)
-        def after_epoch(self, learner): held.append(learner._eval_pass[1] is not None)
+        order = 15  # after the evaluation (10), before the logging callbacks
+
+        def before_epoch(self, learner):
+            held.append(getattr(learner, "_eval_pass", (None, None))[1] is not None)
+
+        def after_epoch(self, learner):
+            held.append(learner._eval_pass[1] is not None)
+
     learn = learner(sets, epochs=2, steps=2, callbacks=[Probe()])
-    learn.fit()                                      # evaluates after each epoch
+    learn.fit()  # evaluates after each epoch
     assert held == [False, True, False, True]
-    assert torch.equal(learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"])
+    assert torch.equal(
+        learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"]
+    )
 
 
 class FirstStepOnly(Method):
     "Parameter `b` gets a gradient in the first step only; `a` in every step. Records `b` at the start of each step."
+
     def __init__(self):
         super().__init__()
         self.a, self.b, self.seen = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3)), []
@@ -589,10 +725,12 @@ class FirstStepOnly(Method):
     def training_step(self, batch):
         self.seen.append(self.b.detach().clone())
         loss = (self.a * batch["x"].float().mean()).sum()
-        if len(self.seen) == 1: loss = loss + self.b.sum()
+        if len(self.seen) == 1:
+            loss = loss + self.b.sum()
         return {"loss": loss}
 
-    def embed(self, x): return {"embedding": x.flatten(1)[:, :4].float()}
+    def embed(self, x):
+        return {"embedding": x.flatten(1)[:, :4].float()}
 
 
 @pytest.mark.parametrize("mode", ["none", "zeros"])
@@ -602,10 +740,11 @@ def test_zero_grad_none_leaves_a_parameter_without_gradient_and_zeros_moves_it(s
     method = FirstStepOnly()
     learner(sets, epochs=1, steps=3, method=method, eval_sets={}, lr=0.1, weight_decay=0.0, zero_grad=mode).fit()
     after1, after2 = method.seen[1], method.seen[2]
-    assert not torch.equal(method.seen[0], after1)                  # the first step moved b
-    if mode == "none": assert torch.equal(after1, after2)
-    else:                                                            # Adam's second step with g = 0: m = 0.9 m1, v = 0.999 v1
-        m, v = 0.1 * 0.9, 0.001 * 0.999                              # from g1 = 1: m1 = 0.1, v1 = 0.001
+    assert not torch.equal(method.seen[0], after1)  # the first step moved b
+    if mode == "none":
+        assert torch.equal(after1, after2)
+    else:  # Adam's second step with g = 0: m = 0.9 m1, v = 0.999 v1
+        m, v = 0.1 * 0.9, 0.001 * 0.999  # from g1 = 1: m1 = 0.1, v1 = 0.001
         step = 0.1 * (m / (1 - 0.9**2)) / ((v / (1 - 0.999**2)) ** 0.5 + 1e-8)
         torch.testing.assert_close(after1 - after2, torch.full((3,), step), rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="zero_grad"):
@@ -614,15 +753,25 @@ def test_zero_grad_none_leaves_a_parameter_without_gradient_and_zeros_moves_it(s
 
 class _Recorded(BaselineMethod):
     "The baseline with one history column of its own (or, with `clash`, a column the step logs already fill)."
+
     clash = False
+
     def records(self, ctx):
-        return {"loss": 0.0} if self.clash else {"toy/epoch_seen": ctx.epoch, "toy/images_per_class": ctx.samples_per_class}
+        return (
+            {"loss": 0.0}
+            if self.clash
+            else {"toy/epoch_seen": ctx.epoch, "toy/images_per_class": ctx.samples_per_class}
+        )
 
 
 class _SeesTheRow(Callback):
     "A user hook between the CSV and the checkpoint: it sees the method's records and no checkpoint of this epoch yet."
+
     order = 50
-    def __init__(self): self.seen = []
+
+    def __init__(self):
+        self.seen = []
+
     def after_epoch(self, learner):
         ck = learner.checkpoint_path
         self.seen.append((learner.row.get("toy/epoch_seen"), load_checkpoint(ck)["epoch"] if ck.exists() else None))
@@ -635,13 +784,14 @@ def test_method_records_reach_the_row_before_every_hook_and_the_checkpoint_comes
     assert [type(c).__name__ for c in learn.callbacks][-1] == "CheckpointCallback"
     hist = learn.fit()
     assert [(r["toy/epoch_seen"], r["toy/images_per_class"]) for r in hist] == [(0, 4), (1, 4)]
-    assert hook.seen == [(0, None), (1, 1)]                     # the checkpoint of epoch e is written after the hook
+    assert hook.seen == [(0, None), (1, 1)]  # the checkpoint of epoch e is written after the hook
     assert load_checkpoint(learn.checkpoint_path)["epoch"] == 2 and load_checkpoint(learn.checkpoint_path)["step"] == 0
     assert "toy/epoch_seen" in (tmp_path / "history.csv").read_text().splitlines()[0]
     assert learn.context.batch_shape == (4, 4) and not hasattr(Method, "callbacks")
 
 
 def test_a_record_that_clashes_with_the_row_is_a_clear_error(sets):
-    m = baseline(sets[0].num_classes, cls=_Recorded); m.clash = True
+    m = baseline(sets[0].num_classes, cls=_Recorded)
+    m.clash = True
     with pytest.raises(ValueError, match=r"_Recorded.records returned \['loss'\], which the epoch's row already has"):
         learner(sets, epochs=1, method=m).fit()

@@ -7,6 +7,7 @@ Intended differences from PML, also written in nbs/22_losses.ipynb:
 * FastAP with a miner's tuples: PML turns tuples into per-sample weights, we restrict the pairs; compared only with
   tuples=None.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +16,18 @@ pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
 from dml_nb.core.registry import LOSSES
-from dml_nb.blocks.losses import (ContrastiveLoss, FastAPLoss, MarginLoss, MultiSimilarityLoss, NPairLoss, RDMLLoss,
-                           SNRContrastiveLoss, SoftTripletLoss, TripletLoss, WeightedMultiSimilarityLoss)
+from dml_nb.blocks.losses import (
+    ContrastiveLoss,
+    FastAPLoss,
+    MarginLoss,
+    MultiSimilarityLoss,
+    NPairLoss,
+    RDMLLoss,
+    SNRContrastiveLoss,
+    SoftTripletLoss,
+    TripletLoss,
+    WeightedMultiSimilarityLoss,
+)
 from dml_nb.blocks.miners import MultiSimilarityMiner, SemiHardMiner
 
 
@@ -90,7 +101,7 @@ def test_margin_matches_pml_shared_beta():
 def test_multi_similarity_matches_pml(seed):
     emb, labels = batch(seed=seed)
     ours, theirs = MultiSimilarityLoss(2, 50, 0.5), pml_losses.MultiSimilarityLoss(alpha=2, beta=50, base=0.5)
-    assert_same(ours, theirs, emb, labels)                                  # all pairs
+    assert_same(ours, theirs, emb, labels)  # all pairs
     pml_tuples = pml_miners.MultiSimilarityMiner(epsilon=0.1)(emb, labels)
     our_tuples = MultiSimilarityMiner(epsilon=0.1)(emb, labels)
     assert_same(ours, theirs, emb, labels, pml_tuples, ours_tuples=our_tuples)  # each with its own miner
@@ -116,8 +127,12 @@ def test_fastap_matches_pml(bins):
 
 def test_snr_matches_pml():
     emb, labels = batch(seed=7)
-    assert_same(SNRContrastiveLoss(0.0, 1.0), pml_losses.SignalToNoiseRatioContrastiveLoss(pos_margin=0, neg_margin=1),
-                emb, labels)
+    assert_same(
+        SNRContrastiveLoss(0.0, 1.0),
+        pml_losses.SignalToNoiseRatioContrastiveLoss(pos_margin=0, neg_margin=1),
+        emb,
+        labels,
+    )
 
 
 def _gradcheck(fn, emb):
@@ -132,7 +147,7 @@ def test_gradcheck_soft_triplet_weighted_ms_rdml():
     _gradcheck(lambda e: RDMLLoss(eta=0.5, balance=False)(e, labels), emb)
     tuples = MultiSimilarityMiner()(emb, labels)
     w = torch.rand(len(labels), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    wms = WeightedMultiSimilarityLoss(alpha=2, beta=10, base=0.5)   # beta 10 keeps finite differences accurate
+    wms = WeightedMultiSimilarityLoss(alpha=2, beta=10, base=0.5)  # beta 10 keeps finite differences accurate
     _gradcheck(lambda e: wms(e, labels, tuples, weights=w), emb)
     _gradcheck(lambda e: wms(e, labels, None, weights=w), emb)
 
@@ -142,16 +157,20 @@ def test_weighted_ms_follows_eq7():
     loss = WeightedMultiSimilarityLoss()
     tuples = MultiSimilarityMiner()(emb, labels)
     w = torch.rand(len(labels), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    x = F.normalize(emb, dim=1); s = x @ x.T
+    x = F.normalize(emb, dim=1)
+    s = x @ x.T
     a1, p, a2, n = tuples
     total = 0.0
     for i in range(len(labels)):
         P, N = p[a1 == i], n[a2 == i]
-        if len(P): total += w[i] * w[P].mean() / 2 * torch.log1p(torch.exp(-2 * (s[i, P] - 1)).sum())
-        if len(N): total += w[i] * w[N].mean() / 50 * torch.log1p(torch.exp(50 * (s[i, N] - 1)).sum())
+        if len(P):
+            total += w[i] * w[P].mean() / 2 * torch.log1p(torch.exp(-2 * (s[i, P] - 1)).sum())
+        if len(N):
+            total += w[i] * w[N].mean() / 50 * torch.log1p(torch.exp(50 * (s[i, N] - 1)).sum())
     torch.testing.assert_close(loss(emb, labels, tuples, weights=w), total / len(labels))
     # zero weight on a sample removes it as anchor and as partner
-    w0 = w.clone(); w0[0] = 0
+    w0 = w.clone()
+    w0[0] = 0
     assert loss(emb, labels, tuples, weights=w0) < loss(emb, labels, tuples, weights=w)
     assert loss(emb, labels, tuples, weights=torch.zeros_like(w)).item() == 0.0
 
@@ -165,18 +184,37 @@ def test_per_sample_terms_match_batch_terms():
     assert xp.requires_grad is False and (xp >= 0).all() and (xn >= 0).all()
 
 
-@pytest.mark.parametrize("name", sorted(n for n in LOSSES if n in {
-    "contrastive", "fastap", "margin", "multi_similarity", "npair", "rdml", "snr", "soft_triplet", "triplet",
-    "weighted_multi_similarity"}))
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        n
+        for n in LOSSES
+        if n
+        in {
+            "contrastive",
+            "fastap",
+            "margin",
+            "multi_similarity",
+            "npair",
+            "rdml",
+            "snr",
+            "soft_triplet",
+            "triplet",
+            "weighted_multi_similarity",
+        }
+    ),
+)
 def test_edge_cases(name):
     loss = LOSSES.build(name, num_classes=3) if name == "margin" else LOSSES.build(name)
     emb, labels = batch(n_classes=3, k=2, dim=8, seed=11, dtype=torch.float32)
     kind = 3 if name in ("triplet", "soft_triplet", "margin") else 4
     empty = (torch.empty(0, dtype=torch.long),) * kind
-    for e, l, t in [(emb, labels, empty),                                    # miner found nothing
-                    (emb[:1], labels[:1], None),                             # a single sample
-                    (emb[:4], torch.zeros(4, dtype=torch.long), None),       # one class
-                    (emb[:3], torch.arange(3), None)]:                       # singletons
+    for e, l, t in [
+        (emb, labels, empty),  # miner found nothing
+        (emb[:1], labels[:1], None),  # a single sample
+        (emb[:4], torch.zeros(4, dtype=torch.long), None),  # one class
+        (emb[:3], torch.arange(3), None),
+    ]:  # singletons
         x = e.detach().clone().requires_grad_()
         v = loss(x, l, t)
         assert v.dim() == 0 and torch.isfinite(v)
@@ -209,8 +247,10 @@ def test_margin_label_range_error_and_param_lr():
 
 # ---------------------------------------------------------------- options of issues 11 / 12
 
+
 def test_contrastive_cosine_reading_matches_pml_cosine_similarity():
     from pytorch_metric_learning.distances import CosineSimilarity
+
     emb, labels = batch(seed=12)
     theirs = pml_losses.ContrastiveLoss(pos_margin=1, neg_margin=0, distance=CosineSimilarity())
     assert_same(ContrastiveLoss(metric="cosine"), theirs, emb, labels)
@@ -221,9 +261,9 @@ def test_contrastive_cosine_reading_matches_pml_cosine_similarity():
 
 def test_margin_beta_readings():
     emb, labels = batch(n_classes=3, k=2, dim=8, dtype=torch.float32)
-    fixed = LOSSES.build("margin", num_classes=3, class_specific_beta=False, learn_beta=False)   # official D&C
+    fixed = LOSSES.build("margin", num_classes=3, class_specific_beta=False, learn_beta=False)  # official D&C
     assert list(fixed.parameters()) == [] and fixed.beta.shape == (1,) and fixed.param_lr == 5e-4
-    per_class = LOSSES.build("margin", num_classes=3)                                           # DiVA / MIC
+    per_class = LOSSES.build("margin", num_classes=3)  # DiVA / MIC
     assert [n for n, _ in per_class.named_parameters()] == ["beta"] and per_class.beta.shape == (3,)
     scalar_learned = LOSSES.build("margin", num_classes=3, class_specific_beta=False)
     assert scalar_learned.beta.shape == (1,) and scalar_learned.beta.requires_grad
@@ -239,28 +279,32 @@ def test_fixed_beta_never_reaches_an_optimiser():
             super().__init__()
             self.head = torch.nn.Linear(8, 4)
             self.loss = MarginLoss(num_classes=3, **loss_options)
-        def training_step(self, b): return {"loss": self.loss(self.head(b["x"]), b["y"])}
+
+        def training_step(self, b):
+            return {"loss": self.loss(self.head(b["x"]), b["y"])}
 
     emb, labels = batch(n_classes=3, k=4, dim=8, dtype=torch.float32)
     m = Tiny(class_specific_beta=False, learn_beta=False)
     groups = m.param_groups(lr=1e-3, weight_decay=0.0)
     assert all(p is not m.loss.beta for g in groups for p in g["params"])
-    assert [g["name"] for g in groups] == ["other"]                        # no group of its own: nothing to train
+    assert [g["name"] for g in groups] == ["other"]  # no group of its own: nothing to train
     opt = torch.optim.Adam(groups)
     for _ in range(5):
-        opt.zero_grad(); m.training_step({"x": emb, "y": labels})["loss"].backward(); opt.step()
+        opt.zero_grad()
+        m.training_step({"x": emb, "y": labels})["loss"].backward()
+        opt.step()
     assert torch.equal(m.loss.beta, torch.tensor([1.2]))
     learned = Tiny()
     groups = learned.param_groups(lr=1e-3, weight_decay=4e-4)
     beta_group = [g for g in groups if any(p is learned.loss.beta for p in g["params"])]
     assert len(beta_group) == 1 and beta_group[0]["lr"] == 5e-4 and beta_group[0]["weight_decay"] == 0.0
-    assert "beta" in dict(m.loss.state_dict())                             # the fixed beta is still checkpointed
+    assert "beta" in dict(m.loss.state_dict())  # the fixed beta is still checkpointed
 
 
 def test_margin_distance_has_the_authors_epsilon():
     emb, labels = batch(n_classes=2, k=2, dim=4, dtype=torch.float64)
     loss = MarginLoss(num_classes=2).double()
-    same = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))        # a = p = n: d = sqrt(1e-8) = 1e-4
+    same = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))  # a = p = n: d = sqrt(1e-8) = 1e-4
     torch.testing.assert_close(loss(emb, labels, same), torch.tensor(1.2 - 1e-4 + 0.2, dtype=torch.float64))
 
 
@@ -281,7 +325,8 @@ def test_golden_margin_diva_per_class_beta():
     emb, labels = torch.tensor(inp["embeddings"], dtype=torch.float32), torch.tensor(inp["labels"])
     tuples = tuple(torch.tensor(t) for t in zip(*inp["triplets"]))
     loss = MarginLoss(num_classes=4, pair_count="triplets")
-    with torch.no_grad(): loss.beta.copy_(torch.tensor(inp["beta"]))
+    with torch.no_grad():
+        loss.beta.copy_(torch.tensor(inp["beta"]))
     e = emb.clone().requires_grad_()
     v = loss(e, labels, tuples)
     v.backward()
@@ -289,10 +334,12 @@ def test_golden_margin_diva_per_class_beta():
     np.testing.assert_allclose(e.grad.numpy(), arr(out["gradient"]), atol=1e-6)
     np.testing.assert_allclose(loss.beta.grad.numpy(), arr(out["beta_gradient"]), atol=1e-6)
     shared = MarginLoss(num_classes=4, class_specific_beta=False, pair_count="triplets")
-    with torch.no_grad(): shared.beta.fill_(float(np.mean(inp["beta"])))
+    with torch.no_grad():
+        shared.beta.fill_(float(np.mean(inp["beta"])))
     assert abs(shared(emb, labels, tuples).item() - out["loss"]) > 1e-3
     terms = MarginLoss(num_classes=4)
-    with torch.no_grad(): terms.beta.copy_(torch.tensor(inp["beta"]))
+    with torch.no_grad():
+        terms.beta.copy_(torch.tensor(inp["beta"]))
     assert abs(terms(emb, labels, tuples).item() - out["loss"]) > 1e-2
 
 
@@ -311,13 +358,15 @@ def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
         loss, miner = MarginLoss(num_classes=int(labels.max()) + 1, **options), DnCNearestMiner()
         e = torch.nn.Parameter(torch.tensor(inp["embeddings"], dtype=torch.float32))
         groups = [{"params": [e], "lr": 0.01}]
-        if list(loss.parameters()): groups.append({"params": list(loss.parameters()), "lr": loss.param_lr})
+        if list(loss.parameters()):
+            groups.append({"params": list(loss.parameters()), "lr": loss.param_lr})
         opt, values, grad0 = torch.optim.Adam(groups), [], None
         for _ in range(4):
             opt.zero_grad()
             v = loss(e, labels, miner(e, labels))
             v.backward()
-            values.append(v.item()); grad0 = e.grad.clone() if grad0 is None else grad0
+            values.append(v.item())
+            grad0 = e.grad.clone() if grad0 is None else grad0
             opt.step()
         return values, grad0, loss.beta
 
@@ -326,30 +375,50 @@ def test_golden_dnc_margin_fixed_beta(case, torch_version, pair_count):
     np.testing.assert_allclose(grad0.numpy(), arr(out["gradient_step0"]), atol=1e-6)
     assert beta.item() == out["beta_after"] == pytest.approx(1.2)
     learned, _, _ = run(class_specific_beta=False, learn_beta=True, pair_count=pair_count)
-    assert abs(learned[-1] - out["loss_per_step"][-1]) > 2e-5         # beyond the rtol 1e-5 above
-    other, _, _ = run(class_specific_beta=False, learn_beta=False, pair_count={"terms": "triplets"}.get(pair_count, "terms"))
+    assert abs(learned[-1] - out["loss_per_step"][-1]) > 2e-5  # beyond the rtol 1e-5 above
+    other, _, _ = run(
+        class_specific_beta=False, learn_beta=False, pair_count={"terms": "triplets"}.get(pair_count, "terms")
+    )
     assert abs(other[0] - out["loss_per_step"][0]) > 1e-2
 
 
 # ---------------------------------------------------------------- distance objects (issue 16)
 
+
 def test_losses_take_pml_distances():
     "A loss given a distance matches PML's loss given PML's same distance; the default is the loss's own."
     from pytorch_metric_learning import distances as pml_d
     from dml_nb.blocks.distances import CosineSimilarity, DotProductSimilarity, EuclideanDistance
+
     emb, labels = batch(seed=21, spread=0.5)
-    for ours_d, theirs_d in [(CosineSimilarity(), pml_d.CosineSimilarity()),
-                             (EuclideanDistance(squared=True), pml_d.LpDistance(power=2))]:
-        assert_same(TripletLoss(margin=0.1, distance=ours_d),
-                    pml_losses.TripletMarginLoss(margin=0.1, distance=theirs_d), emb, labels)
-    assert_same(ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=DotProductSimilarity(normalize=True)),
-                pml_losses.ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=pml_d.DotProductSimilarity()),
-                emb, labels)
-    assert_same(MultiSimilarityLoss(alpha=2, beta=5, distance=DotProductSimilarity()),
-                pml_losses.MultiSimilarityLoss(alpha=2, beta=5, base=0.5, distance=pml_d.DotProductSimilarity(
-                    normalize_embeddings=False)), emb / 4, labels)
-    with pytest.raises(ValueError, match="similarity threshold"): MultiSimilarityLoss(distance="euclidean")
+    for ours_d, theirs_d in [
+        (CosineSimilarity(), pml_d.CosineSimilarity()),
+        (EuclideanDistance(squared=True), pml_d.LpDistance(power=2)),
+    ]:
+        assert_same(
+            TripletLoss(margin=0.1, distance=ours_d),
+            pml_losses.TripletMarginLoss(margin=0.1, distance=theirs_d),
+            emb,
+            labels,
+        )
+    assert_same(
+        ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=DotProductSimilarity(normalize=True)),
+        pml_losses.ContrastiveLoss(pos_margin=0.9, neg_margin=0.2, distance=pml_d.DotProductSimilarity()),
+        emb,
+        labels,
+    )
+    assert_same(
+        MultiSimilarityLoss(alpha=2, beta=5, distance=DotProductSimilarity()),
+        pml_losses.MultiSimilarityLoss(
+            alpha=2, beta=5, base=0.5, distance=pml_d.DotProductSimilarity(normalize_embeddings=False)
+        ),
+        emb / 4,
+        labels,
+    )
+    with pytest.raises(ValueError, match="similarity threshold"):
+        MultiSimilarityLoss(distance="euclidean")
     e32, l32 = emb.float(), labels
     assert torch.equal(TripletLoss()(e32, l32), TripletLoss(distance="euclidean")(e32, l32))
     assert torch.equal(MultiSimilarityLoss()(e32, l32), MultiSimilarityLoss(distance="cosine")(e32, l32))
-    with pytest.raises(ValueError, match="Valid distances: cosine"): TripletLoss(distance="manhatan")
+    with pytest.raises(ValueError, match="Valid distances: cosine"):
+        TripletLoss(distance="manhatan")

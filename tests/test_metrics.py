@@ -9,6 +9,7 @@ Intended differences from PML, checked below:
 Also here, not a difference from PML: NMI as the authors' code computed it (`nmi_kmeans='faiss'` / `'faiss_100'`,
 `nmi_average`), against the golden fixtures nmi_diva, nmi_mic and nmi_dnc (their evaluation functions, fixed inputs).
 """
+
 import hashlib
 import re
 import warnings
@@ -18,8 +19,15 @@ import pytest
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from dml_nb.evaluation.metrics import (evaluate, generalization_gap, map_at_r, maw_sdaw, recall_at_k, singular_value_spectrum,
-                            spectral_decay)
+from dml_nb.evaluation.metrics import (
+    evaluate,
+    generalization_gap,
+    map_at_r,
+    maw_sdaw,
+    recall_at_k,
+    singular_value_spectrum,
+    spectral_decay,
+)
 from dml_nb.evaluation.clustering import NMI_KMEANS, kmeans, nmi, nmi_kmeans_args
 from dml_nb.evaluation.neighbours import knn
 from golden import load_golden
@@ -32,7 +40,7 @@ def clustered(n=240, dim=12, classes=15, noise=0.6, seed=0):
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, classes, n)
     labels[:classes] = np.arange(classes)  # every class present
-    labels[classes:2 * classes] = np.arange(classes)  # ... at least twice
+    labels[classes : 2 * classes] = np.arange(classes)  # ... at least twice
     centres = rng.standard_normal((classes, dim))
     emb = centres[labels] + noise * rng.standard_normal((n, dim))
     return emb.astype(np.float32), labels
@@ -41,7 +49,8 @@ def clustered(n=240, dim=12, classes=15, noise=0.6, seed=0):
 def brute_neighbours(q, r, exclude_self):
     "Indices of the references sorted by exact (float64) Euclidean distance; the query itself removed by index."
     d = ((q.astype(np.float64)[:, None, :] - r.astype(np.float64)[None]) ** 2).sum(-1)
-    if exclude_self: np.fill_diagonal(d, np.inf)
+    if exclude_self:
+        np.fill_diagonal(d, np.inf)
     order = np.argsort(d, axis=1, kind="stable")
     return order[:, :-1] if exclude_self else order
 
@@ -56,13 +65,15 @@ def brute_map_at_r(q, ql, r, rl, exclude_self):
     nn, aps = brute_neighbours(q, r, exclude_self), []
     for i in range(len(q)):
         R = int((rl == ql[i]).sum()) - int(exclude_self)
-        if R == 0: continue
+        if R == 0:
+            continue
         rel = (rl[nn[i, :R]] == ql[i]).astype(float)
         aps.append(float((np.cumsum(rel) / np.arange(1, R + 1) * rel).sum() / R))
     return float(np.mean(aps))
 
 
 # ---------------------------------------------------------------- k-NN and Recall@k
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("exclude_self", [True, False])
@@ -86,20 +97,22 @@ def test_recall_matches_brute_force(backend, dtype, as_torch):
     y = torch.from_numpy(labels) if as_torch else labels
     ours = recall_at_k(x, y, ks=(1, 2, 4, 8), backend=backend)
     assert list(ours) == [1, 2, 4, 8] and all(type(v) is float for v in ours.values())
-    assert ours == pytest.approx(brute_recall(emb.astype(np.float32), labels, emb.astype(np.float32), labels,
-                                              (1, 2, 4, 8), True), abs=1e-12)
+    assert ours == pytest.approx(
+        brute_recall(emb.astype(np.float32), labels, emb.astype(np.float32), labels, (1, 2, 4, 8), True), abs=1e-12
+    )
     assert 0 < ours[1] < 1  # not a trivial case
 
 
 def test_knn_chunks_match_one_block():
     "Queries split over many chunks (tiny max_chunk) give the same neighbours as one exact computation."
     from dml_nb.evaluation.neighbours import _knn_torch
+
     g = torch.Generator().manual_seed(3)
     q, r = torch.randn(50, 6, generator=g), torch.randn(5000, 6, generator=g)
     d, i = _knn_torch(q, r, 5, False, max_chunk=3 * 5000)  # 3 queries per chunk, last chunk shorter
     full = torch.cdist(q.double(), r.double()).topk(5, largest=False)
     torch.testing.assert_close(i, full.indices)
-    torch.testing.assert_close(d.double(), full.values ** 2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(d.double(), full.values**2, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -123,8 +136,9 @@ def test_duplicates_with_different_labels_exclude_self_by_index(backend):
     labels2 = np.concatenate([labels2, np.arange(15), (np.arange(15) + 1) % 15])
     ours = recall_at_k(emb2, labels2, ks=(1, 2, 4), backend=backend)
     assert ours == pytest.approx(brute_recall(emb2, labels2, emb2, labels2, (1, 2, 4), True), abs=1e-12)
-    assert map_at_r(emb2, labels2, backend=backend) == pytest.approx(brute_map_at_r(emb2, labels2, emb2, labels2, True),
-                                                                     abs=1e-12)
+    assert map_at_r(emb2, labels2, backend=backend) == pytest.approx(
+        brute_map_at_r(emb2, labels2, emb2, labels2, True), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -156,13 +170,15 @@ def test_gallery_mode(backend):
 
 # ---------------------------------------------------------------- MAP@R
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_map_at_r_matches_direct(backend, seed):
     emb, labels = clustered(seed=seed)
     labels[-3:] = [97, 98, 99]  # singletons: R = 0, left out
-    assert map_at_r(emb, labels, backend=backend) == pytest.approx(brute_map_at_r(emb, labels, emb, labels, True),
-                                                                   abs=1e-12)
+    assert map_at_r(emb, labels, backend=backend) == pytest.approx(
+        brute_map_at_r(emb, labels, emb, labels, True), abs=1e-12
+    )
 
 
 def test_map_at_r_cap_warns_and_truncates():
@@ -180,9 +196,11 @@ def test_map_at_r_cap_warns_and_truncates():
 
 # ---------------------------------------------------------------- against pytorch-metric-learning
 
+
 def _pml(query, ql, ref=None, rl=None, include=("mean_average_precision_at_r", "precision_at_1", "r_precision", "NMI")):
-    pytest.importorskip("faiss")            # PML's calculator searches with faiss
+    pytest.importorskip("faiss")  # PML's calculator searches with faiss
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
     calc = AccuracyCalculator(include=include, k="max_bin_count", device=torch.device("cpu"))
     t = lambda a: None if a is None else torch.as_tensor(a)
     return calc.get_accuracy(t(query), t(ql), t(ref), t(rl), ref_includes_query=False)
@@ -227,6 +245,7 @@ def test_intended_difference_lone_queries():
 
 # ---------------------------------------------------------------- NMI and k-means
 
+
 def test_nmi_uses_sklearn_on_kmeans_clusters():
     emb, labels = clustered(classes=8, noise=1.0)
     clusters, _, _ = kmeans(emb, 8, seed=5)
@@ -248,8 +267,10 @@ def test_kmeans_is_a_lloyd_fixed_point_and_deterministic():
     again = kmeans(emb, 10, niter=100, nredo=1, seed=0)
     torch.testing.assert_close(again[0], labels)
     best_of_5 = kmeans(emb, 10, niter=100, nredo=5, seed=0)[2]
-    assert best_of_5 <= obj * (1 + 1e-7)      # float32 sums: the same minimum may differ in the 8th digit
-    assert kmeans(emb, 10, niter=100, backend="faiss")[2] == pytest.approx(obj, rel=0.2)  # same problem, similar optimum
+    assert best_of_5 <= obj * (1 + 1e-7)  # float32 sums: the same minimum may differ in the 8th digit
+    assert kmeans(emb, 10, niter=100, backend="faiss")[2] == pytest.approx(
+        obj, rel=0.2
+    )  # same problem, similar optimum
 
 
 def test_kmeans_keeps_all_clusters():
@@ -259,6 +280,7 @@ def test_kmeans_keeps_all_clusters():
 
 
 # ---------------------------------------------------------------- spectral decay
+
 
 def test_spectral_decay_matches_numpy():
     emb, _ = clustered(n=300, dim=32)
@@ -275,6 +297,7 @@ def test_spectral_decay_matches_numpy():
 
 
 # ---------------------------------------------------------------- MAW / SDAW, generalisation gap
+
 
 def test_maw_sdaw_matches_numpy():
     rng = np.random.default_rng(0)
@@ -294,6 +317,7 @@ def test_generalization_gap_sign_follows_sharing_matters_table5():
 
 # ---------------------------------------------------------------- evaluate and bad input
 
+
 def test_evaluate_matches_the_single_metrics():
     emb, labels = clustered()
     res = evaluate(emb, labels, metrics=("recall@1", "recall@16", "map@r", "nmi", "spectral_decay"), seed=3)
@@ -306,40 +330,51 @@ def test_evaluate_matches_the_single_metrics():
     assert evaluate(emb, labels, metrics="recall@2") == {"recall@2": recall_at_k(emb, labels, ks=2)[2]}
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda e, l: evaluate(e, l, metrics=("recall@1", "nmii")), "Did you mean 'nmi'"),
-    (lambda e, l: evaluate(e, l, metrics=("mapr",)), "unknown metric 'mapr'"),
-    (lambda e, l: recall_at_k(e, l[:-1]), "239 entries but the embeddings have 240 rows"),
-    (lambda e, l: recall_at_k(np.where(np.arange(240)[:, None] == 7, np.nan, e), l), "first: row 7"),
-    (lambda e, l: recall_at_k(e, l, ks=(240,)), "k=240 is larger than the reference set (239 items, excluding"),
-    (lambda e, l: recall_at_k(e[:5], l[:5], ks=(6,), gallery_emb=e[5:10], gallery_labels=l[5:10]),
-     "larger than the reference set (5 items)"),
-    (lambda e, l: recall_at_k(e, l, gallery_emb=e[:, :3], gallery_labels=l), "dimension 12 but gallery_emb has dimension 3"),
-    (lambda e, l: nmi(e, np.zeros(240, dtype=int)), "at least 2 classes"),
-    (lambda e, l: nmi(e, l, n_clusters=500), "n_clusters must be an integer in [1, 240]"),
-    (lambda e, l: recall_at_k(e.astype(int), l), "floating-point"),
-    (lambda e, l: recall_at_k(e, l.astype(float) + 0.5), "integer class labels"),
-    (lambda e, l: knn(e, e, 3, backend="annoy"), "unknown knn backend 'annoy'"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e, l: evaluate(e, l, metrics=("recall@1", "nmii")), "Did you mean 'nmi'"),
+        (lambda e, l: evaluate(e, l, metrics=("mapr",)), "unknown metric 'mapr'"),
+        (lambda e, l: recall_at_k(e, l[:-1]), "239 entries but the embeddings have 240 rows"),
+        (lambda e, l: recall_at_k(np.where(np.arange(240)[:, None] == 7, np.nan, e), l), "first: row 7"),
+        (lambda e, l: recall_at_k(e, l, ks=(240,)), "k=240 is larger than the reference set (239 items, excluding"),
+        (
+            lambda e, l: recall_at_k(e[:5], l[:5], ks=(6,), gallery_emb=e[5:10], gallery_labels=l[5:10]),
+            "larger than the reference set (5 items)",
+        ),
+        (
+            lambda e, l: recall_at_k(e, l, gallery_emb=e[:, :3], gallery_labels=l),
+            "dimension 12 but gallery_emb has dimension 3",
+        ),
+        (lambda e, l: nmi(e, np.zeros(240, dtype=int)), "at least 2 classes"),
+        (lambda e, l: nmi(e, l, n_clusters=500), "n_clusters must be an integer in [1, 240]"),
+        (lambda e, l: recall_at_k(e.astype(int), l), "floating-point"),
+        (lambda e, l: recall_at_k(e, l.astype(float) + 0.5), "integer class labels"),
+        (lambda e, l: knn(e, e, 3, backend="annoy"), "unknown knn backend 'annoy'"),
+    ],
+)
 def test_bad_input_is_a_clear_error(call, message):
     emb, labels = clustered()
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         call(emb, labels)
 
 
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     emb, labels = clustered(n=2000, dim=64, classes=50)
     cpu = evaluate(emb, labels, metrics=("recall@1", "recall@8", "map@r"))
-    gpu = evaluate(torch.from_numpy(emb).cuda(), torch.from_numpy(labels).cuda(), metrics=("recall@1", "recall@8", "map@r"))
+    gpu = evaluate(
+        torch.from_numpy(emb).cuda(), torch.from_numpy(labels).cuda(), metrics=("recall@1", "recall@8", "map@r")
+    )
     assert gpu == pytest.approx(cpu, abs=2e-3)  # float32 products may order near-ties differently
     assert 0 <= nmi(torch.from_numpy(emb).cuda(), labels) <= 1
 
 
 # ---- faiss-gpu and device placement (issue 6) ----
-try: import faiss                               # optional: the [faiss-cpu] / [faiss-gpu] extras
-except ImportError: faiss = None
+try:
+    import faiss  # optional: the [faiss-cpu] / [faiss-gpu] extras
+except ImportError:
+    faiss = None
 
 from dml_nb.evaluation import faiss_backend as M
 
@@ -375,7 +410,7 @@ def test_faiss_backend_takes_the_gpu_branch_when_faiss_reports_gpus(monkeypatch)
     assert moved == [0]
     d_ref, i_ref = knn(x, x, 5, exclude_self=True, backend="faiss_cpu")
     assert torch.equal(i, i_ref)
-    knn(x, x, M.FAISS_GPU_MAX_K, exclude_self=True, backend="faiss")     # beyond the GPU limit: stays on the CPU
+    knn(x, x, M.FAISS_GPU_MAX_K, exclude_self=True, backend="faiss")  # beyond the GPU limit: stays on the CPU
     assert moved == [0]
     with pytest.raises(ValueError, match="at most 2048"):
         knn(x, x, M.FAISS_GPU_MAX_K, exclude_self=True, backend="faiss_gpu")
@@ -387,11 +422,12 @@ def test_knn_and_kmeans_backends_agree_with_faiss_cpu(backend):
     d_ref, i_ref = knn(x, x, 7, exclude_self=True, backend="faiss_cpu")
     d, i = knn(x, x, 7, exclude_self=True, backend=backend)
     assert torch.allclose(d, d_ref, rtol=1e-4, atol=1e-3)
-    assert (i == i_ref).float().mean() > 0.99            # only float ties may swap
+    assert (i == i_ref).float().mean() > 0.99  # only float ties may swap
     _, _, obj_ref = kmeans(x, 12, backend="faiss_cpu", nredo=3)
     labels, centroids, obj = kmeans(x, 12, backend=backend, nredo=3)
-    assert obj <= 1.05 * obj_ref                          # at least as good an optimum as faiss-cpu's
-    if backend != "torch": assert obj == pytest.approx(obj_ref, rel=1e-6)   # the same faiss routine and seed
+    assert obj <= 1.05 * obj_ref  # at least as good an optimum as faiss-cpu's
+    if backend != "torch":
+        assert obj == pytest.approx(obj_ref, rel=1e-6)  # the same faiss routine and seed
     assert labels.device == x.device and centroids.device == x.device
 
 
@@ -420,19 +456,21 @@ def test_faiss_gpu_matches_faiss_cpu():
 
 # ---------------------------------------------------------------- ties between equal distances
 
+
 def duplicated(groups=50, size=3, dim=16, seed=0):
     "Groups of `size` identical unit rows, a third of the rows relabelled: which tied neighbour comes first matters."
     g = torch.Generator().manual_seed(seed)
     x = torch.nn.functional.normalize(torch.randn(groups, dim, generator=g), dim=1).repeat_interleave(size, 0)
     y = torch.arange(groups * size) // size
-    y[torch.randperm(groups * size, generator=g)[:groups * size // 3]] += 10_000
+    y[torch.randperm(groups * size, generator=g)[: groups * size // 3]] += 10_000
     return x, y
 
 
 def index_order_neighbours(x, exclude_self=True):
     "Brute force: every other row sorted by (distance, index); differences, not a matrix product: identical rows tie."
     d = (x.double()[:, None] - x.double()[None]).pow(2).sum(-1)
-    if exclude_self: d.fill_diagonal_(float("inf"))
+    if exclude_self:
+        d.fill_diagonal_(float("inf"))
     order = np.lexsort((np.arange(len(x))[None].repeat(len(x), 0), d.numpy()), axis=1)
     return torch.from_numpy(order[:, :-1] if exclude_self else order)
 
@@ -446,7 +484,9 @@ def test_ties_break_by_index_for_every_k_and_backend(seed, backend):
     want = {k: (y[nn[:, :k]] == y[:, None]).any(1).double().mean().item() for k in (1, 2, 4, 8)}
     for ks in [(1,), (2,), (1, 2, 4, 8), (8, 1), (1, 50)]:
         got = recall_at_k(x, y, ks=ks, backend=backend)
-        assert got == {k: pytest.approx(want[k], abs=1e-12) for k in ks if k in want} | {k: got[k] for k in ks if k not in want}
+        assert got == {k: pytest.approx(want[k], abs=1e-12) for k in ks if k in want} | {
+            k: got[k] for k in ks if k not in want
+        }
     for k in (1, 2, 5, 20):
         assert torch.equal(knn(x, x, k, exclude_self=True, backend=backend)[1], nn[:, :k])
     ev = evaluate(x, y, ("recall@1", "recall@8", "map@r"), knn_backend=backend)
@@ -459,9 +499,13 @@ def test_a_backend_that_returns_ties_in_any_order_is_reranked(monkeypatch):
     faiss = pytest.importorskip("faiss")
     x, y = duplicated(groups=30, size=4)
 
-    class Scrambled:                       # ties in reverse index order, as an arbitrary k-select may give them
-        def __init__(self, d): self.r = None
-        def add(self, r): self.r = torch.from_numpy(r)
+    class Scrambled:  # ties in reverse index order, as an arbitrary k-select may give them
+        def __init__(self, d):
+            self.r = None
+
+        def add(self, r):
+            self.r = torch.from_numpy(r)
+
         def search(self, q, k):
             d = (torch.from_numpy(q).double()[:, None] - self.r.double()[None]).pow(2).sum(-1)
             order = np.lexsort((-np.arange(len(self.r))[None].repeat(len(q), 0), d.numpy()), axis=1)[:, :k]
@@ -496,7 +540,8 @@ def golden_input(spec: dict) -> tuple[np.ndarray, np.ndarray]:
     x = rs.randn(spec["classes"], spec["d"])[y] + spec["noise"] * rs.randn(spec["n"], spec["d"])
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     if "duplicate_step" in spec:
-        for i in range(0, spec["n"], spec["duplicate_step"]): x[i + 1] = x[i]
+        for i in range(0, spec["n"], spec["duplicate_step"]):
+            x[i + 1] = x[i]
     assert hashlib.sha256(x.tobytes()).hexdigest() == spec["sha256_x"], "the recipe no longer gives the stored input"
     assert hashlib.sha256(y.astype(np.int64).tobytes()).hexdigest() == spec["sha256_labels"]
     return x, y
@@ -517,18 +562,29 @@ def test_nmi_reading_matches_authors_code(name):
         got = evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=NMI_CODE[name])["nmi"]
         assert got == pytest.approx(want["nmi"], abs=1e-12), f"{name} set {s}"
         # the geometric reading (scikit-learn < 0.22's default) is the same clusters under the other normalisation
-        geo = evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=NMI_CODE[name], nmi_average="geometric")
-        assert geo["nmi"] == pytest.approx(normalized_mutual_info_score(want["clusters"], y, average_method="geometric"), abs=1e-12)
+        geo = evaluate(
+            torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=NMI_CODE[name], nmi_average="geometric"
+        )
+        assert geo["nmi"] == pytest.approx(
+            normalized_mutual_info_score(want["clusters"], y, average_method="geometric"), abs=1e-12
+        )
 
 
 def test_nmi_readings_differ_where_they_should():
     "The 20- and 100-round code readings part on a set that has not converged by round 20; dml_nb's is another k-means."
     g = load_golden("nmi_dnc")
-    slow = [s for s in g["inputs"] if s != "recipe" and g["outputs"][s]["clusters"] != load_golden("nmi_diva")["outputs"][s]["clusters"]]
+    slow = [
+        s
+        for s in g["inputs"]
+        if s != "recipe" and g["outputs"][s]["clusters"] != load_golden("nmi_diva")["outputs"][s]["clusters"]
+    ]
     assert slow, "no fixture set tells 20 rounds from 100"
     for s in slow:
         x, y = golden_input(g["inputs"][s])
-        a, b = (evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=r)["nmi"] for r in ("faiss", "faiss_100"))
+        a, b = (
+            evaluate(torch.from_numpy(x), torch.from_numpy(y), ("nmi",), nmi_kmeans=r)["nmi"]
+            for r in ("faiss", "faiss_100")
+        )
         assert a != b
 
 
@@ -556,18 +612,24 @@ def test_self_match_first_drops_the_first_neighbour():
     metrics = ("recall@1", "recall@2", "recall@4")
     X, Y = torch.from_numpy(x), torch.from_numpy(y)
     assert evaluate(X, Y, metrics, self_match="first") == evaluate(X, Y, metrics)
-    for i in range(0, 200, 10): x[i + 1] = x[i]                     # 20 exact copies under another label
+    for i in range(0, 200, 10):
+        x[i + 1] = x[i]  # 20 exact copies under another label
     X = torch.from_numpy(x)
     d = ((x[:, None].astype(np.float64) - x[None]) ** 2).sum(-1)
-    order = np.argsort(d, axis=1, kind="stable")                       # ties by index
+    order = np.argsort(d, axis=1, kind="stable")  # ties by index
     for k in (1, 2, 4):
-        first = (y[order[:, 1:k + 1]] == y[:, None]).any(1).mean()
-        by_index = (y[np.array([[j for j in row if j != i][:k] for i, row in enumerate(order)])] == y[:, None]).any(1).mean()
-        got_first, got_index = (evaluate(X, Y, (f"recall@{k}",), self_match=s)[f"recall@{k}"] for s in ("first", "index"))
+        first = (y[order[:, 1 : k + 1]] == y[:, None]).any(1).mean()
+        by_index = (
+            (y[np.array([[j for j in row if j != i][:k] for i, row in enumerate(order)])] == y[:, None]).any(1).mean()
+        )
+        got_first, got_index = (
+            evaluate(X, Y, (f"recall@{k}",), self_match=s)[f"recall@{k}"] for s in ("first", "index")
+        )
         assert got_first == pytest.approx(first) and got_index == pytest.approx(by_index)
     # each copy (the later index) now finds itself: R@1 rises by the 20 copies whose twin has another label
-    assert evaluate(X, Y, ("recall@1",), self_match="first")["recall@1"] - evaluate(X, Y, ("recall@1",))["recall@1"] \
-        == pytest.approx(20 / 200)
+    assert evaluate(X, Y, ("recall@1",), self_match="first")["recall@1"] - evaluate(X, Y, ("recall@1",))[
+        "recall@1"
+    ] == pytest.approx(20 / 200)
     with pytest.raises(ValueError, match="self-match rule"):
         evaluate(X, Y, ("recall@1",), self_match="last")
 
@@ -595,4 +657,6 @@ def test_self_match_first_matches_authors_recall(name):
         got = evaluate(torch.from_numpy(x), torch.from_numpy(y), tuple(want), self_match="first")
         assert got == want, f"{name} set {s}"
         by_index = evaluate(torch.from_numpy(x), torch.from_numpy(y), tuple(want))
-        assert (by_index == want) == ("duplicate_step" not in g["inputs"][s]), f"{name} set {s}: 'index' should differ only with duplicates"
+        assert (by_index == want) == ("duplicate_step" not in g["inputs"][s]), (
+            f"{name} set {s}: 'index' should differ only with duplicates"
+        )

@@ -1,5 +1,6 @@
 """Miners in dml_nb.blocks.miners: validity of every tuple, determinism, empty and NaN cases, and agreement with
 pytorch-metric-learning (PML, a test-only reference) where the definitions coincide."""
+
 import math
 
 import pytest
@@ -8,19 +9,34 @@ import torch.nn.functional as F
 
 from dml_nb.core.registry import MINERS
 from dml_nb.blocks.distances import pairwise_distance
-from dml_nb.blocks.miners import (DistanceWeightedMiner, MultiSimilarityMiner, SemiHardMiner, check_triplets,
-                           distance_weights)
+from dml_nb.blocks.miners import (
+    DistanceWeightedMiner,
+    MultiSimilarityMiner,
+    SemiHardMiner,
+    check_triplets,
+    distance_weights,
+)
 
 pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
-RELATION = {"random": "class", "semihard": "class", "distance_weighted": "class", "shared": "shared",
-            "intra": "intra", "grouping": "class", "dnc_nearest": "class", "shared_random": None}
+RELATION = {
+    "random": "class",
+    "semihard": "class",
+    "distance_weighted": "class",
+    "shared": "shared",
+    "intra": "intra",
+    "grouping": "class",
+    "dnc_nearest": "class",
+    "shared_random": None,
+}
 
 
 def batch(n_classes=8, k=4, dim=32, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(n_classes).repeat_interleave(k)
-    emb = 0.8 * torch.randn(n_classes, dim, generator=g, dtype=dtype)[labels] + torch.randn(len(labels), dim, generator=g, dtype=dtype)
+    emb = 0.8 * torch.randn(n_classes, dim, generator=g, dtype=dtype)[labels] + torch.randn(
+        len(labels), dim, generator=g, dtype=dtype
+    )
     return F.normalize(emb, dim=1), labels
 
 
@@ -39,8 +55,10 @@ def test_triplet_miners_valid_and_deterministic(name, seed):
     t2 = miner(emb, labels, generator=torch.Generator().manual_seed(seed), **kw)
     assert len(t1) == 3 and len(t1[0]) > 0
     assert all(u.dtype == torch.long and len(u) == len(t1[0]) for u in t1)
-    if RELATION[name] is None: assert ((t1[0] != t1[1]) & (t1[0] != t1[2]) & (t1[1] != t1[2])).all()
-    else: assert check_triplets(t1, ref, RELATION[name])
+    if RELATION[name] is None:
+        assert ((t1[0] != t1[1]) & (t1[0] != t1[2]) & (t1[1] != t1[2])).all()
+    else:
+        assert check_triplets(t1, ref, RELATION[name])
     assert all(torch.equal(u, v) for u, v in zip(t1, t2))
 
 
@@ -48,18 +66,21 @@ def test_unconstrained_distinct_and_ignores_labels():
     emb, labels = batch()
     a, p, n = MINERS.build("unconstrained")(emb, labels, generator=torch.Generator().manual_seed(0))
     assert ((a != p) & (a != n) & (p != n)).all() and len(a) == len(labels)
-    assert (labels[a] == labels[p]).any()            # positives of the same class occur: no label constraint
+    assert (labels[a] == labels[p]).any()  # positives of the same class occur: no label constraint
 
 
-@pytest.mark.parametrize("name", ["random", "semihard", "distance_weighted", "shared", "intra", "unconstrained",
-                                  "dnc_nearest", "shared_random"])
+@pytest.mark.parametrize(
+    "name",
+    ["random", "semihard", "distance_weighted", "shared", "intra", "unconstrained", "dnc_nearest", "shared_random"],
+)
 def test_empty_and_nan_cases(name):
     miner = MINERS.build(name)
     one = F.normalize(torch.randn(2, 8), dim=1)
-    out = miner(one, torch.zeros(2, dtype=torch.long))       # two samples of one class: nothing valid
+    out = miner(one, torch.zeros(2, dtype=torch.long))  # two samples of one class: nothing valid
     assert len(out) == 3 and all(len(u) == 0 and u.dtype == torch.long for u in out)
     emb, labels = batch(n_classes=4, k=3, dim=8)
-    emb = emb.clone(); emb[0] = float("nan")
+    emb = emb.clone()
+    emb[0] = float("nan")
     out = miner(emb, labels, generator=torch.Generator().manual_seed(0))
     if RELATION.get(name, "class") is not None and name != "unconstrained":
         assert check_triplets(out, labels, RELATION.get(name, "class"))
@@ -69,7 +90,7 @@ def test_empty_and_nan_cases(name):
 def test_semihard_all_equals_pml():
     for seed in range(3):
         emb, labels = batch(seed=seed, dtype=torch.float64)
-        ours = SemiHardMiner(margin=0.2, mode="all", positives="all")(emb, labels)   # PML: every pair
+        ours = SemiHardMiner(margin=0.2, mode="all", positives="all")(emb, labels)  # PML: every pair
         theirs = pml_miners.TripletMarginMiner(margin=0.2, type_of_triplets="semihard")(emb, labels)
         assert len(theirs[0]) > 0 and as_set(*ours) == as_set(*theirs)
 
@@ -80,8 +101,11 @@ def test_semihard_sample_picks_semihard_when_available():
     d = pairwise_distance(emb)
     allsemi = SemiHardMiner(margin=0.2, mode="all")(emb, labels)
     has = {(x, y) for x, y, _ in as_set(*allsemi)}
-    picked_semi = [(d[i, k] > d[i, j]) & (d[i, k] <= d[i, j] + 0.2) for i, j, k in zip(a.tolist(), p.tolist(), n.tolist())
-                   if (i, j) in has]
+    picked_semi = [
+        (d[i, k] > d[i, j]) & (d[i, k] <= d[i, j] + 0.2)
+        for i, j, k in zip(a.tolist(), p.tolist(), n.tolist())
+        if (i, j) in has
+    ]
     assert len(picked_semi) > 0 and all(picked_semi)
 
 
@@ -93,13 +117,14 @@ def test_multi_similarity_equals_pml():
         t = pml_miners.MultiSimilarityMiner(epsilon=0.1)(emb, labels)
         assert as_set(a1, p) == as_set(t[0], t[1]) and as_set(a2, n) == as_set(t[2], t[3])
         assert len(a1) > 0 and len(a2) > 0
-        informative = torch.zeros(len(labels), dtype=torch.bool); informative[torch.cat([t[0], t[2]])] = True
+        informative = torch.zeros(len(labels), dtype=torch.bool)
+        informative[torch.cat([t[0], t[2]])] = True
         assert torch.equal(miner.informative, informative)
 
 
 def _reference_weights(dist, dim, allowed, cutoff=0.5, upper=1.4):
     d = dist.clamp_min(cutoff).double()
-    logw = -(dim - 2) * d.log() - (dim - 3) / 2 * torch.log(1 - d ** 2 / 4)
+    logw = -(dim - 2) * d.log() - (dim - 3) / 2 * torch.log(1 - d**2 / 4)
     w = torch.zeros_like(d)
     for i in range(len(d)):
         ok = allowed[i] & (dist[i] < upper)
@@ -114,11 +139,16 @@ def test_distance_weights_match_formula_and_guard_rows(upper):
     emb, labels = batch(dim=16, seed=2)
     dist = pairwise_distance(emb)
     allowed = labels[:, None] != labels[None, :]
-    allowed[0] = False                                          # a row with nothing allowed
+    allowed[0] = False  # a row with nothing allowed
     w = distance_weights(dist, 16, allowed, upper_cutoff=upper)
-    torch.testing.assert_close(w.double(), _reference_weights(dist, 16, allowed, upper=math.inf if upper is None else upper),
-                               rtol=1e-4, atol=1e-6)
-    if upper is None: assert (w[1:] > 0).sum() == allowed[1:].sum()     # no cutoff: every negative can be drawn
+    torch.testing.assert_close(
+        w.double(),
+        _reference_weights(dist, 16, allowed, upper=math.inf if upper is None else upper),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+    if upper is None:
+        assert (w[1:] > 0).sum() == allowed[1:].sum()  # no cutoff: every negative can be drawn
     assert (w[0] == 0).all() and torch.isfinite(w).all()
     assert not w.requires_grad
     torch.testing.assert_close(w[1:].sum(1)[w[1:].sum(1) > 0], torch.ones(int((w[1:].sum(1) > 0).sum())))
@@ -139,7 +169,7 @@ def test_distance_weighted_draws_follow_weights():
 
 
 def test_distance_weighted_fallback_uniform_when_all_far():
-    emb = F.normalize(torch.eye(6), dim=1)                      # all distances sqrt(2) >= 1.4
+    emb = F.normalize(torch.eye(6), dim=1)  # all distances sqrt(2) >= 1.4
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
     a, p, n = DistanceWeightedMiner(upper_cutoff=1.4)(emb, labels, generator=torch.Generator().manual_seed(0))
     assert len(a) == 6 and check_triplets((a, p, n), labels)
@@ -165,7 +195,7 @@ def test_shared_nearest_positive():
 
 def test_intra_code_variant_and_strict():
     emb, labels = batch(n_classes=4, k=2)
-    assert all(len(u) == 0 for u in MINERS.build("intra")(emb, labels))     # K=2: no three distinct samples
+    assert all(len(u) == 0 for u in MINERS.build("intra")(emb, labels))  # K=2: no three distinct samples
     a, p, n = MINERS.build("intra", distinct=False)(emb, labels, generator=torch.Generator().manual_seed(0))
     assert len(a) == len(labels) and ((labels[a] == labels[p]) & (labels[a] == labels[n])).all()
 
@@ -181,14 +211,15 @@ def test_bad_inputs_are_clear_errors():
 
 # ---------------------------------------------------------------- options of issues 11 / 12
 
+
 def test_positives_one_vs_all():
     emb, labels = batch(n_classes=6, k=4, seed=12)
     g = lambda: torch.Generator().manual_seed(0)
     for name in ("distance_weighted", "semihard", "shared_random"):
         a, p, n = MINERS.build(name)(emb, labels, generator=g())
-        assert torch.equal(a, torch.arange(len(labels))), name                # one triplet per anchor (authors' code)
+        assert torch.equal(a, torch.arange(len(labels))), name  # one triplet per anchor (authors' code)
         a, p, n = MINERS.build(name, positives="all")(emb, labels, generator=g())
-        assert len(a) == len(labels) * 3, name                                # every anchor-positive pair
+        assert len(a) == len(labels) * 3, name  # every anchor-positive pair
     with pytest.raises(ValueError, match="positives must be"):
         MINERS.build("distance_weighted", positives="each")
 
@@ -213,28 +244,31 @@ def test_random_batch_sampling_draws_distinct_triplets_uniformly():
     for _ in range(2000):
         t = miner(emb, labels, generator=g)
         keys = list(zip(*(u.tolist() for u in t)))
-        assert len(keys) == 6 and len(set(keys)) == 6 and check_triplets(t, labels)   # without replacement
-        for k in keys: counts[k] = counts.get(k, 0) + 1
-    assert len(counts) == 6 * 4                                          # all 24 triplets of the batch occur
+        assert len(keys) == 6 and len(set(keys)) == 6 and check_triplets(t, labels)  # without replacement
+        for k in keys:
+            counts[k] = counts.get(k, 0) + 1
+    assert len(counts) == 6 * 4  # all 24 triplets of the batch occur
     freq = torch.tensor(list(counts.values()), dtype=torch.float) / 2000
-    assert (freq - 6 / 24).abs().max() < 0.04                            # each with probability 6/24
+    assert (freq - 6 / 24).abs().max() < 0.04  # each with probability 6/24
 
 
 def test_semihard_random_fallback_draws_any_negative():
-    emb = F.normalize(torch.tensor([[1., 0], [1, .05], [0, 1], [-1, 0]]), dim=1)   # no semi-hard negative at all
+    emb = F.normalize(torch.tensor([[1.0, 0], [1, 0.05], [0, 1], [-1, 0]]), dim=1)  # no semi-hard negative at all
     labels = torch.tensor([0, 0, 1, 2])
     seen = set()
     for s in range(40):
         a, p, n = SemiHardMiner(margin=0.01)(emb, labels, generator=torch.Generator().manual_seed(s))
         seen.add(int(n[a == 0]))
-    assert seen == {2, 3}                                                # uniform over the negatives
+    assert seen == {2, 3}  # uniform over the negatives
     a, p, n = SemiHardMiner(margin=0.01, fallback="nearest")(emb, labels, generator=torch.Generator().manual_seed(0))
-    assert int(n[a == 0]) == 2                                           # nearest farther negative
+    assert int(n[a == 0]) == 2  # nearest farther negative
 
 
 def test_shared_negative_first_only_changes_order_of_draws():
     emb, labels = batch(n_classes=5, k=2, dim=8, seed=14)
-    a, p, n = MINERS.build("shared", first="negative", positive="random")(emb, labels, generator=torch.Generator().manual_seed(0))
+    a, p, n = MINERS.build("shared", first="negative", positive="random")(
+        emb, labels, generator=torch.Generator().manual_seed(0)
+    )
     assert check_triplets((a, p, n), labels, "shared")
     with pytest.raises(ValueError, match="needs the positive first"):
         MINERS.build("shared", first="negative", negative="semihard")
@@ -253,7 +287,7 @@ def test_dnc_nearest_never_returns_masked_entries():
         a, p, n = MINERS.build("dnc_nearest", cutoff=cutoff)(emb, labels)
         assert check_triplets((a, p, n), labels)
         assert (pairwise_distance(emb)[a, n] >= cutoff).all()
-        assert (torch.bincount(a, minlength=len(labels)) <= 2).all()     # at most K - 1 per anchor
+        assert (torch.bincount(a, minlength=len(labels)) <= 2).all()  # at most K - 1 per anchor
 
 
 # ---------------------------------------------------------------- golden tests: the authors' miners on fixed inputs
@@ -264,7 +298,10 @@ from golden import arr, load_golden
 from dml_nb.blocks.miners import DnCNearestMiner, IntraClassTripletMiner, SharedRandomMiner, negative_mask
 
 
-OUR_DRAWS, FREQ_TOL = 2000, 0.06   # vs their 4000 draws: the worst cell (p = 1/3) has sd 0.013; wrong readings differ > 0.25
+OUR_DRAWS, FREQ_TOL = (
+    2000,
+    0.06,
+)  # vs their 4000 draws: the worst cell (p = 1/3) has sd 0.013; wrong readings differ > 0.25
 
 
 def _golden_batch(name):
@@ -321,10 +358,13 @@ def test_golden_shared_random_candidates():
     for s in range(40):
         a, p, n = miner(emb, labels, generator=torch.Generator().manual_seed(s), permutation=perm)
         assert a.tolist() == out["anchors"]
-        for i, j in zip(a.tolist(), p.tolist()): seen.setdefault(i, set()).add(j)
+        for i, j in zip(a.tolist(), p.tolist()):
+            seen.setdefault(i, set()).add(j)
     assert [sorted(seen[i]) for i in out["anchors"]] == [sorted(c) for c in out["positive_candidates"]]
     w = distance_weights(pairwise_distance(emb), emb.shape[1], negative_mask(labels[perm]))
-    np.testing.assert_allclose(w[out["anchors"]].double().numpy(), arr(out["negative_probabilities"]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        w[out["anchors"]].double().numpy(), arr(out["negative_probabilities"]), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_golden_shared_random_draws():
@@ -338,31 +378,39 @@ def test_golden_shared_random_draws():
     assert np.abs(an - arr(out["anchor_negative_frequency"])).max() < FREQ_TOL
     for wrong in (MINERS.build("shared"), DistanceWeightedMiner()):
         ap_w, an_w, _ = _draw_frequencies(wrong, emb, labels, 300)
-        assert max(np.abs(ap_w - arr(out["anchor_positive_frequency"])).max(),
-                   np.abs(an_w - arr(out["anchor_negative_frequency"])).max()) > 0.2
+        assert (
+            max(
+                np.abs(ap_w - arr(out["anchor_positive_frequency"])).max(),
+                np.abs(an_w - arr(out["anchor_negative_frequency"])).max(),
+            )
+            > 0.2
+        )
 
 
 def test_golden_intra_with_replacement():
     """DiVA's batchminer/intra_random.py: the class of each triplet uniform over the batch's classes, a, p, n with
     replacement inside it. distinct=True (no repeats) and a class drawn per sample both fail."""
     g = load_golden("blocks_intra_random")
-    labels, draws = torch.tensor(g["inputs"]["labels"]), 1500          # theirs: 3000 calls
+    labels, draws = torch.tensor(g["inputs"]["labels"]), 1500  # theirs: 3000 calls
     emb = F.normalize(torch.randn(len(labels), 4, generator=torch.Generator().manual_seed(0)), dim=1)
 
     def frequencies(miner):
         gen, counts = torch.Generator().manual_seed(1), {}
         for _ in range(draws):
             t = miner(emb, labels, generator=gen)
-            for k in zip(*(u.tolist() for u in t)): counts[k] = counts.get(k, 0) + 1
+            for k in zip(*(u.tolist() for u in t)):
+                counts[k] = counts.get(k, 0) + 1
         total = sum(counts.values())
         return {k: c / total for k, c in counts.items()}, total
 
     theirs = {tuple(r[:3]): r[3] for r in g["outputs"]["frequencies"]}
     ours, total = frequencies(IntraClassTripletMiner(distinct=False))
     assert total == draws * g["outputs"]["triplets_per_call"]
-    assert set(ours) == set(theirs)                                      # the same support: 107 (a, p, n)
-    assert max(abs(ours[k] - theirs[k]) for k in theirs) < 0.008        # largest cell 1/32, sd 0.0017
-    cls = np.bincount([int(labels[k[0]]) for k, f in ours.items() for _ in range(round(f * total))], minlength=4) / total
+    assert set(ours) == set(theirs)  # the same support: 107 (a, p, n)
+    assert max(abs(ours[k] - theirs[k]) for k in theirs) < 0.008  # largest cell 1/32, sd 0.0017
+    cls = (
+        np.bincount([int(labels[k[0]]) for k, f in ours.items() for _ in range(round(f * total))], minlength=4) / total
+    )
     np.testing.assert_allclose(cls, arr(g["outputs"]["class_frequency"]), atol=0.01)
     repeats = sum(f for k, f in ours.items() if len(set(k)) < 3)
     assert abs(repeats - g["outputs"]["statistics"]["any_repeat"]) < 0.01
@@ -380,5 +428,7 @@ def test_golden_dnc_nearest_exact_triplets(case):
     a, p, n = DnCNearestMiner()(emb, labels)
     assert (a.tolist(), p.tolist(), n.tolist()) == (out["anchors"], out["positives"], out["negatives"])
     d = pairwise_distance(F.normalize(emb, dim=1))
-    by_distance = torch.cat([n[a == i][d[i, n[a == i]].argsort()] for i in a.unique()])   # same negatives, distance order
+    by_distance = torch.cat(
+        [n[a == i][d[i, n[a == i]].argsort()] for i in a.unique()]
+    )  # same negatives, distance order
     assert by_distance.tolist() != out["negatives"]

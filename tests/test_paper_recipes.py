@@ -1,6 +1,7 @@
 """Every paper-scale recipe trains: the real parameter files (params/train/cub200_*.yaml and every row of
 params/repro_table3/cub200.yaml), with only size keys shrunk, run one short epoch on a tiny dataset in the real
 CUB200 on-disk format, and every task (and every D&C learner) gets tuples."""
+
 from __future__ import annotations
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def paper_configs():
     out += [(f"repro_table3/{name}", Row(name, spec).config(base)) for name, spec in raw["rows"].items()]
     return out
 
+
 CONFIGS = paper_configs()
 
 
@@ -33,12 +35,20 @@ def shrink(raw: dict, root: Path) -> dict:
     cfg = config_to_dict(make_config(raw))
     k = cfg["train"]["samples_per_class"]
     opts = cfg["method"]["options"]
-    small = {"data": {"root": str(root), "size": 32},
-             "model": {"pretrained": False},
-             "train": {"epochs": 1, "batches_per_epoch": 2, "batch_size": CLASSES_PER_BATCH * k, "num_workers": 0,
-                       "device": "cpu"},
-             "eval": {"every": 1, "metrics": ["recall@1"], "save_embeddings": False}}
-    if "queue_size" in opts: small["method"] = {"options": {"queue_size": min(opts["queue_size"], 4 * CLASSES_PER_BATCH * k)}}
+    small = {
+        "data": {"root": str(root), "size": 32},
+        "model": {"pretrained": False},
+        "train": {
+            "epochs": 1,
+            "batches_per_epoch": 2,
+            "batch_size": CLASSES_PER_BATCH * k,
+            "num_workers": 0,
+            "device": "cpu",
+        },
+        "eval": {"every": 1, "metrics": ["recall@1"], "save_embeddings": False},
+    }
+    if "queue_size" in opts:
+        small["method"] = {"options": {"queue_size": min(opts["queue_size"], 4 * CLASSES_PER_BATCH * k)}}
     return merge_layers(cfg, small)
 
 
@@ -50,10 +60,11 @@ def cub(tmp_path_factory):
 @pytest.mark.parametrize("name, raw", CONFIGS, ids=[n for n, _ in CONFIGS])
 def test_paper_recipe_gets_tuples_in_every_task(name, raw, cub, tmp_path):
     torch.set_num_threads(1)
-    res = run(shrink(raw, cub), runs_dir=tmp_path, progress=False)       # a task with no tuples stops the run
+    res = run(shrink(raw, cub), runs_dir=tmp_path, progress=False)  # a task with no tuples stops the run
     assert (res.run_dir / "metrics.json").exists() and "test/recall@1" in res.metrics
     counts = {k: v for k, v in res.history[-1].items() if k == "tuples" or k.startswith("tuples/")}
-    if not counts: assert _tupleless(res.config), f"{name}: no tuples logged"
+    if not counts:
+        assert _tupleless(res.config), f"{name}: no tuples logged"
     assert all(v > 0 for v in counts.values()), f"{name}: {counts}"
 
 

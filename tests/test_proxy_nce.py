@@ -8,6 +8,7 @@ Intended differences from PML (not tested as equalities):
 * InfoNCELoss counts a negative pair mined twice once; PML counts it twice. PML also returns 0 whenever
   there is at most one positive and at most one negative pair (`len(x) <= 1`); we compute the loss.
 """
+
 from __future__ import annotations
 import math
 
@@ -40,37 +41,44 @@ def _grads(loss_fn, x, params=()):
 
 # ---------------------------------------------------------------- PML agreement
 
+
 @pytest.mark.parametrize("scale", [1.0, 9.0])
 def test_proxy_nca_matches_pml(scale):
     x, y = _batch(num_classes=6)
     ours = ProxyNCALoss(6, 8, scale=scale, include_positive=True).double()
     ref = pml_losses.ProxyNCALoss(6, 8, softmax_scale=scale)
-    with torch.no_grad(): ref.proxies.data = ours.proxies.data.clone()
+    with torch.no_grad():
+        ref.proxies.data = ours.proxies.data.clone()
     l1, g1 = _grads(lambda e: ours(e, y), x, [ours.proxies])
     l2, g2 = _grads(lambda e: ref(e, y), x, [ref.proxies])
     torch.testing.assert_close(l1, l2)
-    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
 
 
 def test_proxy_nca_paper_denominator_excludes_positive():
     x, y = _batch(num_classes=4)
     loss = ProxyNCALoss(4, 8, scale=9.0).double()
     logits = -9.0 * torch.cdist(F.normalize(x, dim=1), F.normalize(loss.proxies.detach(), dim=1)) ** 2
-    per = [-logits[i, y[i]] + torch.logsumexp(torch.cat([logits[i, :y[i]], logits[i, y[i] + 1:]]), 0)
-           for i in range(len(x))]
+    per = [
+        -logits[i, y[i]] + torch.logsumexp(torch.cat([logits[i, : y[i]], logits[i, y[i] + 1 :]]), 0)
+        for i in range(len(x))
+    ]
     torch.testing.assert_close(loss(x, y).detach(), torch.stack(per).mean())
 
 
-@pytest.mark.parametrize("num_classes", [5, 40])   # 40 > batch classes: many proxies without positives
+@pytest.mark.parametrize("num_classes", [5, 40])  # 40 > batch classes: many proxies without positives
 def test_proxy_anchor_matches_pml(num_classes):
     x, y = _batch(num_classes=5)
     ours = ProxyAnchorLoss(num_classes, 8).double()
     ref = pml_losses.ProxyAnchorLoss(num_classes, 8, margin=0.1, alpha=32)
-    with torch.no_grad(): ref.proxies.data = ours.proxies.data.clone()
+    with torch.no_grad():
+        ref.proxies.data = ours.proxies.data.clone()
     l1, g1 = _grads(lambda e: ours(e, y), x, [ours.proxies])
     l2, g2 = _grads(lambda e: ref(e, y), x, [ref.proxies])
     torch.testing.assert_close(l1, l2)
-    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("temperature", [0.07, 0.5])
@@ -88,13 +96,14 @@ def test_infonce_matches_pml_ntxent_with_mined_pairs():
     same = y[:, None] == y[None, :]
     a1, p = (same & ~torch.eye(16, dtype=torch.bool)).nonzero(as_tuple=True)
     a2, n = (~same).nonzero(as_tuple=True)
-    keep_p, keep_n = torch.arange(len(a1)) % 3 == 0, torch.arange(len(a2)) % 2 == 0   # a mined subset, no repeats
+    keep_p, keep_n = torch.arange(len(a1)) % 3 == 0, torch.arange(len(a2)) % 2 == 0  # a mined subset, no repeats
     pairs = (a1[keep_p], p[keep_p], a2[keep_n], n[keep_n])
     ref = pml_losses.NTXentLoss(temperature=0.1)
     torch.testing.assert_close(InfoNCELoss(0.1)(x, y, pairs), ref(x, y, pairs))
 
 
 # ---------------------------------------------------------------- gradient checks (float64)
+
 
 def _params_as_inputs(module):
     names = [n for n, _ in module.named_parameters()]
@@ -105,8 +114,11 @@ def _params_as_inputs(module):
 def test_gradcheck_proxy_losses():
     x, y = _batch(n=6, dim=4, num_classes=3)
     x.requires_grad_(True)
-    for loss in [ProxyNCALoss(3, 4, scale=3.0).double(), ProxyNCALoss(3, 4, include_positive=True).double(),
-                 ProxyAnchorLoss(3, 4, alpha=4.0).double()]:
+    for loss in [
+        ProxyNCALoss(3, 4, scale=3.0).double(),
+        ProxyNCALoss(3, 4, include_positive=True).double(),
+        ProxyAnchorLoss(3, 4, alpha=4.0).double(),
+    ]:
         names, values = _params_as_inputs(loss)
         fn = lambda e, *ps: functional_call(loss, dict(zip(names, ps)), (e, y))
         assert gradcheck(fn, (x, *values))
@@ -152,7 +164,8 @@ def test_gradcheck_dance(include_positive):
     # and the real loss has exactly that gradient at the evaluation point (weights carry no gradient)
     g_real = torch.autograd.grad(loss(q, keys=k, queue=queue), (q, k, queue))
     g_frozen = torch.autograd.grad(frozen(q, keys=k, queue=queue), (q, k, queue))
-    for a, b in zip(g_real, g_frozen): torch.testing.assert_close(a, b)
+    for a, b in zip(g_real, g_frozen):
+        torch.testing.assert_close(a, b)
 
 
 def test_gradcheck_decorrelation():
@@ -173,14 +186,16 @@ def test_decorrelation_gradient_signs():
     params = list(decor.parameters())
     g_loss = torch.autograd.grad(decor(src, tgt), [src, tgt, *params])
     g_r = torch.autograd.grad(decor.correlation(src, tgt), [src, tgt, *params])
-    torch.testing.assert_close(g_loss[0], 3.0 * g_r[0])           # embeddings descend on +w r: r decreases
+    torch.testing.assert_close(g_loss[0], 3.0 * g_r[0])  # embeddings descend on +w r: r decreases
     torch.testing.assert_close(g_loss[1], 3.0 * g_r[1])
-    for a, b in zip(g_loss[2:], g_r[2:]): torch.testing.assert_close(a, -3.0 * b)   # projector ascends r
+    for a, b in zip(g_loss[2:], g_r[2:]):
+        torch.testing.assert_close(a, -3.0 * b)  # projector ascends r
     assert Decorrelation.param_lr == 1e-5 and Decorrelation.param_weight_decay == 0.0
-    assert Decorrelation(5, 4, param_weight_decay=1e-6).param_weight_decay == 1e-6   # MIC's regressor group
+    assert Decorrelation(5, 4, param_weight_decay=1e-6).param_weight_decay == 1e-6  # MIC's regressor group
 
 
 # ---------------------------------------------------------------- DaNCE against a loop reference
+
 
 def _dance_reference(q, k, queue, tau, lower, upper, include_positive, normalize):
     "DiVA eq. 6 written from the formula, one line (query row or key column) at a time; no code shared with the library."
@@ -189,7 +204,7 @@ def _dance_reference(q, k, queue, tau, lower, upper, include_positive, normalize
     s = q @ queue.T
     d = torch.sqrt(torch.clamp(2 - 2 * s, min=0)).detach()
     dc = torch.clamp(d, min=lower)
-    logw = -(n - 2) * torch.log(dc) - (n - 3) / 2 * torch.log(1 - dc ** 2 / 4)
+    logw = -(n - 2) * torch.log(dc) - (n - 3) / 2 * torch.log(1 - dc**2 / 4)
     ok = d <= upper
     w = torch.zeros_like(s)
     lines = range(s.shape[0]) if normalize == "query" else range(s.shape[1])
@@ -198,7 +213,8 @@ def _dance_reference(q, k, queue, tau, lower, upper, include_positive, normalize
         if ok[sel].any():
             e = torch.where(ok[sel], torch.exp(logw[sel] - logw[sel][ok[sel]].max()), torch.zeros_like(logw[sel]))
             w[sel] = e / e.sum()
-        else: w[sel] = 1.0 / len(logw[sel])               # the code's 1e-45 clamp: a line without valid entry is uniform
+        else:
+            w[sel] = 1.0 / len(logw[sel])  # the code's 1e-45 clamp: a line without valid entry is uniform
     losses = []
     for i in range(len(q)):
         pos = q[i] @ k[i] / tau
@@ -213,23 +229,24 @@ def _dance_reference(q, k, queue, tau, lower, upper, include_positive, normalize
 @pytest.mark.parametrize("dim", [16, 128])
 def test_dance_matches_loop_reference(include_positive, dim, normalize):
     q, k, queue = _qkq(b=7, dim=dim, k=200, seed=3)
-    with torch.no_grad():                       # put some keys close to the queries so all weight regimes occur
+    with torch.no_grad():  # put some keys close to the queries so all weight regimes occur
         queue[:7] = q + 0.3 * torch.randn_like(q)
-        queue[7] = -q[0]                        # a key far from every query: uniform column (per key)
+        queue[7] = -q[0]  # a key far from every query: uniform column (per key)
     loss = DaNCELoss(temperature=0.01, include_positive=include_positive, normalize=normalize)
     ref = _dance_reference(q, k, queue, 0.01, 0.5, 1.4, include_positive, normalize)
     torch.testing.assert_close(loss(q, keys=k, queue=queue), ref)
     g1 = torch.autograd.grad(loss(q, keys=k, queue=queue), (q, k, queue))
     g2 = torch.autograd.grad(ref, (q, k, queue))
-    for a, b in zip(g1, g2): torch.testing.assert_close(a, b)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
 
 
 def test_dance_weights_per_key_and_per_query():
     q, _, queue = _qkq(b=4, dim=8, k=50)
-    wk = DaNCELoss().negative_weights(q, queue)                      # default: per key, the authors' code
+    wk = DaNCELoss().negative_weights(q, queue)  # default: per key, the authors' code
     torch.testing.assert_close(wk.sum(0), torch.ones(50, dtype=wk.dtype))
     assert not torch.allclose(wk.sum(1), torch.ones(4, dtype=wk.dtype))
-    wq = DaNCELoss(normalize="query").negative_weights(q, queue)      # --diva_fixed
+    wq = DaNCELoss(normalize="query").negative_weights(q, queue)  # --diva_fixed
     torch.testing.assert_close(wq.sum(1), torch.ones(4, dtype=wq.dtype))
     assert not wk.requires_grad and not wq.requires_grad
     assert DaNCELoss().normalize == "key" and DaNCELoss().upper_cutoff == 1.4
@@ -242,7 +259,7 @@ def test_dance_last_stats_and_no_cutoff():
         loss = DaNCELoss(normalize=normalize)
         loss(q, keys=q, queue=queue)
         within = float(loss.last_stats["within_cutoff_fraction"])
-        assert 0.35 < within < 0.47                                     # random 128-d: about 41% of pairs within 1.4
+        assert 0.35 < within < 0.47  # random 128-d: about 41% of pairs within 1.4
         assert float(loss.last_stats["nonzero_weight_fraction"]) >= within
         free = DaNCELoss(normalize=normalize, upper_cutoff=None)
         free(q, keys=q, queue=queue)
@@ -256,24 +273,26 @@ def test_queue_losses_compute_in_fp32_under_bf16_autocast(cls):
     k, queue = torch.randn(16, 32, generator=g), torch.randn(200, 32, generator=g)
     loss = cls(temperature=0.01)
     ref = loss(q, keys=k, queue=queue)
-    g_ref, = torch.autograd.grad(ref, q)
+    (g_ref,) = torch.autograd.grad(ref, q)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = loss(q.to(torch.bfloat16), keys=k.to(torch.bfloat16), queue=queue)   # bf16 inputs as from an autocast head
+        out = loss(q.to(torch.bfloat16), keys=k.to(torch.bfloat16), queue=queue)  # bf16 inputs as from an autocast head
         out_fp32 = loss(q, keys=k, queue=queue)
     assert out.dtype == torch.float32
-    g_out, = torch.autograd.grad(out_fp32, q)
+    (g_out,) = torch.autograd.grad(out_fp32, q)
     torch.testing.assert_close(out_fp32, ref)
     torch.testing.assert_close(g_out, g_ref)
 
 
 # ---------------------------------------------------------------- edge cases
 
+
 def test_no_valid_pair_and_one_class_batches():
     x = torch.randn(6, 4, requires_grad=True)
     distinct, one = torch.arange(6), torch.zeros(6, dtype=torch.long)
     l = InfoNCELoss()(x, distinct)
     assert l.item() == 0 and l.grad_fn is not None
-    l.backward(); assert (x.grad == 0).all()
+    l.backward()
+    assert (x.grad == 0).all()
     for loss in [InfoNCELoss(), ProxyNCALoss(3, 4), ProxyNCALoss(3, 4, include_positive=True), ProxyAnchorLoss(3, 4)]:
         x.grad = None
         l = loss(x, one)
@@ -295,18 +314,22 @@ def test_empty_batch_is_zero_with_graph():
 @pytest.mark.parametrize("cls", [QueueNCELoss, DaNCELoss])
 def test_queue_errors(cls):
     q = torch.randn(3, 4)
-    with pytest.raises(ValueError, match="empty queue"): cls()(q, keys=q, queue=torch.zeros(0, 4))
-    with pytest.raises(ValueError, match="one positive key per query"): cls()(q, keys=q[:2], queue=q)
-    with pytest.raises(ValueError, match=r"queue must be \(num_keys, 4\)"): cls()(q, keys=q, queue=torch.randn(5, 3))
-    with pytest.raises(TypeError): cls()(q)   # keys and queue are required keyword arguments
+    with pytest.raises(ValueError, match="empty queue"):
+        cls()(q, keys=q, queue=torch.zeros(0, 4))
+    with pytest.raises(ValueError, match="one positive key per query"):
+        cls()(q, keys=q[:2], queue=q)
+    with pytest.raises(ValueError, match=r"queue must be \(num_keys, 4\)"):
+        cls()(q, keys=q, queue=torch.randn(5, 3))
+    with pytest.raises(TypeError):
+        cls()(q)  # keys and queue are required keyword arguments
 
 
 def test_dance_all_keys_far_is_finite():
     q = F.normalize(torch.randn(1, 16), dim=1)
-    queue = -q.repeat(5, 1)                                      # every key at distance 2 > 1.4: uniform weights 1/5
+    queue = -q.repeat(5, 1)  # every key at distance 2 > 1.4: uniform weights 1/5
     loss = DaNCELoss(normalize="query")(q, keys=q, queue=queue)
     torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / (5 * 0.01) - 1 / 0.01))
-    loss = DaNCELoss(normalize="key")(q, keys=q, queue=queue)   # per key over a batch of one query: weight 1
+    loss = DaNCELoss(normalize="key")(q, keys=q, queue=queue)  # per key over a batch of one query: weight 1
     torch.testing.assert_close(loss, torch.tensor(math.log(5) - 1 / 0.01 - 1 / 0.01))
 
 
@@ -316,7 +339,7 @@ def test_dance_and_queue_nce_on_float32_at_diva_scale_are_finite():
     k, queue = torch.randn(112, 128, generator=g), F.normalize(torch.randn(3360, 128, generator=g), dim=1)
     for loss in [DaNCELoss(), DaNCELoss(include_positive=True), DaNCELoss(normalize="query"), QueueNCELoss(0.01)]:
         l = loss(q, keys=k, queue=queue)
-        g_q, = torch.autograd.grad(l, q)
+        (g_q,) = torch.autograd.grad(l, q)
         assert torch.isfinite(l) and torch.isfinite(g_q).all()
 
 
@@ -349,8 +372,12 @@ def test_golden_dance_both_axes(axis, case):
         v = loss(q, keys=keys, queue=queue)
         return v.item(), torch.autograd.grad(v, q)[0].numpy()
 
-    options = dict(temperature=inp["temperature"], lower_cutoff=inp["lower_cutoff"], upper_cutoff=inp["upper_cutoff"],
-                   include_positive=True)
+    options = dict(
+        temperature=inp["temperature"],
+        lower_cutoff=inp["lower_cutoff"],
+        upper_cutoff=inp["upper_cutoff"],
+        include_positive=True,
+    )
     v, grad = value_grad(DaNCELoss(normalize=axis, **options))
     assert v == pytest.approx(out["loss"], rel=1e-5)
     np.testing.assert_allclose(grad, arr(out["gradient"]), atol=2e-5, rtol=1e-4)
@@ -391,7 +418,7 @@ def test_golden_decorrelation_diva():
     decor = _decorrelation_from(inp["regressor"], D, D, inp["weight"], inp["hidden_dim"])
     _check_decorrelation(decor, inp["source"], inp["target"], out, "source_gradient", "target_gradient")
     s, t = (torch.tensor(x, requires_grad=True) for x in (inp["source"], inp["target"]))
-    plain = torch.autograd.grad(-inp["weight"] * decor.correlation(s, t), [s])[0]      # no reversal
+    plain = torch.autograd.grad(-inp["weight"] * decor.correlation(s, t), [s])[0]  # no reversal
     np.testing.assert_allclose(plain.numpy(), -arr(out["source_gradient"]), rtol=1e-4, atol=1e-6)
 
 
@@ -409,6 +436,9 @@ def test_golden_decorrelation_mic():
 
 def test_has_proxies_reads_the_loss_itself():
     from dml_nb.methods.sharing import has_proxies
+
     assert has_proxies("proxy_nca") and has_proxies("proxy_anchor") and has_proxies(ProxyAnchorLoss(3, 4))
-    assert has_proxies(ProxyNCALoss) and not has_proxies("margin") and not has_proxies("triplet")   # margin: num_classes, no proxies
+    assert (
+        has_proxies(ProxyNCALoss) and not has_proxies("margin") and not has_proxies("triplet")
+    )  # margin: num_classes, no proxies
     assert not has_proxies(InfoNCELoss())

@@ -1,11 +1,11 @@
 """One home per setting: the config sections hold every training and evaluation default, the `Learner`, `Evaluator`
 and `metrics.evaluate` read them, and the run hash of every committed config is what it was before (an unchanged
 config keeps its run folder)."""
+
 import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from dml_nb.training.config import config_to_dict, load_config, make_config
 from dml_nb.reproduction.experiment import run_dir_for, run_key
@@ -19,6 +19,7 @@ def committed_configs() -> dict:
     """{case: raw config} of every committed config: params/train/*.yaml, and every method spec of the reproduction
     parameter files and notebook defaults (the cases `test_repro` checks `smoke` on), at full size and smoke size."""
     from test_repro import _smoke_cases
+
     out = {f"train/{p.name}": p for p in sorted((ROOT / "params" / "train").glob("*.yaml"))}
     for case, raw in _smoke_cases().items():
         out[case], out[f"{case}:smoke"] = raw, smoke(raw, force=True)
@@ -45,16 +46,20 @@ def test_committed_configs_keep_their_run_folders():
 
 
 def _fields(cls, prefix=""):
-    import dataclasses, typing
+    import dataclasses
+    import typing
+
     for f in dataclasses.fields(cls):
         yield prefix + f.name, f
         tp = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp): yield from _fields(tp, f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(tp):
+            yield from _fields(tp, f"{prefix}{f.name}.")
 
 
 def test_every_field_says_how_it_enters_the_run_hash():
     "A field declared without `hashed` or `added_later` fails here (and `config_to_dict` refuses it)."
     from dml_nb.training.config import Config, HASH_RULES
+
     undeclared = [name for name, f in _fields(Config) if f.metadata.get("hash") not in HASH_RULES]
     assert not undeclared, f"fields without a run-hash rule (declare them with added_later(default)): {undeclared}"
 
@@ -62,9 +67,17 @@ def test_every_field_says_how_it_enters_the_run_hash():
 def test_added_later_fields_at_their_default_leave_the_dict_unchanged():
     "The fields that were once the `_OMITTED_AT_DEFAULT` table (and the ones added since) are out of the dict at their defaults."
     from dml_nb.training.config import Config
+
     d = config_to_dict(make_config({}))
     later = [name for name, f in _fields(Config) if f.metadata.get("hash") == "omit_at_default"]
-    assert {"data.cache", "data.decode", "train.compile", "train.zero_grad", "eval.nmi_average", "eval.self_match"} <= set(later)
+    assert {
+        "data.cache",
+        "data.decode",
+        "train.compile",
+        "train.zero_grad",
+        "eval.nmi_average",
+        "eval.self_match",
+    } <= set(later)
     for name in later:
         sec, key = name.split(".")
         assert key not in d[sec], name
@@ -77,17 +90,23 @@ def test_learner_defaults_are_the_config_defaults(shapes4):
     from dml_nb.methods.base import BaselineMethod
     from dml_nb.blocks.models import build_backbone
     from dml_nb.reproduction.experiment import build_learner
+
     train = shapes4[0]
     method = BaselineMethod(build_backbone("small_cnn", width=8, feature_dim=32), train.num_classes, embedding_dim=8)
     plain = Learner(method, train, build_sampler(TrainConfig(), train.labels), progress=False)
-    assert plain.train_config == TrainConfig() and plain.evaluator.config == EvalConfig() and plain.seed == Config().seed
+    assert (
+        plain.train_config == TrainConfig() and plain.evaluator.config == EvalConfig() and plain.seed == Config().seed
+    )
     built = build_learner(Config(), progress=False)
     assert built.train_config == plain.train_config and built.evaluator.config == plain.evaluator.config
     for attr in ("seed", "epochs", "lr", "amp", "channels_last", "device", "eval_batch_size"):
         assert getattr(built, attr) == getattr(plain, attr), attr
     assert [type(c).__name__ for c in built.callbacks] == [type(c).__name__ for c in plain.callbacks]
-    assert (built.sampler.batch_size, built.sampler.samples_per_class, built.sampler.draw) == \
-        (TrainConfig().batch_size, TrainConfig().samples_per_class, TrainConfig().sampler)
+    assert (built.sampler.batch_size, built.sampler.samples_per_class, built.sampler.draw) == (
+        TrainConfig().batch_size,
+        TrainConfig().samples_per_class,
+        TrainConfig().sampler,
+    )
 
 
 def test_evaluation_defaults_are_written_once():
@@ -96,42 +115,57 @@ def test_evaluation_defaults_are_written_once():
     from dml_nb.training.config import EvalConfig, choices
     from dml_nb.evaluation import clustering, metrics
     from dml_nb.evaluation.evaluator import Evaluator
+
     cfg = EvalConfig()
     for fn in (metrics.evaluate, metrics.check_eval_readings):
         params = inspect.signature(fn).parameters
         for key in Evaluator.READINGS:
-            if key in params: assert params[key].default == getattr(cfg, key), (fn.__name__, key)
+            if key in params:
+                assert params[key].default == getattr(cfg, key), (fn.__name__, key)
     assert inspect.signature(clustering.nmi).parameters["average"].default == cfg.nmi_average
     assert inspect.signature(clustering.check_nmi_reading).parameters["kmeans"].default == cfg.nmi_kmeans
     assert tuple(clustering.NMI_KMEANS) == choices(EvalConfig, "nmi_kmeans")
     import torch
+
     x, y = torch.randn(30, 4, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 3
-    assert set(metrics.evaluate(x, y)) == set(cfg.metrics)          # the standalone default is the section's metrics
+    assert set(metrics.evaluate(x, y)) == set(cfg.metrics)  # the standalone default is the section's metrics
     assert Evaluator().scores(x, y) == metrics.evaluate(x, y)
 
 
 def test_learner_settings_are_the_sections_fields(shapes4):
     "Single settings by name go to their section; unknown, ambiguous, sampler-only and old spellings are refused."
-    from dml_nb.training.config import ConfigError, TrainConfig
-    from dml_nb.training.learner import Learner, build_sampler, learner_sections
+    from dml_nb.training.config import ConfigError
+    from dml_nb.training.learner import learner_sections
+
     t, e = learner_sections({"epochs": 3}, None, lr=2e-3, metrics=("recall@1",), nmi_seeds=2)
     assert (t.epochs, t.lr, e.metrics, e.nmi_seeds) == (3, 2e-3, ["recall@1"], 2)
     fn = lambda epoch: 0.5
     t, _ = learner_sections(schedule=fn, optimizer=lambda groups: None)
-    assert t.schedule is fn and callable(t.optimizer)           # code: the one value beyond the config's types
-    for kw, msg in [({"eval_every": 2}, "Did you mean eval.every"), ({"eval_batch_size": 64}, "Did you mean eval.batch_size"),
-                    ({"batch_size": 64}, "ambiguous"), ({"samples_per_class": 2}, "read by the sampler"),
-                    ({"weight_deacy": 0.1}, "Did you mean train.weight_decay")]:
-        with pytest.raises(TypeError, match=msg): learner_sections(**kw)
-    for kw, msg in [({"amp": None}, "train.amp: None"), ({"channels_last": True}, "train.channels_last: True"),
-                    ({"schedule": ("multistep", [1], 0.1)}, "train.schedule"), ({"epochs": 0}, "train.epochs: 0")]:
-        with pytest.raises(ConfigError, match=msg): learner_sections(**kw)
+    assert t.schedule is fn and callable(t.optimizer)  # code: the one value beyond the config's types
+    for kw, msg in [
+        ({"eval_every": 2}, "Did you mean eval.every"),
+        ({"eval_batch_size": 64}, "Did you mean eval.batch_size"),
+        ({"batch_size": 64}, "ambiguous"),
+        ({"samples_per_class": 2}, "read by the sampler"),
+        ({"weight_deacy": 0.1}, "Did you mean train.weight_decay"),
+    ]:
+        with pytest.raises(TypeError, match=msg):
+            learner_sections(**kw)
+    for kw, msg in [
+        ({"amp": None}, "train.amp: None"),
+        ({"channels_last": True}, "train.channels_last: True"),
+        ({"schedule": ("multistep", [1], 0.1)}, "train.schedule"),
+        ({"epochs": 0}, "train.epochs: 0"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            learner_sections(**kw)
 
 
 def test_learner_takes_at_most_12_named_parameters():
     "The Learner's constructor: sections, the run's own keywords, and single fields by name (no per-field parameters)."
     import inspect
     from dml_nb.training.learner import Learner
+
     params = [p for n, p in inspect.signature(Learner.__init__).parameters.items() if n != "self"]
     named = [p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     assert len(named) <= 12, named

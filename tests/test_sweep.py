@@ -7,7 +7,14 @@ weight gradients, whole-tensor sums; `_configs(epochs=4, batches=6)` ends at ano
 an AVX-512 Xeon, and the 2 x 2 batch runs do on an AMD EPYC). So every comparison here names its count: the
 sequential runs train on `RUN_THREADS` (what `run_rows` and the local and SLURM launchers default to), and a resumed
 run keeps the count it started with, whatever the launcher that resumes it is given."""
-import json, os, signal, subprocess, sys, time, uuid
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -30,7 +37,8 @@ def _configs(epochs=2, batches=2, seeds=(0,)):
     for dim in (16, 32):
         for s in seeds:
             raw = smoke({**base_config(), "method": {"name": "baseline", "embedding_dim": dim}, "seed": s}, force=True)
-            raw["train"].update(epochs=epochs, batches_per_epoch=batches); raw["eval"]["every"] = epochs
+            raw["train"].update(epochs=epochs, batches_per_epoch=batches)
+            raw["eval"]["every"] = epochs
             out[f"dim {dim} seed {s}"] = raw
     return out
 
@@ -40,7 +48,8 @@ def _same_runs(a: Path, b: Path, threads: int = RUN_THREADS):
     assert (a / "done").exists() and (b / "done").exists()
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
     assert ma["threads"] == mb["threads"] == threads, (ma["threads"], mb["threads"], threads)
-    for k in ("wall_time_s", "finished"): ma.pop(k), mb.pop(k)
+    for k in ("wall_time_s", "finished"):
+        ma.pop(k), mb.pop(k)
     assert ma == mb
     ha, hb = (pd.read_csv(d / "history.csv").drop(columns=["time"]) for d in (a, b))
     pd.testing.assert_frame_equal(ha, hb, check_exact=True)
@@ -51,7 +60,9 @@ def _same_runs(a: Path, b: Path, threads: int = RUN_THREADS):
 def sequential(tmp_path_factory):
     "The sequential path: each config run in this process, one after another, on `RUN_THREADS` threads (as `run_rows`)."
     runs = tmp_path_factory.mktemp("sequential")
-    return {name: run(raw, runs_dir=runs, progress=False, threads=RUN_THREADS).run_dir for name, raw in _configs().items()}
+    return {
+        name: run(raw, runs_dir=runs, progress=False, threads=RUN_THREADS).run_dir for name, raw in _configs().items()
+    }
 
 
 def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
@@ -60,16 +71,18 @@ def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
     launch(plan, "local", workers=2, progress=False)
     assert plan.pending() == []
     for job, name in zip(plan.jobs, _configs()):
-        assert Path(job.run_dir).name == sequential[name].name   # the same hashed folder
+        assert Path(job.run_dir).name == sequential[name].name  # the same hashed folder
         _same_runs(Path(job.run_dir), sequential[name])
     assert {p.name for p in (tmp_path / "plan" / "logs").iterdir()} == {f"{j.hash}.log" for j in plan.jobs}
 
 
 def test_a_failed_run_is_named_with_its_log(tmp_path):
     from dml_nb.reproduction.launch import SweepFailed
+
     plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
-    plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")   # dml-train refuses it
-    with pytest.raises(SweepFailed) as e: launch(plan, "local", workers=1, progress=False)
+    plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")  # dml-train refuses it
+    with pytest.raises(SweepFailed) as e:
+        launch(plan, "local", workers=1, progress=False)
     (f,) = e.value.failures
     assert f.job is plan.jobs[0] and f.error == "dml-train exit status 2" and "epochs" in f.log.read_text()
     assert str(f.log) in str(e.value) and plan.jobs[0].uses[0] in str(e.value)
@@ -78,9 +91,13 @@ def test_a_failed_run_is_named_with_its_log(tmp_path):
 def test_a_failed_launch_exits_non_zero_naming_runs_and_logs(tmp_path, capsys):
     plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
     plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")
-    assert reproduce_main(["--launch", "local", "--from-plan", str(tmp_path / "plan" / "plan.json"), "--no-collect"]) == 1
+    assert (
+        reproduce_main(["--launch", "local", "--from-plan", str(tmp_path / "plan" / "plan.json"), "--no-collect"]) == 1
+    )
     err = capsys.readouterr().err
-    assert "these runs failed" in err and str(plan.jobs[0].log_file(plan.plan_dir)) in err and plan.jobs[0].uses[0] in err
+    assert (
+        "these runs failed" in err and str(plan.jobs[0].log_file(plan.plan_dir)) in err and plan.jobs[0].uses[0] in err
+    )
 
 
 def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
@@ -92,12 +109,18 @@ def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
     first = Path(plan.jobs[0].run_dir)
     try:
         deadline = time.time() + 120
-        while not (first / "checkpoint.pt").exists() and time.time() < deadline and sweep.poll() is None: time.sleep(0.02)
-        os.killpg(sweep.pid, signal.SIGKILL)   # the launcher and its dml-train worker, mid-run
-    finally: sweep.wait()
-    assert (first / "checkpoint.pt").exists() and not (first / "done").exists(), "the kill must land inside the first run"
+        while not (first / "checkpoint.pt").exists() and time.time() < deadline and sweep.poll() is None:
+            time.sleep(0.02)
+        os.killpg(sweep.pid, signal.SIGKILL)  # the launcher and its dml-train worker, mid-run
+    finally:
+        sweep.wait()
+    assert (first / "checkpoint.pt").exists() and not (first / "done").exists(), (
+        "the kill must land inside the first run"
+    )
     assert len(plan.pending()) == 2
-    launch(plan, "local", workers=2, progress=False)   # relaunch on 1 thread each: the first run resumes on its 2, the second starts on 1
+    launch(
+        plan, "local", workers=2, progress=False
+    )  # relaunch on 1 thread each: the first run resumes on its 2, the second starts on 1
     assert plan.pending() == []
     for job, raw, threads in zip(plan.jobs, configs.values(), (2, RUN_THREADS)):
         fresh = run(raw, runs_dir=tmp_path / f"sequential{threads}", progress=False, threads=threads).run_dir
@@ -110,25 +133,52 @@ def test_readme_cluster_workflow_on_the_local_launcher(tmp_path, monkeypatch):
     and a second machine given that folder plans no run again but the ones whose embeddings the figure reads."""
     monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
     nb = "repro_dnc_fig8"
-    runs = output_dirs()[1].parent / f"sweep-{uuid.uuid4().hex[:8]}"   # under pytest the notebooks keep to the smoke folder
+    runs = (
+        output_dirs()[1].parent / f"sweep-{uuid.uuid4().hex[:8]}"
+    )  # under pytest the notebooks keep to the smoke folder
     plan_json = tmp_path / "plan.json"
-    assert reproduce_main([nb, "--plan", "--runs-dir", str(runs), "--plan-dir", str(tmp_path / "plan"), "--json", str(plan_json)]) == 0
+    assert (
+        reproduce_main(
+            [nb, "--plan", "--runs-dir", str(runs), "--plan-dir", str(tmp_path / "plan"), "--json", str(plan_json)]
+        )
+        == 0
+    )
     plan = Plan.load(plan_json)
     assert plan.jobs and all(j.status == "pending" for j in plan.jobs)
     assert not runs.exists() or not any(runs.iterdir()), "planning trains nothing"
-    assert reproduce_main([nb, "--launch", "local", "--workers", "2", "--from-plan", str(plan_json), "--no-collect"]) == 0
+    assert (
+        reproduce_main([nb, "--launch", "local", "--workers", "2", "--from-plan", str(plan_json), "--no-collect"]) == 0
+    )
     assert reproduce_main([nb, "--collect-only", "--runs-dir", str(runs)]) == 0
     assert {p for p in runs.iterdir() if p.is_dir()} == {Path(j.run_dir) for j in plan.jobs}
     assert all((Path(j.run_dir) / "done").exists() for j in plan.jobs)
-    saved = tmp_path / "results"   # every run, without checkpoint or embeddings
+    saved = tmp_path / "results"  # every run, without checkpoint or embeddings
     assert {p.name for p in saved.iterdir()} == {Path(j.run_dir).name for j in plan.jobs}
-    assert all(sorted(f.name for f in p.iterdir()) == ["config.yaml", "done", "history.csv", "metrics.json"] for p in saved.iterdir())
-    runs2 = runs.with_name(runs.name + "-second")   # the second machine's empty run cache
-    assert reproduce_main([nb, "--plan", "--runs-dir", str(runs2), "--plan-dir", str(tmp_path / "plan2"),
-                           "--json", str(tmp_path / "plan2.json")]) == 0
+    assert all(
+        sorted(f.name for f in p.iterdir()) == ["config.yaml", "done", "history.csv", "metrics.json"]
+        for p in saved.iterdir()
+    )
+    runs2 = runs.with_name(runs.name + "-second")  # the second machine's empty run cache
+    assert (
+        reproduce_main(
+            [
+                nb,
+                "--plan",
+                "--runs-dir",
+                str(runs2),
+                "--plan-dir",
+                str(tmp_path / "plan2"),
+                "--json",
+                str(tmp_path / "plan2.json"),
+            ]
+        )
+        == 0
+    )
     plan2 = Plan.load(tmp_path / "plan2.json")
     assert {Path(j.run_dir).name for j in plan2.jobs} == {Path(j.run_dir).name for j in plan.jobs}
-    assert all(j.rebuild and j.status.startswith("pending (restored") for j in plan2.jobs), [j.status for j in plan2.jobs]
+    assert all(j.rebuild and j.status.startswith("pending (restored") for j in plan2.jobs), [
+        j.status for j in plan2.jobs
+    ]
     assert not any((Path(j.run_dir) / "checkpoint.pt").exists() for j in plan2.jobs), "planning trains nothing"
 
 
@@ -139,12 +189,15 @@ def test_a_restored_run_a_figure_needs_is_planned_and_trained_again(tmp_path, se
     (run_dir,) = restore_results(tmp_path / "results", tmp_path / "runs")
     assert run_dir.name == sequential[name].name and restored(run_dir)
     assert plan_configs({name: _configs()[name]}, tmp_path / "p0", tmp_path / "runs").pending() == []
-    records = tmp_path / "records.jsonl"; records.touch()   # as `run_rows` reads it in a notebook that `plan_notebook` executes
+    records = tmp_path / "records.jsonl"
+    records.touch()  # as `run_rows` reads it in a notebook that `plan_notebook` executes
     read = SweepResult(**vars(load_result(run_dir)), mode=SweepMode(plan=records))
-    with pytest.raises(PlanStop, match="trained again"): read.embeddings()
-    with pytest.raises(MissingRunsError, match="restored from a results folder"):   # collect-only: named, not trained
+    with pytest.raises(PlanStop, match="trained again"):
+        read.embeddings()
+    with pytest.raises(MissingRunsError, match="restored from a results folder"):  # collect-only: named, not trained
         SweepResult(**vars(load_result(run_dir)), mode=SweepMode(collect=True)).embeddings()
-    jobs = {}; _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], "nb", tmp_path / "plan")
+    jobs = {}
+    _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], "nb", tmp_path / "plan")
     plan = Plan(tmp_path / "plan", list(jobs.values()), ["nb"])
     assert [j.status for j in plan.jobs] == ["pending (restored without embeddings or weights: trained again)"]
     launch(plan, "local", workers=1, progress=False)
@@ -156,39 +209,53 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
     "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/66_sweep.ipynb."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
     from dml_nb.reproduction.launch import slurm_executor
+
     plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
     ex = slurm_executor(tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus=0, cpus=1, cluster="local")
-    launch(plan, "slurm", executor=ex, progress=False)   # the default count: RUN_THREADS, as the sequential path
-    for job, name in zip(plan.jobs, _configs()): _same_runs(Path(job.run_dir), sequential[name])
+    launch(plan, "slurm", executor=ex, progress=False)  # the default count: RUN_THREADS, as the sequential path
+    for job, name in zip(plan.jobs, _configs()):
+        _same_runs(Path(job.run_dir), sequential[name])
 
 
 def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
     "No GPU here: the commands and environments the multi_gpu launcher starts are recorded by a stand-in for Popen."
     import dml_nb.reproduction.launch as S
+
     started, busy = [], set()
+
     class FakeProcess:
         def __init__(self, cmd, env, stdout, stderr):
             gpu = env["CUDA_VISIBLE_DEVICES"]
             assert gpu not in busy, "two processes on one GPU"
-            busy.add(gpu); started.append((cmd, gpu, env["OMP_NUM_THREADS"])); self.cmd, self.gpu, self.polls = cmd, gpu, 0
+            busy.add(gpu)
+            started.append((cmd, gpu, env["OMP_NUM_THREADS"]))
+            self.cmd, self.gpu, self.polls = cmd, gpu, 0
             self.returncode = None
+
         def poll(self):
             self.polls += 1
-            if self.polls < 2: return None
-            run_dir = Path(self.cmd[self.cmd.index("-o") + 1]); run_dir.mkdir(parents=True); (run_dir / "done").write_text("")
-            busy.discard(self.gpu); self.returncode = 0
+            if self.polls < 2:
+                return None
+            run_dir = Path(self.cmd[self.cmd.index("-o") + 1])
+            run_dir.mkdir(parents=True)
+            (run_dir / "done").write_text("")
+            busy.discard(self.gpu)
+            self.returncode = 0
             return 0
+
     monkeypatch.setattr(S.subprocess, "Popen", FakeProcess)
     configs = _configs(seeds=(0, 1, 2))
     plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
     launch(plan, "multi_gpu", gpus=["0", "3"], threads=4, progress=False)
-    assert [c[3:] for c, _, _ in started] == [j.command(plan.plan_dir)[1:] for j in plan.jobs]   # dml-train's arguments, in plan order
+    assert [c[3:] for c, _, _ in started] == [
+        j.command(plan.plan_dir)[1:] for j in plan.jobs
+    ]  # dml-train's arguments, in plan order
     assert all(c[:3] == [sys.executable, "-c", S._DML_TRAIN] for c, _, _ in started)
     assert [g for _, g, _ in started[:2]] == ["0", "3"] and {g for _, g, _ in started} == {"0", "3"}
     assert {t for _, _, t in started} == {"4"} and len(started) == 6
     started.clear()
     plan = plan_configs(_configs(seeds=(7,)), tmp_path / "plan2", tmp_path / "runs")
-    plan.jobs[0].unavailable = "needs weights not on disk"   # as the plan found it: left out here, not a failure
+    plan.jobs[0].unavailable = "needs weights not on disk"  # as the plan found it: left out here, not a failure
     launch(plan, "multi_gpu", gpus=["0"], progress=False)
     assert [c[c.index("-o") + 1] for c, _, _ in started] == [plan.jobs[1].run_dir]
 
@@ -197,11 +264,24 @@ def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypa
     "The sbatch header submitit writes for the launcher's options (a stand-in `srun` on PATH: submitit looks for it)."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
     from dml_nb.reproduction.launch import slurm_executor
-    (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n"); (tmp_path / "srun").chmod(0o755)
+
+    (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    ex = slurm_executor(tmp_path / "slurm", partition="gpu", time_min=720, gpus=2, mem_gb=64, cpus=10, parallel=4, cluster="slurm")
-    text = ex._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")   # submitit's own sbatch file
-    for line in ("--partition=gpu", "--time=720", "--gpus-per-node=2", "--mem=64GB", "--cpus-per-task=10", "--job-name=dml-train"):
+    ex = slurm_executor(
+        tmp_path / "slurm", partition="gpu", time_min=720, gpus=2, mem_gb=64, cpus=10, parallel=4, cluster="slurm"
+    )
+    text = ex._executor._make_submission_file_text(
+        "python -u -m submitit.core._submit x", "uid"
+    )  # submitit's own sbatch file
+    for line in (
+        "--partition=gpu",
+        "--time=720",
+        "--gpus-per-node=2",
+        "--mem=64GB",
+        "--cpus-per-task=10",
+        "--job-name=dml-train",
+    ):
         assert f"#SBATCH {line}\n" in text, line
     assert ex._executor.parameters["array_parallelism"] == 4
 
@@ -225,26 +305,42 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
     from dml_nb.reproduction.repro import Row, run_rows
     from dml_nb.training.config import make_config
     from dml_nb.training.learner import Learner
+
     why = "1 of 2 clusters cannot form a batch with negatives"
     calls = []
-    def fit(self): calls.append(1); raise ClusterError(why)
+
+    def fit(self):
+        calls.append(1)
+        raise ClusterError(why)
+
     monkeypatch.setattr(Learner, "fit", fit)
     monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
     name, raw = next(iter(_configs().items()))
     run_dir = run_dir_for(make_config(raw), tmp_path / "runs")
-    with pytest.raises(ClusterError): run(raw, runs_dir=tmp_path / "runs", progress=False)
+    with pytest.raises(ClusterError):
+        run(raw, runs_dir=tmp_path / "runs", progress=False)
     assert stopped_record(run_dir)["message"] == why and calls == [1]
-    with pytest.raises(RunStopped, match=why): run(raw, runs_dir=tmp_path / "runs", progress=False)
+    with pytest.raises(RunStopped, match=why):
+        run(raw, runs_dir=tmp_path / "runs", progress=False)
     assert calls == [1], "not trained again"
     plan = plan_configs({name: raw}, tmp_path / "plan", tmp_path / "runs")
     assert [j.status for j in plan.jobs] == ["stopped"] and plan.pending() == []
     assert launch(plan, "local", workers=1, progress=False) == []
-    assert sorted(p.name for p in (tmp_path / "results" / run_dir.name).iterdir()) == ["config.yaml", "stopped"]   # fit stopped at once: no history
-    (moved,) = restore_results(tmp_path / "results", tmp_path / "second")   # another machine: settled there too
-    with pytest.raises(RunStopped, match=why): run(raw, runs_dir=tmp_path / "second", progress=False)
+    assert sorted(p.name for p in (tmp_path / "results" / run_dir.name).iterdir()) == [
+        "config.yaml",
+        "stopped",
+    ]  # fit stopped at once: no history
+    (moved,) = restore_results(tmp_path / "results", tmp_path / "second")  # another machine: settled there too
+    with pytest.raises(RunStopped, match=why):
+        run(raw, runs_dir=tmp_path / "second", progress=False)
     assert calls == [1]
-    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)   # run_rows on this exact config
+    monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)  # run_rows on this exact config
     monkeypatch.setattr("dml_nb.reproduction.repro.smoke", lambda raw, **kw: raw)
-    per_seed, results = run_rows([Row("dim 16", {"name": "baseline", "embedding_dim": 16})], raw, seeds=[raw["seed"]],
-                                 runs_dir=tmp_path / "second", progress=False)
+    per_seed, results = run_rows(
+        [Row("dim 16", {"name": "baseline", "embedding_dim": 16})],
+        raw,
+        seeds=[raw["seed"]],
+        runs_dir=tmp_path / "second",
+        progress=False,
+    )
     assert results == {} and per_seed["status"].tolist() == [f"stopped: {why}"]

@@ -18,16 +18,32 @@ __all__ = ['Decorrelation']
 # %% ../../nbs/27_decorrelation.ipynb #7f51e5ea
 class Decorrelation(nn.Module):
     "Adversarial decorrelation -weight * r(R(source), R(target)) with a learned projector psi from source to target."
+
     param_lr: float = 1e-5
     param_weight_decay: float = 0.0
 
-    def __init__(self, source_dim: int, target_dim: int, weight: float = 1.0, hidden_dim: int = 512,
-                 param_lr: float = 1e-5, param_weight_decay: float = 0.0):
+    def __init__(
+        self,
+        source_dim: int,
+        target_dim: int,
+        weight: float = 1.0,
+        hidden_dim: int = 512,
+        param_lr: float = 1e-5,
+        param_weight_decay: float = 0.0,
+    ):
         super().__init__()
         if min(source_dim, target_dim, hidden_dim) < 1:
-            raise ValueError(f"source_dim, target_dim and hidden_dim must be positive, got {source_dim}, {target_dim}, {hidden_dim}")
-        if not param_weight_decay >= 0: raise ValueError(f"param_weight_decay must be >= 0, got {param_weight_decay}")
-        self.source_dim, self.target_dim, self.weight, self.param_lr = source_dim, target_dim, float(weight), float(param_lr)
+            raise ValueError(
+                f"source_dim, target_dim and hidden_dim must be positive, got {source_dim}, {target_dim}, {hidden_dim}"
+            )
+        if not param_weight_decay >= 0:
+            raise ValueError(f"param_weight_decay must be >= 0, got {param_weight_decay}")
+        self.source_dim, self.target_dim, self.weight, self.param_lr = (
+            source_dim,
+            target_dim,
+            float(weight),
+            float(param_lr),
+        )
         self.param_weight_decay = float(param_weight_decay)
         self.psi = nn.Sequential(nn.Linear(source_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, target_dim))
 
@@ -37,10 +53,14 @@ class Decorrelation(nn.Module):
         return (F.normalize(target, dim=1) * pred).pow(2).mean()
 
     def forward(self, source: Tensor, target: Tensor) -> Tensor:
-        check_batch(source, None, "Decorrelation", name="source"); check_batch(target, None, "Decorrelation", name="target")
+        check_batch(source, None, "Decorrelation", name="source")
+        check_batch(target, None, "Decorrelation", name="target")
         if source.shape[1] != self.source_dim or target.shape[1] != self.target_dim or len(source) != len(target):
-            raise ValueError(f"Decorrelation({self.source_dim} -> {self.target_dim}) needs source (B, {self.source_dim}) "
-                             f"and target (B, {self.target_dim}) of the same images, got {tuple(source.shape)} and "
-                             f"{tuple(target.shape)}")
-        if len(source) == 0: return zero_loss(source, target, *self.parameters())
+            raise ValueError(
+                f"Decorrelation({self.source_dim} -> {self.target_dim}) needs source (B, {self.source_dim}) "
+                f"and target (B, {self.target_dim}) of the same images, got {tuple(source.shape)} and "
+                f"{tuple(target.shape)}"
+            )
+        if len(source) == 0:
+            return zero_loss(source, target, *self.parameters())
         return -self.weight * self.correlation(grad_reverse(source), grad_reverse(target))

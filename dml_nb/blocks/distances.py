@@ -19,76 +19,113 @@ __all__ = ['DISTANCES', 'pairwise_distance', 'Distance', 'EuclideanDistance', 'D
 def pairwise_distance(x: Tensor, y: Tensor | None = None, eps: float = 1e-8) -> Tensor:
     "Euclidean distances between the rows of `x` and of `y` (default `x`); safe gradient at distance 0."
     if x.dim() != 2 or (y is not None and (y.dim() != 2 or y.shape[1] != x.shape[1])):
-        raise ValueError(f"pairwise_distance expects 2-d inputs with the same number of columns, got "
-                         f"{tuple(x.shape)} and {None if y is None else tuple(y.shape)}")
+        raise ValueError(
+            f"pairwise_distance expects 2-d inputs with the same number of columns, got "
+            f"{tuple(x.shape)} and {None if y is None else tuple(y.shape)}"
+        )
     same = y is None
     y = x if same else y
     sq = (x * x).sum(1, keepdim=True) + (y * y).sum(1)[None] - 2 * x @ y.T
     keep = sq > eps
-    if same: keep = keep & ~torch.eye(len(x), dtype=torch.bool, device=x.device)
+    if same:
+        keep = keep & ~torch.eye(len(x), dtype=torch.bool, device=x.device)
     return torch.where(keep, sq, torch.ones_like(sq)).sqrt() * keep
 
 # %% ../../nbs/20_distances.ipynb #edfbb965
 class Distance:
     "Base class: pairwise (dis)similarities of embedding rows; `is_inverted`: larger values are closer."
+
     is_inverted: bool = False
 
-    def __init__(self, normalize: bool = True): self.normalize = bool(normalize)
+    def __init__(self, normalize: bool = True):
+        self.normalize = bool(normalize)
+
     def embed(self, x: Tensor) -> Tensor:
         "The rows as this distance reads them: L2-normalised when `normalize`."
         return F.normalize(x, dim=1) if self.normalize else x
-    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor: raise NotImplementedError
-    def rowwise(self, x: Tensor, y: Tensor) -> Tensor: raise NotImplementedError
+
+    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def rowwise(self, x: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def __call__(self, x: Tensor, y: Tensor | None = None) -> Tensor:
         "The matrix of `x` against `y` (default `x`), both embedded first."
         return self.matrix(self.embed(x), None if y is None else self.embed(y))
+
     def margin(self, ap: Tensor, an: Tensor) -> Tensor:
         "How far the pair meant to be closer (`ap`) falls short of the other (`an`): > 0 is a violation."
         return an - ap if self.is_inverted else ap - an
+
     def as_similarity(self, values: Tensor) -> Tensor:
         "`values` with larger meaning closer (a distance is negated)."
         return values if self.is_inverted else -values
+
     def as_dissimilarity(self, values: Tensor) -> Tensor:
         "`values` with smaller meaning closer (a similarity is negated)."
         return -values if self.is_inverted else values
+
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 # %% ../../nbs/20_distances.ipynb #e23d002b
 class EuclideanDistance(Distance):
     "$\\lVert x - y \\rVert$ (with `squared=True` its square) between L2-normalised rows (raw with `normalize=False`)."
+
     def __init__(self, squared: bool = False, normalize: bool = True):
-        super().__init__(normalize); self.squared = bool(squared)
+        super().__init__(normalize)
+        self.squared = bool(squared)
 
     def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
-        if not self.squared: return pairwise_distance(x, y)
+        if not self.squared:
+            return pairwise_distance(x, y)
         y = x if y is None else y
-        if self.normalize: return (2 - 2 * x @ y.T).clamp_min(0)           # unit rows: |x - y|^2 = 2 - 2 x.y
+        if self.normalize:
+            return (2 - 2 * x @ y.T).clamp_min(0)  # unit rows: |x - y|^2 = 2 - 2 x.y
         return ((x * x).sum(1, keepdim=True) + (y * y).sum(1)[None] - 2 * x @ y.T).clamp_min(0)
 
     def rowwise(self, x: Tensor, y: Tensor) -> Tensor:
         sq = (x - y).pow(2).sum(1)
         return sq if self.squared else (sq + 1e-8).sqrt()
 
+
 class DotProductSimilarity(Distance):
     "$x^\\top y$ of the raw rows (L2-normalised with `normalize=True`); larger is closer."
+
     is_inverted = True
-    def __init__(self, normalize: bool = False): super().__init__(normalize)
-    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor: return x @ (x if y is None else y).T
-    def rowwise(self, x: Tensor, y: Tensor) -> Tensor: return (x * y).sum(1)
+
+    def __init__(self, normalize: bool = False):
+        super().__init__(normalize)
+
+    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        return x @ (x if y is None else y).T
+
+    def rowwise(self, x: Tensor, y: Tensor) -> Tensor:
+        return (x * y).sum(1)
+
 
 class CosineSimilarity(DotProductSimilarity):
     "The cosine of the angle between rows: the dot product of L2-normalised rows."
-    def __init__(self): super().__init__(normalize=True)
+
+    def __init__(self):
+        super().__init__(normalize=True)
 
 # %% ../../nbs/20_distances.ipynb #e0521eb7
-DISTANCES = {"euclidean": EuclideanDistance, "squared_euclidean": lambda: EuclideanDistance(squared=True),
-             "cosine": CosineSimilarity, "dot": DotProductSimilarity}
+DISTANCES = {
+    "euclidean": EuclideanDistance,
+    "squared_euclidean": lambda: EuclideanDistance(squared=True),
+    "cosine": CosineSimilarity,
+    "dot": DotProductSimilarity,
+}
+
 
 def as_distance(distance: str | Distance) -> Distance:
     "A `Distance` from an object or one of the names in `DISTANCES`."
-    if isinstance(distance, Distance): return distance
+    if isinstance(distance, Distance):
+        return distance
     if isinstance(distance, str):
-        if distance not in DISTANCES: raise unknown_name_error("distance", distance, DISTANCES)
+        if distance not in DISTANCES:
+            raise unknown_name_error("distance", distance, DISTANCES)
         return DISTANCES[distance]()
     raise TypeError(f"distance must be a Distance or one of {sorted(DISTANCES)}, got {type(distance).__name__}")

@@ -20,6 +20,7 @@ __all__ = ['SLICED_INITS', 'FULL_EMBEDDINGS', 'TRAIN_SPLITS', 'EmbeddingHead', '
 # %% ../../nbs/26_heads.ipynb #1f7339da
 class EmbeddingHead(nn.Module):
     "Linear layer `in_dim -> dim`, then L2 normalisation (unless `normalize=False`); optional input dropout."
+
     def __init__(self, in_dim: int, dim: int = 128, normalize: bool = True, dropout: float = 0.0):
         super().__init__()
         self.in_dim, self.dim, self.normalize = in_dim, dim, normalize
@@ -29,31 +30,41 @@ class EmbeddingHead(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         z = self.linear(self.dropout(features))
         return F.normalize(z, dim=-1) if self.normalize else z
+
     embed = forward
 
-    def reset_parameters(self): self.linear.reset_parameters()
+    def reset_parameters(self):
+        self.linear.reset_parameters()
 
 # %% ../../nbs/26_heads.ipynb #41b132fa
 class MultiHead(nn.Module):
     "Named `EmbeddingHead`s on one shared feature; `forward` → dict name → embedding, `embed` → re-normalised concatenation."
+
     def __init__(self, in_dim: int, dims: Mapping[str, int], normalize: bool = True, dropout: float = 0.0):
         super().__init__()
-        if not dims: raise ValueError("MultiHead needs at least one head, e.g. dims={'discriminative': 128}")
+        if not dims:
+            raise ValueError("MultiHead needs at least one head, e.g. dims={'discriminative': 128}")
         self.in_dim, self.dims = in_dim, dict(dims)
         self.heads = nn.ModuleDict({n: EmbeddingHead(in_dim, d, normalize, dropout) for n, d in self.dims.items()})
 
     @property
-    def names(self) -> list[str]: return list(self.heads)
+    def names(self) -> list[str]:
+        return list(self.heads)
+
     @property
-    def dim(self) -> int: return sum(self.dims.values())
+    def dim(self) -> int:
+        return sum(self.dims.values())
 
     def _check(self, names):
         for n in names:
-            if n not in self.heads: raise unknown_name_error("head", n, self.heads)
+            if n not in self.heads:
+                raise unknown_name_error("head", n, self.heads)
 
     def forward(self, features: torch.Tensor, name: str | None = None):
         "All heads as a dict, or only head `name` as a tensor."
-        if name is not None: self._check([name]); return self.heads[name](features)
+        if name is not None:
+            self._check([name])
+            return self.heads[name](features)
         return {n: h(features) for n, h in self.heads.items()}
 
     def embed(self, features: torch.Tensor, names: list[str] | None = None) -> torch.Tensor:
@@ -63,58 +74,82 @@ class MultiHead(nn.Module):
         return F.normalize(torch.cat([self.heads[n](features) for n in names], dim=-1), dim=-1)
 
     def reset_parameters(self, names: list[str] | None = None):
-        for n in (self.names if names is None else names): self._check([n]); self.heads[n].reset_parameters()
+        for n in self.names if names is None else names:
+            self._check([n])
+            self.heads[n].reset_parameters()
 
 # %% ../../nbs/26_heads.ipynb #3cf3a952
 SLICED_INITS, FULL_EMBEDDINGS, TRAIN_SPLITS = ("xavier", "default"), ("slices", "raw"), ("ceil", "floor")
 
+
 def slice_bounds(dim: int, num_slices: int) -> list[tuple[int, int]]:
     "Learner slices `[(start, stop), ...]` of `dim` dims: ceil(dim / num_slices) each, the last one what remains."
-    if num_slices < 1: raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got {num_slices}")
     size = -(-dim // num_slices)
     bounds = [(k * size, min((k + 1) * size, dim)) for k in range(num_slices)]
     empty = [k for k, (a, b) in enumerate(bounds) if b <= a]
     if empty:
         ok = max(k for k in range(1, num_slices + 1) if (k - 1) * -(-dim // k) < dim)
-        raise ValueError(f"dim={dim} in slices of ceil({dim}/{num_slices}) = {size} leaves learner(s) {empty} without "
-                         f"dimensions: use at most {ok} learners for dim={dim}, or a larger dim")
+        raise ValueError(
+            f"dim={dim} in slices of ceil({dim}/{num_slices}) = {size} leaves learner(s) {empty} without "
+            f"dimensions: use at most {ok} learners for dim={dim}, or a larger dim"
+        )
     return bounds
 
 # %% ../../nbs/26_heads.ipynb #e384a3eb
 class SlicedHead(nn.Module):
     "One linear layer of total `dim` split into `num_slices` contiguous learners, each normalised on its own."
-    def __init__(self, in_dim: int, dim: int = 128, num_slices: int = 4, normalize: bool = True,
-                 full_embedding: str = "slices", init: str = "xavier", train_split: str = "ceil"):
+
+    def __init__(
+        self,
+        in_dim: int,
+        dim: int = 128,
+        num_slices: int = 4,
+        normalize: bool = True,
+        full_embedding: str = "slices",
+        init: str = "xavier",
+        train_split: str = "ceil",
+    ):
         super().__init__()
-        for name, v, valid in (("full_embedding", full_embedding, FULL_EMBEDDINGS), ("init", init, SLICED_INITS),
-                               ("train_split", train_split, TRAIN_SPLITS)):
-            if v not in valid: raise unknown_name_error(f"SlicedHead {name}", v, valid)
+        for name, v, valid in (
+            ("full_embedding", full_embedding, FULL_EMBEDDINGS),
+            ("init", init, SLICED_INITS),
+            ("train_split", train_split, TRAIN_SPLITS),
+        ):
+            if v not in valid:
+                raise unknown_name_error(f"SlicedHead {name}", v, valid)
         self.bounds = slice_bounds(dim, num_slices)
         self.in_dim, self.dim, self.num_slices, self.normalize = in_dim, dim, num_slices, normalize
         self.full_embedding, self.init, self.train_split = full_embedding, init, train_split
         self.slice_dims = [b - a for a, b in self.bounds]
         self.equal = len(set(self.slice_dims)) == 1
-        self.linear = nn.Linear(in_dim, dim)            # torch's Linear init ...
-        if init == "xavier": self._xavier()             # ... then, like lib/model.py's init_splitted, per slice
+        self.linear = nn.Linear(in_dim, dim)  # torch's Linear init ...
+        if init == "xavier":
+            self._xavier()  # ... then, like lib/model.py's init_splitted, per slice
 
     def _xavier(self):
         with torch.no_grad():
-            for a, b in self.bounds: self.linear.weight[a:b] = nn.init.xavier_normal_(torch.empty(b - a, self.in_dim))
+            for a, b in self.bounds:
+                self.linear.weight[a:b] = nn.init.xavier_normal_(torch.empty(b - a, self.in_dim))
 
     def reset_parameters(self):
         "torch's Linear init; with `init='xavier'` each slice's rows then xavier-normal (fan-out = the slice)."
         self.linear.reset_parameters()
-        if self.init == "xavier": self._xavier()
+        if self.init == "xavier":
+            self._xavier()
 
     def unit_slices(self, z: torch.Tensor) -> torch.Tensor:
         "The concatenation of every slice of `z` normalised on its own (norm sqrt(K))."
-        if self.equal: return F.normalize(z.unflatten(-1, (self.num_slices, self.slice_dims[0])), dim=-1).flatten(-2)
+        if self.equal:
+            return F.normalize(z.unflatten(-1, (self.num_slices, self.slice_dims[0])), dim=-1).flatten(-2)
         return torch.cat([F.normalize(z[..., a:b], dim=-1) for a, b in self.bounds], dim=-1)
 
     def full(self, z: torch.Tensor) -> torch.Tensor:
         "The full embedding of the layer's output `z`: normalised unit slices ('slices') or normalised `z` ('raw')."
-        if not self.normalize: return z
-        slices = self.full_embedding == "slices" and self.num_slices > 1     # one slice: the same vector
+        if not self.normalize:
+            return z
+        slices = self.full_embedding == "slices" and self.num_slices > 1  # one slice: the same vector
         return F.normalize(self.unit_slices(z) if slices else z, dim=-1)
 
     def learner_dim(self, k: int) -> int:
@@ -124,43 +159,54 @@ class SlicedHead(nn.Module):
     def forward(self, features: torch.Tensor, slice: int | None = None) -> torch.Tensor:
         "The full embedding, or what learner `slice` trains on: its own normalised slice (B, learner_dim(slice))."
         z = self.linear(features)
-        if slice is None: return self.full(z)
+        if slice is None:
+            return self.full(z)
         k = int(slice)
         if not 0 <= k < self.num_slices:
             raise IndexError(f"slice {slice} out of range: this head has learners 0..{self.num_slices - 1}")
-        if self.train_split == "floor" and not self.equal:   # train.py: chunk k of the slice-normalised output
+        if self.train_split == "floor" and not self.equal:  # train.py: chunk k of the slice-normalised output
             s = self.dim // self.num_slices
             u = self.unit_slices(z) if self.normalize else z
-            return self._norm(u[:, k * s:(k + 1) * s])
+            return self._norm(u[:, k * s : (k + 1) * s])
         a, b = self.bounds[k]
         return self._norm(z[:, a:b])
 
-    def _norm(self, z): return F.normalize(z, dim=-1) if self.normalize else z
+    def _norm(self, z):
+        return F.normalize(z, dim=-1) if self.normalize else z
 
     def all_slices(self, features: torch.Tensor) -> torch.Tensor:
         "Every learner's normalised slice at once: (B, num_slices, dim / num_slices); equal slices only."
-        if not self.equal: raise ValueError(f"all_slices needs equal slices; these are {self.slice_dims}")
+        if not self.equal:
+            raise ValueError(f"all_slices needs equal slices; these are {self.slice_dims}")
         return self._norm(self.linear(features).unflatten(-1, (self.num_slices, self.slice_dims[0])))
 
-    def embed(self, features: torch.Tensor) -> torch.Tensor: return self.forward(features)
+    def embed(self, features: torch.Tensor) -> torch.Tensor:
+        return self.forward(features)
 
 # %% ../../nbs/26_heads.ipynb #78e2208f
 class EmbeddingModel(nn.Module):
     "A backbone and a head; `forward` returns what the head returns, optionally with the backbone features."
+
     def __init__(self, backbone: nn.Module, head: nn.Module | None = None):
         super().__init__()
         self.backbone, self.head = backbone, head
         in_dim = getattr(head, "in_dim", None)
         if head is not None and in_dim is not None and in_dim != getattr(backbone, "feature_dim", in_dim):
-            raise ValueError(f"head expects {in_dim}-d input but the backbone gives {backbone.feature_dim}-d "
-                             f"features; build the head with in_dim={backbone.feature_dim}")
+            raise ValueError(
+                f"head expects {in_dim}-d input but the backbone gives {backbone.feature_dim}-d "
+                f"features; build the head with in_dim={backbone.feature_dim}"
+            )
 
     @property
-    def feature_dim(self) -> int: return self.backbone.feature_dim
-    @property
-    def preprocessing(self) -> Preprocessing: return self.backbone.preprocessing
+    def feature_dim(self) -> int:
+        return self.backbone.feature_dim
 
-    def features(self, x: torch.Tensor) -> torch.Tensor: return self.backbone(x)
+    @property
+    def preprocessing(self) -> Preprocessing:
+        return self.backbone.preprocessing
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
 
     def forward(self, x: torch.Tensor, return_features: bool = False, **head_options):
         f = self.backbone(x)
@@ -175,6 +221,7 @@ class EmbeddingModel(nn.Module):
 # %% ../../nbs/26_heads.ipynb #a13cd7e8
 class GradientReversal(torch.autograd.Function):
     "Identity forward; gradient multiplied by `-scale` backward. Use `GradientReversal.apply(x, scale)`."
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float = 1.0):
         ctx.scale = float(scale)
@@ -183,6 +230,7 @@ class GradientReversal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return -ctx.scale * grad_output, None
+
 
 def grad_reverse(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     "Gradient reversal layer: `x` forward, `-scale * grad` backward."

@@ -23,21 +23,28 @@ __all__ = ['zero_loss', 'all_triplets', 'as_triplets', 'as_pairs', 'pair_masks',
 def zero_loss(*tensors: Tensor) -> Tensor:
     "A zero loss that still has a gradient path to each of `tensors` (its gradients are exactly 0)."
     total = tensors[0].sum()
-    for t in tensors[1:]: total = total + t.sum()
+    for t in tensors[1:]:
+        total = total + t.sum()
     return total * 0.0
+
 
 def all_triplets(labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     "Every (anchor, positive, negative) of the batch."
     a, p, n = (positive_mask(labels)[:, :, None] & negative_mask(labels)[:, None, :]).nonzero(as_tuple=True)
     return a, p, n
 
+
 def as_triplets(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Tensor, Tensor]:
     "Triplets from `tuples` (None: all valid triplets of the batch)."
-    if tuples is None: return all_triplets(labels)
+    if tuples is None:
+        return all_triplets(labels)
     if len(tuples) != 3:
-        raise ValueError(f"{who} needs triplets (a, p, n) but got {len(tuples)} index tensors; "
-                         "pair it with a triplet miner (e.g. 'semihard', 'distance_weighted') or pass tuples=None")
+        raise ValueError(
+            f"{who} needs triplets (a, p, n) but got {len(tuples)} index tensors; "
+            "pair it with a triplet miner (e.g. 'semihard', 'distance_weighted') or pass tuples=None"
+        )
     return tuple(torch.as_tensor(t, device=labels.device).long() for t in tuples)
+
 
 def as_pairs(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     "Pairs `(a1, p, a2, n)` from `tuples` (None: all pairs; triplets: their (a, p) and (a, n) pairs)."
@@ -46,26 +53,36 @@ def as_pairs(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Te
         a2, n = negative_mask(labels).nonzero(as_tuple=True)
         return a1, p, a2, n
     tuples = tuple(torch.as_tensor(t, device=None if labels is None else labels.device).long() for t in tuples)
-    if len(tuples) == 3: return tuples[0], tuples[1], tuples[0], tuples[2]
-    if len(tuples) == 4: return tuples
+    if len(tuples) == 3:
+        return tuples[0], tuples[1], tuples[0], tuples[2]
+    if len(tuples) == 4:
+        return tuples
     raise ValueError(f"{who} needs pairs (a1, p, a2, n) or triplets (a, p, n); got {len(tuples)} index tensors")
+
 
 def pair_masks(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Tensor]:
     "Boolean (N, N) masks of the positive and negative pairs in `tuples` (None: all pairs)."
-    if tuples is None: return positive_mask(labels), negative_mask(labels)
+    if tuples is None:
+        return positive_mask(labels), negative_mask(labels)
     a1, p, a2, n = as_pairs(tuples, labels, who)
     m = len(labels)
     pos = torch.zeros(m, m, dtype=torch.bool, device=labels.device)
     neg = torch.zeros(m, m, dtype=torch.bool, device=labels.device)
-    pos[a1, p] = True; neg[a2, n] = True
+    pos[a1, p] = True
+    neg[a2, n] = True
     return pos, neg
+
 
 def reduce_losses(losses: Tensor, reduction: str) -> Tensor:
     "'mean', 'sum' or 'nonzero' (mean over terms > 0; 0 when there is none)."
-    if reduction == "mean": return losses.mean() if len(losses) else losses.sum()
-    if reduction == "sum": return losses.sum()
-    if reduction == "nonzero": return losses.sum() / (losses > 0).sum().clamp_min(1)
+    if reduction == "mean":
+        return losses.mean() if len(losses) else losses.sum()
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "nonzero":
+        return losses.sum() / (losses > 0).sum().clamp_min(1)
     raise ValueError(f"reduction must be 'mean', 'sum' or 'nonzero', got {reduction!r}")
+
 
 def log1p_sum_exp(z: Tensor, mask: Tensor) -> Tensor:
     "Row-wise $\\log(1 + \\sum_{j \\in mask} e^{z_j})$, stable, 0 (with finite gradients) for empty rows."
@@ -76,11 +93,13 @@ def log1p_sum_exp(z: Tensor, mask: Tensor) -> Tensor:
 # %% ../../nbs/22_losses.ipynb #ecfee8b7
 class RankingLoss(nn.Module):
     "Base class: `loss(embeddings, labels, tuples=None) -> scalar`, measuring with `distance`."
+
     default_miner: str | None = None
     param_lr: float | None = None
 
     def __init__(self, distance: str | Distance = "euclidean"):
-        super().__init__(); self.distance = as_distance(distance)
+        super().__init__()
+        self.distance = as_distance(distance)
 
     def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         "Check the batch; return the embeddings as the distance reads them and the labels on their device."
@@ -91,15 +110,19 @@ class RankingLoss(nn.Module):
 @LOSSES.register("triplet")
 class TripletLoss(RankingLoss):
     "Triplet margin loss $[d_{ap} - d_{an} + m]_+$ (with a similarity $[s_{an} - s_{ap} + m]_+$)."
+
     default_miner = "semihard"
+
     def __init__(self, margin: float = 0.2, reduction: str = "nonzero", distance: str | Distance = "euclidean"):
-        super().__init__(distance); reduce_losses(torch.zeros(1), reduction)
+        super().__init__(distance)
+        reduce_losses(torch.zeros(1), reduction)
         self.margin, self.reduction = margin, reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p, n = as_triplets(tuples, labels, "TripletLoss")
-        if len(a) == 0: return zero_loss(embeddings)
+        if len(a) == 0:
+            return zero_loss(embeddings)
         dist = self.distance.matrix(x)
         return reduce_losses(F.relu(self.distance.margin(dist[a, p], dist[a, n]) + self.margin), self.reduction)
 
@@ -107,13 +130,17 @@ class TripletLoss(RankingLoss):
 @LOSSES.register("soft_triplet")
 class SoftTripletLoss(RankingLoss):
     "Soft-margin triplet loss $\\log(1 + e^{d_{ap} - d_{an}})$ (Hermans et al.)."
+
     def __init__(self, reduction: str = "mean", distance: str | Distance = "euclidean"):
-        super().__init__(distance); reduce_losses(torch.zeros(1), reduction); self.reduction = reduction
+        super().__init__(distance)
+        reduce_losses(torch.zeros(1), reduction)
+        self.reduction = reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p, n = as_triplets(tuples, labels, "SoftTripletLoss")
-        if len(a) == 0: return zero_loss(embeddings)
+        if len(a) == 0:
+            return zero_loss(embeddings)
         dist = self.distance.matrix(x)
         return reduce_losses(F.softplus(self.distance.margin(dist[a, p], dist[a, n])), self.reduction)
 
@@ -121,34 +148,54 @@ class SoftTripletLoss(RankingLoss):
 @LOSSES.register("margin")
 class MarginLoss(RankingLoss):
     "Wu et al. margin loss with boundary β (per class or one; learned or fixed), normalised by the non-zero terms."
+
     default_miner = "distance_weighted"
-    def __init__(self, margin: float = 0.2, beta: float = 1.2, num_classes: int | None = None,
-                 class_specific_beta: bool = True, learn_beta: bool = True, pair_count: str = "terms", nu: float = 0.0,
-                 param_lr: float = 5e-4, distance: str | Distance = "euclidean"):
+
+    def __init__(
+        self,
+        margin: float = 0.2,
+        beta: float = 1.2,
+        num_classes: int | None = None,
+        class_specific_beta: bool = True,
+        learn_beta: bool = True,
+        pair_count: str = "terms",
+        nu: float = 0.0,
+        param_lr: float = 5e-4,
+        distance: str | Distance = "euclidean",
+    ):
         super().__init__(distance)
-        if num_classes is not None and num_classes < 1: raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if num_classes is not None and num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         if pair_count not in ("terms", "triplets"):
-            raise ValueError(f"pair_count must be 'terms' (non-zero terms, Wu et al. / D&C / MIC) or 'triplets' "
-                             f"(triplets with a non-zero term, DiVA / Revisiting-DML on PyTorch >= 1.2), got {pair_count!r}")
+            raise ValueError(
+                f"pair_count must be 'terms' (non-zero terms, Wu et al. / D&C / MIC) or 'triplets' "
+                f"(triplets with a non-zero term, DiVA / Revisiting-DML on PyTorch >= 1.2), got {pair_count!r}"
+            )
         self.pair_count = pair_count
         self.margin, self.nu, self.param_lr = margin, nu, param_lr
         self.class_specific_beta, self.learn_beta = bool(class_specific_beta), bool(learn_beta)
         self.num_classes = num_classes if self.class_specific_beta else None
         b = torch.full((self.num_classes or 1,), float(beta))
-        if self.learn_beta: self.beta = nn.Parameter(b)
-        else: self.register_buffer("beta", b)
+        if self.learn_beta:
+            self.beta = nn.Parameter(b)
+        else:
+            self.register_buffer("beta", b)
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p, n = as_triplets(tuples, labels, "MarginLoss")
-        if len(a) == 0: return zero_loss(embeddings) + self.beta.sum() * 0.0
-        if self.num_classes is None: beta = self.beta.expand(len(a))
+        if len(a) == 0:
+            return zero_loss(embeddings) + self.beta.sum() * 0.0
+        if self.num_classes is None:
+            beta = self.beta.expand(len(a))
         else:
             la = labels[a]
             if int(la.min()) < 0 or int(la.max()) >= self.num_classes:
-                raise ValueError(f"MarginLoss has one beta per class for {self.num_classes} classes but got anchor "
-                                 f"labels in [{int(la.min())}, {int(la.max())}]; set num_classes to the number of "
-                                 "training classes (or groups) and renumber labels 0..num_classes-1")
+                raise ValueError(
+                    f"MarginLoss has one beta per class for {self.num_classes} classes but got anchor "
+                    f"labels in [{int(la.min())}, {int(la.max())}]; set num_classes to the number of "
+                    "training classes (or groups) and renumber labels 0..num_classes-1"
+                )
             beta = self.beta[la]
         d_ap, d_an = self.distance.rowwise(x[a], x[p]), self.distance.rowwise(x[a], x[n])
         pos = F.relu(self.distance.margin(d_ap, beta) + self.margin)
@@ -160,9 +207,16 @@ class MarginLoss(RankingLoss):
 @LOSSES.register("contrastive")
 class ContrastiveLoss(RankingLoss):
     "Contrastive loss: margins on distances ($[d - m^+]_+$, $[m^- - d]_+$) or on similarities ($[m^+ - s]_+$, $[s - m^-]_+$)."
+
     _default_margins = {"euclidean": (0.0, 0.5), "cosine": (1.0, 0.0)}
-    def __init__(self, pos_margin: float | None = None, neg_margin: float | None = None, metric: str = "euclidean",
-                 distance: str | Distance | None = None):
+
+    def __init__(
+        self,
+        pos_margin: float | None = None,
+        neg_margin: float | None = None,
+        metric: str = "euclidean",
+        distance: str | Distance | None = None,
+    ):
         "`metric` names the distance ('euclidean' or 'cosine'); `distance=` gives any other, and wins."
         if metric not in self._default_margins:
             raise ValueError(f"metric must be one of {sorted(self._default_margins)}, got {metric!r}")
@@ -174,17 +228,20 @@ class ContrastiveLoss(RankingLoss):
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a1, p, a2, n = as_pairs(tuples, labels, type(self).__name__)
-        if len(a1) + len(a2) == 0: return zero_loss(embeddings)
+        if len(a1) + len(a2) == 0:
+            return zero_loss(embeddings)
         m = self.distance.matrix(x)
         if self.distance.is_inverted:
             pos_terms, neg_terms = F.relu(self.pos_margin - m[a1, p]), F.relu(m[a2, n] - self.neg_margin)
-        else: pos_terms, neg_terms = F.relu(m[a1, p] - self.pos_margin), F.relu(self.neg_margin - m[a2, n])
+        else:
+            pos_terms, neg_terms = F.relu(m[a1, p] - self.pos_margin), F.relu(self.neg_margin - m[a2, n])
         return reduce_losses(pos_terms, "nonzero") + reduce_losses(neg_terms, "nonzero")
 
 # %% ../../nbs/22_losses.ipynb #ccb1dc05
 @LOSSES.register("npair")
 class NPairLoss(RankingLoss):
     "Sohn's N-pair loss: softmax over one positive per class; logits are cosine (`normalize=False`: dot) similarities."
+
     def __init__(self, normalize: bool = True, l2_reg: float = 0.0, distance: str | Distance | None = None):
         if distance is not None and not normalize:
             raise ValueError("NPairLoss: give normalize=False (dot products) or distance=, not both")
@@ -194,29 +251,43 @@ class NPairLoss(RankingLoss):
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a, p = as_pairs(tuples, labels, "NPairLoss")[:2]
-        if len(a) == 0: return zero_loss(embeddings)
-        key = labels[a] * (len(labels) ** 2) + a * len(labels) + p   # order: class, anchor, positive
+        if len(a) == 0:
+            return zero_loss(embeddings)
+        key = labels[a] * (len(labels) ** 2) + a * len(labels) + p  # order: class, anchor, positive
         order = key.argsort()
         la = labels[a][order]
-        first = torch.ones_like(la, dtype=torch.bool); first[1:] = la[1:] != la[:-1]
+        first = torch.ones_like(la, dtype=torch.bool)
+        first[1:] = la[1:] != la[:-1]
         a, p = a[order][first], p[order][first]
         fa, fp = x[a], x[p]
         logits = self.distance.as_similarity(self.distance.matrix(fa, fp))
         loss = F.cross_entropy(logits, torch.arange(len(a), device=x.device))
-        if self.l2_reg: loss = loss + self.l2_reg * (fa.pow(2).sum(1) + fp.pow(2).sum(1)).mean()
+        if self.l2_reg:
+            loss = loss + self.l2_reg * (fa.pow(2).sum(1) + fp.pow(2).sum(1)).mean()
         return loss
 
 # %% ../../nbs/22_losses.ipynb #8682e948
 @LOSSES.register("multi_similarity")
 class MultiSimilarityLoss(RankingLoss):
     "Multi-similarity loss; with `weights=` BSPML's weighted informative batch loss (eq. 7)."
+
     default_miner = "multi_similarity"
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1,
-                 distance: str | Distance = "cosine"):
-        super().__init__(distance); self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 0.5,
+        epsilon: float = 0.1,
+        distance: str | Distance = "cosine",
+    ):
+        super().__init__(distance)
+        self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
         if not self.distance.is_inverted:
-            raise ValueError(f"{type(self).__name__}: base={base} is a similarity threshold, so the distance must be a "
-                             f"similarity ('cosine' or 'dot'), got {self.distance!r}")
+            raise ValueError(
+                f"{type(self).__name__}: base={base} is a similarity threshold, so the distance must be a "
+                f"similarity ('cosine' or 'dot'), got {self.distance!r}"
+            )
 
     def similarities(self, x: Tensor, y: Tensor | None = None) -> Tensor:
         "Similarities of embedded rows `x` and `y` (default `x`)."
@@ -228,7 +299,12 @@ class MultiSimilarityLoss(RankingLoss):
         # cosine similarities lie in [-1, 1], so the exponents are bounded; below ~80 exp cannot overflow and the
         # direct form (one exp, no max shift) is exact and about twice as fast as the shifted one
         cosine = self.distance.normalize
-        if cosine and self.alpha * (1 + self.base) < 80 and self.beta * (1 - self.base) < 80 and sim.dtype != torch.float16:
+        if (
+            cosine
+            and self.alpha * (1 + self.base) < 80
+            and self.beta * (1 - self.base) < 80
+            and sim.dtype != torch.float16
+        ):
             xi_pos = torch.log1p((z_pos.exp() * pos).sum(1))
             xi_neg = torch.log1p((z_neg.exp() * neg).sum(1))
         else:
@@ -238,31 +314,37 @@ class MultiSimilarityLoss(RankingLoss):
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None, weights: Tensor | None = None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         pos, neg = pair_masks(tuples, labels, type(self).__name__)
-        if not (pos.any() or neg.any()): return zero_loss(embeddings)
+        if not (pos.any() or neg.any()):
+            return zero_loss(embeddings)
         xi_pos, xi_neg = self.terms(self.similarities(x), pos, neg)
-        if weights is None: return (xi_pos + xi_neg).mean()
+        if weights is None:
+            return (xi_pos + xi_neg).mean()
         w = torch.as_tensor(weights, dtype=x.dtype, device=x.device)
         if w.shape != labels.shape:
-            raise ValueError(f"weights must hold one weight per batch sample, shape {tuple(labels.shape)}; "
-                             f"got {tuple(w.shape)}")
+            raise ValueError(
+                f"weights must hold one weight per batch sample, shape {tuple(labels.shape)}; got {tuple(w.shape)}"
+            )
         w_pos = (pos.to(x.dtype) @ w) / pos.sum(1).clamp_min(1)
         w_neg = (neg.to(x.dtype) @ w) / neg.sum(1).clamp_min(1)
         return (w * (w_pos * xi_pos + w_neg * xi_neg)).mean()
 
     @torch.no_grad()
-    def per_sample_terms(self, embeddings: Tensor, labels: Tensor, mine: bool = False,
-                         chunk_size: int = 1024) -> tuple[Tensor, Tensor]:
+    def per_sample_terms(
+        self, embeddings: Tensor, labels: Tensor, mine: bool = False, chunk_size: int = 1024
+    ) -> tuple[Tensor, Tensor]:
         "$\\xi^+_i$, $\\xi^-_i$ (BSPML eq. 3) of every row against the whole set; `mine`: informative pairs only."
         x, labels = self.prepare(embeddings.detach(), labels)
         out_pos, out_neg, cols = [], [], torch.arange(len(labels), device=x.device)
         for start in range(0, len(labels), chunk_size):
-            rows = cols[start:start + chunk_size]
+            rows = cols[start : start + chunk_size]
             sim = self.similarities(x[rows], x)
             same = labels[rows][:, None] == labels[None, :]
             pos, neg = same & (rows[:, None] != cols[None, :]), ~same
-            if mine: pos, neg = self._informative(sim, pos, neg)
+            if mine:
+                pos, neg = self._informative(sim, pos, neg)
             xp, xn = self.terms(sim, pos, neg)
-            out_pos.append(xp); out_neg.append(xn)
+            out_pos.append(xp)
+            out_neg.append(xn)
         return torch.cat(out_pos), torch.cat(out_neg)
 
     def _informative(self, sim, pos, neg):
@@ -270,20 +352,30 @@ class MultiSimilarityLoss(RankingLoss):
         max_neg = sim.masked_fill(~neg, -math.inf).amax(1, keepdim=True)
         return pos & (sim - self.epsilon < max_neg), neg & (sim + self.epsilon > min_pos)
 
+
 @LOSSES.register("weighted_multi_similarity")
 class WeightedMultiSimilarityLoss(MultiSimilarityLoss):
     "BSPML's weighted multi-similarity loss (eq. 7): `loss(embeddings, labels, tuples, weights=w)`, $\\rho = 1$."
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 1.0, epsilon: float = 0.1,
-                 distance: str | Distance = "cosine"):
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 1.0,
+        epsilon: float = 0.1,
+        distance: str | Distance = "cosine",
+    ):
         super().__init__(alpha, beta, base, epsilon, distance)
 
 # %% ../../nbs/22_losses.ipynb #ae0f00d5
 @LOSSES.register("fastap")
 class FastAPLoss(RankingLoss):
     "FastAP: 1 - histogram-approximated average precision per anchor, over squared distances of unit rows in [0, 4]."
+
     def __init__(self, num_bins: int = 10):
-        super().__init__(EuclideanDistance(squared=True))      # the histogram's range [0, 4] is this distance's
-        if num_bins < 1: raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+        super().__init__(EuclideanDistance(squared=True))  # the histogram's range [0, 4] is this distance's
+        if num_bins < 1:
+            raise ValueError(f"num_bins must be >= 1, got {num_bins}")
         self.num_bins = int(num_bins)
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
@@ -291,12 +383,13 @@ class FastAPLoss(RankingLoss):
         pos, neg = pair_masks(tuples, labels, "FastAPLoss")
         n_pos = pos.sum(1)
         has_pos = n_pos > 0
-        if not has_pos.any(): return zero_loss(embeddings)
+        if not has_pos.any():
+            return zero_loss(embeddings)
         sq = self.distance.matrix(x)
         delta = 4.0 / self.num_bins
         centres = torch.linspace(0, 4, self.num_bins + 1, device=x.device, dtype=x.dtype)
-        pulse = F.relu(1 - (sq[None] - centres[:, None, None]).abs() / delta)   # (bins, N, N)
-        h_pos = (pulse * pos).sum(2).T                                            # (N, bins)
+        pulse = F.relu(1 - (sq[None] - centres[:, None, None]).abs() / delta)  # (bins, N, N)
+        h_pos = (pulse * pos).sum(2).T  # (N, bins)
         h_all = h_pos + (pulse * neg).sum(2).T
         ratio = h_pos * h_pos.cumsum(1) / h_all.cumsum(1).clamp_min(1e-12)
         fast_ap = ratio.sum(1)[has_pos] / n_pos[has_pos]
@@ -309,15 +402,20 @@ def snr_distance(x: Tensor) -> Tensor:
     sq = (c * c).sum(1, keepdim=True)
     return (sq + sq.T - 2 * c @ c.T).clamp_min(0) / sq.clamp_min(1e-12)
 
+
 class SNRDistance(Distance):
     "`snr_distance` of the L2-normalised rows of one batch (not symmetric: row i is the anchor)."
+
     def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
-        if y is not None: raise ValueError("the SNR distance is defined within one batch: call it with x only")
+        if y is not None:
+            raise ValueError("the SNR distance is defined within one batch: call it with x only")
         return snr_distance(x)
+
 
 @LOSSES.register("snr")
 class SNRContrastiveLoss(ContrastiveLoss):
     "Contrastive loss on the signal-to-noise-ratio distance (Yuan et al. 2019)."
+
     def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0):
         super().__init__(pos_margin, neg_margin, distance=SNRDistance())
 
@@ -325,10 +423,17 @@ class SNRContrastiveLoss(ContrastiveLoss):
 @LOSSES.register("rdml")
 class RDMLLoss(RankingLoss):
     "Rescaled hinge loss on pairs, $\\beta_\\eta(1 - e^{-\\eta [1 - y(b - d^2)]_+})$ (Al-Obaidi et al. 2020)."
-    def __init__(self, eta: float = 1.0, threshold: float = 1.0, balance: bool = True,
-                 distance: str | Distance = "squared_euclidean"):
+
+    def __init__(
+        self,
+        eta: float = 1.0,
+        threshold: float = 1.0,
+        balance: bool = True,
+        distance: str | Distance = "squared_euclidean",
+    ):
         super().__init__(distance)
-        if eta <= 0: raise ValueError(f"eta must be > 0, got {eta}")
+        if eta <= 0:
+            raise ValueError(f"eta must be > 0, got {eta}")
         self.eta, self.threshold, self.balance = eta, threshold, balance
 
     def rescaled_hinge(self, h: Tensor) -> Tensor:
@@ -337,9 +442,11 @@ class RDMLLoss(RankingLoss):
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
         a1, p, a2, n = as_pairs(tuples, labels, "RDMLLoss")
-        if len(a1) + len(a2) == 0: return zero_loss(embeddings)
+        if len(a1) + len(a2) == 0:
+            return zero_loss(embeddings)
         sq = self.distance.as_dissimilarity(self.distance.matrix(x))
         pos = self.rescaled_hinge(F.relu(1 - (self.threshold - sq[a1, p])))
         neg = self.rescaled_hinge(F.relu(1 + (self.threshold - sq[a2, n])))
-        if not self.balance: return torch.cat([pos, neg]).mean()
+        if not self.balance:
+            return torch.cat([pos, neg]).mean()
         return reduce_losses(pos, "mean") + reduce_losses(neg, "mean")

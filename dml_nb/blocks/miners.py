@@ -26,21 +26,29 @@ def log_inverse_sphere_density(dist: Tensor, dim: int, cutoff: float = 0.5) -> T
     d = dist.clamp_min(cutoff)
     return -(dim - 2) * d.log() - (dim - 3) / 2 * (1 - d * d / 4).clamp_min(1e-8).log()
 
+
 def check_cutoffs(cutoff: float, upper_cutoff: float | None) -> None:
     "A lower cutoff >= 0 and an upper cutoff that is None (none) or above it."
-    if not cutoff >= 0: raise ValueError(f"cutoff must be >= 0, got {cutoff}")
+    if not cutoff >= 0:
+        raise ValueError(f"cutoff must be >= 0, got {cutoff}")
     if upper_cutoff is not None and not upper_cutoff > cutoff:
-        raise ValueError(f"upper_cutoff must be None (no upper cutoff) or larger than the cutoff {cutoff}, got {upper_cutoff}")
+        raise ValueError(
+            f"upper_cutoff must be None (no upper cutoff) or larger than the cutoff {cutoff}, got {upper_cutoff}"
+        )
+
 
 @torch.no_grad()
-def distance_weights(dist: Tensor, dim: int, allowed: Tensor | None = None, cutoff: float = 0.5,
-                     upper_cutoff: float | None = None) -> Tensor:
+def distance_weights(
+    dist: Tensor, dim: int, allowed: Tensor | None = None, cutoff: float = 0.5, upper_cutoff: float | None = None
+) -> Tensor:
     "Row-normalised inverse-density weights $q(d)^{-1}$ of Wu et al.; rows with no valid entry are all zero."
     dist = dist.detach()
     log_w = log_inverse_sphere_density(dist, dim, cutoff)
     valid = torch.isfinite(log_w)
-    if upper_cutoff is not None: valid = valid & (dist < upper_cutoff)
-    if allowed is not None: valid = valid & allowed.to(torch.bool)
+    if upper_cutoff is not None:
+        valid = valid & (dist < upper_cutoff)
+    if allowed is not None:
+        valid = valid & allowed.to(torch.bool)
     log_w = log_w.masked_fill(~valid, -math.inf)
     row_max = log_w.amax(1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     w = (log_w - row_max).exp() * valid
@@ -52,18 +60,22 @@ def positive_mask(labels: Tensor) -> Tensor:
     same = labels[:, None] == labels[None, :]
     return same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
 
+
 def negative_mask(labels: Tensor) -> Tensor:
     "`[i, j]` true when `labels[j] != labels[i]`."
     return labels[:, None] != labels[None, :]
+
 
 def uniform_choice(mask: Tensor, generator: torch.Generator | None = None) -> Tensor:
     "For each row of the boolean `mask`, one column drawn uniformly among its true entries (rows need one)."
     noise = torch.rand(mask.shape, generator=generator, device=mask.device)
     return noise.masked_fill(~mask, -1.0).argmax(1)
 
+
 def weighted_choice(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
     "For each row of non-negative `weights` (each with a positive sum), one column drawn proportionally."
     return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
 
 def with_uniform_fallback(weights: Tensor, allowed: Tensor) -> Tensor:
     "Rows of `weights` that are all zero become uniform over their `allowed` entries."
@@ -71,42 +83,57 @@ def with_uniform_fallback(weights: Tensor, allowed: Tensor) -> Tensor:
     uniform = allowed.to(weights.dtype) / allowed.sum(1, keepdim=True).clamp_min(1)
     return torch.where(empty, uniform, weights)
 
+
 POSITIVES = ("one", "all")
+
 
 def check_positives(positives: str) -> None:
     if positives not in POSITIVES:
-        raise ValueError(f"positives must be 'one' (one random positive per anchor, the authors' miners) or 'all' "
-                         f"(every anchor-positive pair), got {positives!r}")
+        raise ValueError(
+            f"positives must be 'one' (one random positive per anchor, the authors' miners) or 'all' "
+            f"(every anchor-positive pair), got {positives!r}"
+        )
 
-def anchor_positive_pairs(pos: Tensor, neg: Tensor, positives: str = "one",
-                          generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+
+def anchor_positive_pairs(
+    pos: Tensor, neg: Tensor, positives: str = "one", generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
     "`(a, p)` for anchors with a positive and a negative: one uniform positive each ('one') or every pair ('all')."
     ok = pos.any(1) & neg.any(1)
-    if positives == "all": return (pos & ok[:, None]).nonzero(as_tuple=True)
+    if positives == "all":
+        return (pos & ok[:, None]).nonzero(as_tuple=True)
     a = ok.nonzero().squeeze(1)
     return a, uniform_choice(pos[a], generator)
+
 
 def empty_tuples(k: int, device=None) -> tuple[Tensor, ...]:
     "`k` empty `LongTensor`s: the result of a miner that found nothing."
     return tuple(torch.empty(0, dtype=torch.long, device=device) for _ in range(k))
+
 
 def check_batch(embeddings: Tensor, labels: Tensor | None, who: str, name: str = "embeddings") -> Tensor | None:
     "Validate a batch (`labels=None`: the embeddings alone); return `labels` on the embeddings' device."
     if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
         got = f"shape {tuple(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
         raise ValueError(f"{who}: {name} must be 2-d (batch, dim), got {got}")
-    if labels is None: return None
+    if labels is None:
+        return None
     if labels.dim() != 1 or len(labels) != len(embeddings):
-        raise ValueError(f"{who}: labels must be 1-d with one label per {name.rstrip('s')} row; got labels of shape "
-                         f"{tuple(labels.shape)} for {len(embeddings)} {name}")
+        raise ValueError(
+            f"{who}: labels must be 1-d with one label per {name.rstrip('s')} row; got labels of shape "
+            f"{tuple(labels.shape)} for {len(embeddings)} {name}"
+        )
     return labels.to(embeddings.device)
 
 # %% ../../nbs/21_miners.ipynb #71146d05
 class TupleMiner:
     "Base class of the miners: `miner(embeddings, labels, generator=None) -> tuple of LongTensors`."
+
     kind = "triplet"
-    distance: Distance = EuclideanDistance()      # what `mine` measures with; `x` comes embedded by it
-    def __init__(self, generator: torch.Generator | None = None): self.generator = generator
+    distance: Distance = EuclideanDistance()  # what `mine` measures with; `x` comes embedded by it
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
 
     def __call__(self, embeddings: Tensor, labels: Tensor, generator: torch.Generator | None = None, **kwargs):
         labels = check_batch(embeddings, labels, type(self).__name__)
@@ -114,51 +141,75 @@ class TupleMiner:
             x = self.distance.embed(embeddings.detach())
             return self.mine(x, labels, generator if generator is not None else self.generator, **kwargs)
 
-    def mine(self, x: Tensor, labels: Tensor, generator) -> tuple[Tensor, ...]: raise NotImplementedError
+    def mine(self, x: Tensor, labels: Tensor, generator) -> tuple[Tensor, ...]:
+        raise NotImplementedError
 
     def __repr__(self):
         opts = {k: v for k, v in vars(self).items() if k != "generator" and not k.startswith("_")}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
 
+
 def check_triplets(tuples, labels: Tensor, relation: str = "class") -> bool:
     "True if every triplet has distinct indices and the label relation of `relation` ('class', 'shared', 'intra')."
     a, p, n = tuples
-    if len(a) == 0: return True
+    if len(a) == 0:
+        return True
     distinct = bool(((a != p) & (a != n) & (p != n)).all())
     la, lp, ln = labels[a], labels[p], labels[n]
-    if relation == "class": rel = (la == lp) & (la != ln)
-    elif relation == "shared": rel = (la != lp) & (la != ln) & (lp != ln)
-    elif relation == "intra": rel = (la == lp) & (la == ln)
-    else: raise ValueError(f"relation must be 'class', 'shared' or 'intra', got {relation!r}")
+    if relation == "class":
+        rel = (la == lp) & (la != ln)
+    elif relation == "shared":
+        rel = (la != lp) & (la != ln) & (lp != ln)
+    elif relation == "intra":
+        rel = (la == lp) & (la == ln)
+    else:
+        raise ValueError(f"relation must be 'class', 'shared' or 'intra', got {relation!r}")
     return distinct and bool(rel.all())
 
 # %% ../../nbs/21_miners.ipynb #daec987a
 @MINERS.register("random")
 class RandomTripletMiner(TupleMiner):
     "Uniformly random triplets: drawn from all of the batch's ('batch', authors' code) or per anchor ('anchor')."
+
     def __init__(self, triplets_per_anchor: int = 1, sampling: str = "batch", generator: torch.Generator | None = None):
-        if triplets_per_anchor < 1: raise ValueError(f"triplets_per_anchor must be >= 1, got {triplets_per_anchor}")
-        if sampling not in ("batch", "anchor"): raise ValueError(f"sampling must be 'batch' or 'anchor', got {sampling!r}")
-        super().__init__(generator); self.triplets_per_anchor, self.sampling = triplets_per_anchor, sampling
+        if triplets_per_anchor < 1:
+            raise ValueError(f"triplets_per_anchor must be >= 1, got {triplets_per_anchor}")
+        if sampling not in ("batch", "anchor"):
+            raise ValueError(f"sampling must be 'batch' or 'anchor', got {sampling!r}")
+        super().__init__(generator)
+        self.triplets_per_anchor, self.sampling = triplets_per_anchor, sampling
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
         if self.sampling == "batch":
             a, p, n = (pos[:, :, None] & neg[:, None, :]).nonzero(as_tuple=True)
-            keep = torch.randperm(len(a), generator=generator, device=x.device)[:self.triplets_per_anchor * len(labels)]
+            keep = torch.randperm(len(a), generator=generator, device=x.device)[
+                : self.triplets_per_anchor * len(labels)
+            ]
             return a[keep], p[keep], n[keep]
         a = (pos.any(1) & neg.any(1)).nonzero().squeeze(1).repeat(self.triplets_per_anchor)
-        if len(a) == 0: return empty_tuples(3, x.device)
+        if len(a) == 0:
+            return empty_tuples(3, x.device)
         return a, uniform_choice(pos[a], generator), uniform_choice(neg[a], generator)
 
 # %% ../../nbs/21_miners.ipynb #b0c4b43d
 @MINERS.register("semihard")
 class SemiHardMiner(TupleMiner):
     "FaceNet semi-hard triplets: $d_{ap} < d_{an} \\le d_{ap} + m$; `mode` 'sample' (one per pair) or 'all'."
-    def __init__(self, margin: float = 0.2, mode: str = "sample", positives: str = "one", fallback: str = "random",
-                 distance: str | Distance = "euclidean", generator: torch.Generator | None = None):
-        if mode not in ("sample", "all"): raise ValueError(f"mode must be 'sample' or 'all', got {mode!r}")
-        if fallback not in ("random", "nearest"): raise ValueError(f"fallback must be 'random' or 'nearest', got {fallback!r}")
+
+    def __init__(
+        self,
+        margin: float = 0.2,
+        mode: str = "sample",
+        positives: str = "one",
+        fallback: str = "random",
+        distance: str | Distance = "euclidean",
+        generator: torch.Generator | None = None,
+    ):
+        if mode not in ("sample", "all"):
+            raise ValueError(f"mode must be 'sample' or 'all', got {mode!r}")
+        if fallback not in ("random", "nearest"):
+            raise ValueError(f"fallback must be 'random' or 'nearest', got {fallback!r}")
         check_positives(positives)
         super().__init__(generator)
         self.margin, self.mode, self.positives, self.fallback = margin, mode, positives, fallback
@@ -167,7 +218,8 @@ class SemiHardMiner(TupleMiner):
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
         a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
-        if len(a) == 0: return empty_tuples(3, x.device)
+        if len(a) == 0:
+            return empty_tuples(3, x.device)
         dist = self.distance.as_dissimilarity(self.distance.matrix(x))
         d_ap, d_an, negs = dist[a, p][:, None], dist[a], neg[a]
         if self.mode == "all":
@@ -175,13 +227,16 @@ class SemiHardMiner(TupleMiner):
             return a[t], p[t], n
         return a, p, semihard_choice(d_ap, d_an, negs, self.margin, generator, self.fallback)
 
-def semihard_choice(d_ap: Tensor, d_an: Tensor, negs: Tensor, margin: float, generator=None,
-                    fallback: str = "nearest") -> Tensor:
+
+def semihard_choice(
+    d_ap: Tensor, d_an: Tensor, negs: Tensor, margin: float, generator=None, fallback: str = "nearest"
+) -> Tensor:
     "Per row, a uniform semi-hard negative ($d_{ap} < d_{an} \\le d_{ap} + m$), else the `fallback` ('nearest' / 'random')."
     farther = negs & (d_an > d_ap)
     semi = farther & (d_an <= d_ap + margin)
     n_semi = uniform_choice(semi, generator)
-    if fallback == "random": other = uniform_choice(negs, generator)
+    if fallback == "random":
+        other = uniform_choice(negs, generator)
     else:
         n_far = d_an.masked_fill(~farther, math.inf).argmin(1)
         n_hard = d_an.masked_fill(~negs, -math.inf).argmax(1)
@@ -192,39 +247,61 @@ def semihard_choice(d_ap: Tensor, d_an: Tensor, negs: Tensor, margin: float, gen
 @MINERS.register("distance_weighted")
 class DistanceWeightedMiner(TupleMiner):
     "Wu et al. distance-weighted sampling: negatives ~ $q(d)^{-1}$; one random positive per anchor or every pair."
-    def __init__(self, cutoff: float = 0.5, upper_cutoff: float | None = None, positives: str = "one",
-                 generator: torch.Generator | None = None):
-        check_cutoffs(cutoff, upper_cutoff); check_positives(positives)
-        super().__init__(generator); self.cutoff, self.upper_cutoff, self.positives = cutoff, upper_cutoff, positives
+
+    def __init__(
+        self,
+        cutoff: float = 0.5,
+        upper_cutoff: float | None = None,
+        positives: str = "one",
+        generator: torch.Generator | None = None,
+    ):
+        check_cutoffs(cutoff, upper_cutoff)
+        check_positives(positives)
+        super().__init__(generator)
+        self.cutoff, self.upper_cutoff, self.positives = cutoff, upper_cutoff, positives
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
         a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
-        if len(a) == 0: return empty_tuples(3, x.device)
+        if len(a) == 0:
+            return empty_tuples(3, x.device)
         w = distance_weights(self.distance.matrix(x), x.shape[1], neg, self.cutoff, self.upper_cutoff)
         w = with_uniform_fallback(w, neg)
         return a, p, weighted_choice(w[a], generator)
 
 # %% ../../nbs/21_miners.ipynb #cddd8fc5
-def _draw(dist: Tensor, allowed: Tensor, how: str, dim: int, generator, cutoff: float,
-          upper_cutoff: float | None) -> Tensor:
+def _draw(
+    dist: Tensor, allowed: Tensor, how: str, dim: int, generator, cutoff: float, upper_cutoff: float | None
+) -> Tensor:
     "One column per row among `allowed`: 'distance' (q(d)^-1 weights), 'random' (uniform) or 'nearest'."
-    if how == "nearest": return dist.masked_fill(~allowed, math.inf).argmin(1)
-    if how == "random": return uniform_choice(allowed, generator)
+    if how == "nearest":
+        return dist.masked_fill(~allowed, math.inf).argmin(1)
+    if how == "random":
+        return uniform_choice(allowed, generator)
     w = with_uniform_fallback(distance_weights(dist, dim, allowed, cutoff, upper_cutoff), allowed)
     return weighted_choice(w, generator)
+
 
 @MINERS.register("shared")
 class SharedTripletMiner(TupleMiner):
     "Triplets from three mutually different classes; positive and negative distance-weighted by default."
-    def __init__(self, positive: str = "distance", negative: str = "distance", cutoff: float = 0.5,
-                 upper_cutoff: float | None = None, margin: float = 0.2, first: str = "positive",
-                 generator: torch.Generator | None = None):
+
+    def __init__(
+        self,
+        positive: str = "distance",
+        negative: str = "distance",
+        cutoff: float = 0.5,
+        upper_cutoff: float | None = None,
+        margin: float = 0.2,
+        first: str = "positive",
+        generator: torch.Generator | None = None,
+    ):
         if positive not in ("distance", "nearest", "random"):
             raise ValueError(f"positive must be 'distance', 'nearest' or 'random', got {positive!r}")
         if negative not in ("distance", "random", "semihard"):
             raise ValueError(f"negative must be 'distance', 'random' or 'semihard', got {negative!r}")
-        if first not in ("positive", "negative"): raise ValueError(f"first must be 'positive' or 'negative', got {first!r}")
+        if first not in ("positive", "negative"):
+            raise ValueError(f"first must be 'positive' or 'negative', got {first!r}")
         if first == "negative" and negative == "semihard":
             raise ValueError("negative='semihard' needs the positive first (d_ap): use first='positive'")
         check_cutoffs(cutoff, upper_cutoff)
@@ -233,7 +310,8 @@ class SharedTripletMiner(TupleMiner):
         self.margin, self.first = margin, first
 
     def mine(self, x, labels, generator):
-        if len(labels.unique()) < 3: return empty_tuples(3, x.device)
+        if len(labels.unique()) < 3:
+            return empty_tuples(3, x.device)
         dist, other = self.distance.matrix(x), negative_mask(labels)
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
         a = torch.arange(len(labels), device=x.device)
@@ -250,8 +328,10 @@ class SharedTripletMiner(TupleMiner):
 @MINERS.register("shared_random")
 class SharedRandomMiner(DistanceWeightedMiner):
     "DiVA's 'random' sharing: the distance-weighted miner on a randomly permuted copy of the batch's labels."
+
     def mine(self, x, labels, generator, permutation: Tensor | None = None):
-        if permutation is None: permutation = torch.randperm(len(labels), generator=generator, device=labels.device)
+        if permutation is None:
+            permutation = torch.randperm(len(labels), generator=generator, device=labels.device)
         permutation = torch.as_tensor(permutation, device=labels.device)
         if not torch.equal(permutation.sort().values, torch.arange(len(labels), device=labels.device)):
             raise ValueError(f"permutation must be a permutation of 0..{len(labels) - 1}")
@@ -261,9 +341,11 @@ class SharedRandomMiner(DistanceWeightedMiner):
 @MINERS.register("unconstrained")
 class UnconstrainedTripletMiner(TupleMiner):
     "Random triplets of three distinct samples, labels ignored (Sharing Table 8 'No constraint')."
+
     def mine(self, x, labels, generator):
         m = len(labels)
-        if m < 3: return empty_tuples(3, x.device)
+        if m < 3:
+            return empty_tuples(3, x.device)
         not_self = ~torch.eye(m, dtype=torch.bool, device=x.device)
         a = torch.arange(m, device=x.device)
         p = uniform_choice(not_self, generator)
@@ -274,8 +356,15 @@ class UnconstrainedTripletMiner(TupleMiner):
 @MINERS.register("intra")
 class IntraClassTripletMiner(TupleMiner):
     "Triplets with all three members from one class (DiVA intra-class task)."
-    def __init__(self, sampling: str = "random", distinct: bool = True, cutoff: float = 0.5,
-                 upper_cutoff: float | None = None, generator: torch.Generator | None = None):
+
+    def __init__(
+        self,
+        sampling: str = "random",
+        distinct: bool = True,
+        cutoff: float = 0.5,
+        upper_cutoff: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
         if sampling not in ("random", "distance"):
             raise ValueError(f"sampling must be 'random' or 'distance', got {sampling!r}")
         check_cutoffs(cutoff, upper_cutoff)
@@ -283,10 +372,12 @@ class IntraClassTripletMiner(TupleMiner):
         self.sampling, self.distinct, self.cutoff, self.upper_cutoff = sampling, distinct, cutoff, upper_cutoff
 
     def mine(self, x, labels, generator):
-        if not self.distinct: return self._code_variant(labels, generator)
+        if not self.distinct:
+            return self._code_variant(labels, generator)
         pos = positive_mask(labels)
         a = (pos.sum(1) >= 2).nonzero().squeeze(1)
-        if len(a) == 0: return empty_tuples(3, x.device)
+        if len(a) == 0:
+            return empty_tuples(3, x.device)
         dist, pa = self.distance.matrix(x)[a], pos[a]
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
         p = _draw(dist, pa, self.sampling, *args)
@@ -296,7 +387,8 @@ class IntraClassTripletMiner(TupleMiner):
 
     def _code_variant(self, labels, generator):
         "DiVA's intra_random.py: per batch element a class uniform among the batch's, then a, p, n with replacement."
-        if len(labels) == 0: return empty_tuples(3, labels.device)
+        if len(labels) == 0:
+            return empty_tuples(3, labels.device)
         classes = labels.unique()
         pick = torch.randint(len(classes), (len(labels),), generator=generator, device=labels.device)
         members = labels[None, :] == classes[pick][:, None]
@@ -306,20 +398,24 @@ class IntraClassTripletMiner(TupleMiner):
 @MINERS.register("dnc_nearest")
 class DnCNearestMiner(TupleMiner):
     "Official D&C sampler: positives (index order) paired with the nearest negatives at d >= cutoff (index order)."
+
     def __init__(self, cutoff: float = 0.5, short: str = "fill", generator: torch.Generator | None = None):
         check_cutoffs(cutoff, None)
-        if short not in ("fill", "drop"): raise ValueError(f"short must be 'fill' or 'drop', got {short!r}")
-        super().__init__(generator); self.cutoff, self.short = cutoff, short
+        if short not in ("fill", "drop"):
+            raise ValueError(f"short must be 'fill' or 'drop', got {short!r}")
+        super().__init__(generator)
+        self.cutoff, self.short = cutoff, short
 
     def mine(self, x, labels, generator):
         pos = positive_mask(labels)
         k = int(pos.sum()) // max(len(labels), 1)
-        if k == 0: return empty_tuples(3, x.device)
+        if k == 0:
+            return empty_tuples(3, x.device)
         dist = self.distance.matrix(x)
         neg = negative_mask(labels)
         valid = neg & (dist >= self.cutoff)
-        score = dist.masked_fill(~valid, math.inf)             # valid negatives first, nearest first
-        if self.short == "fill":                                # then those below the cutoff, closest to it first
+        score = dist.masked_fill(~valid, math.inf)  # valid negatives first, nearest first
+        if self.short == "fill":  # then those below the cutoff, closest to it first
             score = torch.where(neg & ~valid, 4.0 + (self.cutoff - dist), score)
         nearest = score.topk(min(k, len(labels)), dim=1, largest=False).indices
         chosen = torch.zeros_like(valid).scatter_(1, nearest, True) & score.isfinite()
@@ -332,28 +428,43 @@ class DnCNearestMiner(TupleMiner):
 @MINERS.register("grouping")
 class GroupingMiner:
     "Run `miner` with the batch's group ids in place of its class labels (Sharing Matters $\\mathcal T^{\\mathcal G}$)."
+
     kind = "triplet"
-    def __init__(self, miner: str = "distance_weighted", miner_options: dict | None = None,
-                 generator: torch.Generator | None = None):
-        if miner == "grouping": raise ValueError("grouping cannot wrap itself; name a triplet miner, e.g. 'distance_weighted'")
+
+    def __init__(
+        self,
+        miner: str = "distance_weighted",
+        miner_options: dict | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if miner == "grouping":
+            raise ValueError("grouping cannot wrap itself; name a triplet miner, e.g. 'distance_weighted'")
         self.base = MINERS.build(miner, generator=generator, **(miner_options or {}))
 
-    def __call__(self, embeddings: Tensor, labels: Tensor, groups: Tensor | None = None,
-                 generator: torch.Generator | None = None):
+    def __call__(
+        self, embeddings: Tensor, labels: Tensor, groups: Tensor | None = None, generator: torch.Generator | None = None
+    ):
         if groups is None:
-            raise ValueError("the grouping miner needs the batch's group ids: call miner(embeddings, labels, groups=...)")
+            raise ValueError(
+                "the grouping miner needs the batch's group ids: call miner(embeddings, labels, groups=...)"
+            )
         return self.base(embeddings, torch.as_tensor(groups), generator=generator)
 
-    def __repr__(self): return f"GroupingMiner({self.base!r})"
+    def __repr__(self):
+        return f"GroupingMiner({self.base!r})"
 
 # %% ../../nbs/21_miners.ipynb #099ba67b
 @MINERS.register("multi_similarity")
 class MultiSimilarityMiner(TupleMiner):
     "Multi-similarity informative pair mining with margin `epsilon`; returns `(a1, p, a2, n)`."
+
     kind = "pair"
-    def __init__(self, epsilon: float = 0.1, distance: str | Distance = "cosine",
-                 generator: torch.Generator | None = None):
-        super().__init__(generator); self.epsilon, self.distance = epsilon, as_distance(distance)
+
+    def __init__(
+        self, epsilon: float = 0.1, distance: str | Distance = "cosine", generator: torch.Generator | None = None
+    ):
+        super().__init__(generator)
+        self.epsilon, self.distance = epsilon, as_distance(distance)
         self._stats = None
 
     def similarities(self, x: Tensor) -> Tensor:
@@ -372,7 +483,9 @@ class MultiSimilarityMiner(TupleMiner):
     def masks(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         labels = check_batch(embeddings, labels, type(self).__name__)
         with torch.no_grad():
-            return self.informative_masks(self.similarities(self.distance.embed(embeddings.detach())), labels, self.epsilon)
+            return self.informative_masks(
+                self.similarities(self.distance.embed(embeddings.detach())), labels, self.epsilon
+            )
 
     def mine(self, x, labels, generator):
         pos_keep, neg_keep = self.informative_masks(self.similarities(x), labels, self.epsilon)
@@ -382,9 +495,13 @@ class MultiSimilarityMiner(TupleMiner):
         return a1, p, a2, n
 
     @property
-    def informative_positive(self) -> Tensor | None: return None if self._stats is None else self._stats[0]
+    def informative_positive(self) -> Tensor | None:
+        return None if self._stats is None else self._stats[0]
+
     @property
-    def informative_negative(self) -> Tensor | None: return None if self._stats is None else self._stats[1]
+    def informative_negative(self) -> Tensor | None:
+        return None if self._stats is None else self._stats[1]
+
     @property
     def informative(self) -> Tensor | None:
         return None if self._stats is None else self._stats[0] | self._stats[1]

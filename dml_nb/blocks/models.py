@@ -14,8 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.registry import BACKBONES, SHIPPED_WEIGHTS, unknown_name_error
-from ..data.preprocessing import (CAFFE_BGR_MEAN, CAFFE_BGR_STD, IMAGENET_MEAN, IMAGENET_STD, Preprocessing,
-                                  imagenet_preprocessing)
+from dml_nb.data.preprocessing import (
+    CAFFE_BGR_MEAN,
+    CAFFE_BGR_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Preprocessing,
+    imagenet_preprocessing,
+)
 
 # %% auto #0
 __all__ = ['global_pool', 'batchnorm_modules', 'Backbone', 'torch_cache_dir', 'resolve_pretrained', 'load_weights', 'ResNet50',
@@ -24,33 +30,45 @@ __all__ = ['global_pool', 'batchnorm_modules', 'Backbone', 'torch_cache_dir', 'r
 # %% ../../nbs/24_models.ipynb #782e0ca7
 _POOLINGS = ("avg", "max", "avg+max")
 
+
 def global_pool(x: torch.Tensor, mode: str = "avg") -> torch.Tensor:
     "Pool a (B, C, H, W) map to (B, C): `avg`, `max`, or `avg+max` (their sum)."
-    if mode == "avg": return x.mean((2, 3))
-    if mode == "max": return x.amax((2, 3))
-    if mode == "avg+max": return x.mean((2, 3)) + x.amax((2, 3))
+    if mode == "avg":
+        return x.mean((2, 3))
+    if mode == "max":
+        return x.amax((2, 3))
+    if mode == "avg+max":
+        return x.mean((2, 3)) + x.amax((2, 3))
     raise unknown_name_error("pooling", mode, _POOLINGS)
+
 
 def batchnorm_modules(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     "All BatchNorm layers (1d, 2d, 3d, SyncBatchNorm) inside `module`."
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
+
 class Backbone(nn.Module):
     """Base class: `forward(x) -> (B, feature_dim)` pooled features; `feature_dim` and `preprocessing`
     attributes (`preprocessing_for(size)` states the latter for the class); optional frozen BatchNorm that
     survives `.train()`."""
+
     feature_dim: int
     preprocessing: Preprocessing
-    weight_files: tuple[str, ...] = ()      # file names torchvision / pretrainedmodels would cache
-    weight_urls: tuple[str, ...] | None = None  # where to fetch them by hand (never fetched); None: torchvision's folder
+    weight_files: tuple[str, ...] = ()  # file names torchvision / pretrainedmodels would cache
+    weight_urls: tuple[str, ...] | None = (
+        None  # where to fetch them by hand (never fetched); None: torchvision's folder
+    )
     ignore_weight_prefixes: tuple[str, ...] = ()  # classifier layers in the ImageNet file that we drop
 
     def __init__(self, pooling: str = "avg", frozen_bn: bool = False, frozen_bn_affine: bool = False):
         super().__init__()
-        if pooling not in _POOLINGS: raise unknown_name_error("pooling", pooling, _POOLINGS)
+        if pooling not in _POOLINGS:
+            raise unknown_name_error("pooling", pooling, _POOLINGS)
         if frozen_bn_affine and not frozen_bn:
-            raise ValueError("frozen_bn_affine=True needs frozen_bn=True (affine parameters of BatchNorm layers "
-                             "that still update their statistics cannot be meaningfully frozen)")
+            raise ValueError(
+                "frozen_bn_affine=True needs frozen_bn=True (affine parameters of BatchNorm layers "
+                "that still update their statistics cannot be meaningfully frozen)"
+            )
         self.pooling, self.frozen_bn, self.frozen_bn_affine = pooling, frozen_bn, frozen_bn_affine
 
     @classmethod
@@ -62,7 +80,8 @@ class Backbone(nn.Module):
     @classmethod
     def urls(cls) -> tuple[str, ...]:
         "Where each weights file can be fetched by hand: `weight_urls`, else torchvision's download folder."
-        if cls.weight_urls is not None: return tuple(cls.weight_urls)
+        if cls.weight_urls is not None:
+            return tuple(cls.weight_urls)
         return tuple(f"https://download.pytorch.org/models/{f}" for f in cls.weight_files)
 
     @classmethod
@@ -73,107 +92,152 @@ class Backbone(nn.Module):
     def _finish(self, pretrained, name: str):
         "Load weights if asked, then apply the BatchNorm freezing. Call at the end of `__init__`."
         path = resolve_pretrained(pretrained, name, self.weight_files, self.urls())
-        if path is not None: load_weights(self, path, ignore_prefixes=self.ignore_weight_prefixes, name=name)
+        if path is not None:
+            load_weights(self, path, ignore_prefixes=self.ignore_weight_prefixes, name=name)
         if self.frozen_bn_affine:
             for bn in batchnorm_modules(self):
-                for p in bn.parameters(): p.requires_grad_(False)
+                for p in bn.parameters():
+                    p.requires_grad_(False)
         self.train(self.training)
 
     def train(self, mode: bool = True):
         super().train(mode)
         if self.frozen_bn:
-            for bn in batchnorm_modules(self): bn.eval()
+            for bn in batchnorm_modules(self):
+                bn.eval()
         return self
 
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
         "The `Preprocessing` of this backbone at crop `size` (None: its data pipeline's default crop)."
-        raise NotImplementedError(f"{cls.__name__} states no preprocessing: give it a classmethod preprocessing_for(size) "
-                                  "returning a dml_nb.data.preprocessing.Preprocessing, or use another backbone's transforms "
-                                  "(make_transform(<backbone>); data.preset in a config)")
+        raise NotImplementedError(
+            f"{cls.__name__} states no preprocessing: give it a classmethod preprocessing_for(size) "
+            "returning a dml_nb.data.preprocessing.Preprocessing, or use another backbone's transforms "
+            "(make_transform(<backbone>); data.preset in a config)"
+        )
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor: raise NotImplementedError
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return global_pool(self.forward_features(x), self.pooling)
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return global_pool(self.forward_features(x), self.pooling)
+
     def early_stage(self, x: torch.Tensor) -> torch.Tensor:
         "The first stage's feature map, at a quarter of the input resolution (MIC's first grouping reads it)."
-        raise NotImplementedError(f"{type(self).__name__} defines no early_stage(x) (its first stage's feature map at a quarter "
-                                  "of the input resolution, read by Sharing's first_group_on='early'): define it, or set "
-                                  "first_group_on='features' (or 'phi_star')")
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no early_stage(x) (its first stage's feature map at a quarter "
+            "of the input resolution, read by Sharing's first_group_on='early'): define it, or set "
+            "first_group_on='features' (or 'phi_star')"
+        )
 
     @property
-    def input_size(self) -> int: return self.preprocessing.input_size
+    def input_size(self) -> int:
+        return self.preprocessing.input_size
+
     @property
-    def mean(self) -> tuple[float, ...]: return self.preprocessing.mean
+    def mean(self) -> tuple[float, ...]:
+        return self.preprocessing.mean
+
     @property
-    def std(self) -> tuple[float, ...]: return self.preprocessing.std
+    def std(self) -> tuple[float, ...]:
+        return self.preprocessing.std
+
     @property
-    def channel_order(self) -> str: return self.preprocessing.channel_order
+    def channel_order(self) -> str:
+        return self.preprocessing.channel_order
 
 # %% ../../nbs/24_models.ipynb #1f3dfa96
 def torch_cache_dir() -> Path:
     "Where torchvision caches downloaded weights: `torch.hub.get_dir()/checkpoints` (honours `$TORCH_HOME`)."
     return Path(torch.hub.get_dir()) / "checkpoints"
 
+
 def resolve_pretrained(pretrained, name: str, file_names=(), urls=()) -> Path | None:
     "The weights file `pretrained` asks for (None for random init); a clear error when it is not on disk."
-    if pretrained is None or pretrained is False: return None
+    if pretrained is None or pretrained is False:
+        return None
     if pretrained is True:
         if not file_names:
-            raise ValueError(f"backbone {name!r} has no ImageNet weights; use pretrained=None, or pass the path "
-                             "of your own checkpoint as pretrained='/path/to/file.pth'")
+            raise ValueError(
+                f"backbone {name!r} has no ImageNet weights; use pretrained=None, or pass the path "
+                "of your own checkpoint as pretrained='/path/to/file.pth'"
+            )
         folder = torch_cache_dir()
         for f in file_names:
-            if (folder / f).is_file(): return folder / f
+            if (folder / f).is_file():
+                return folder / f
         where = "; ".join(urls) if urls else "the model's publisher"
         raise FileNotFoundError(
             f"pretrained=True for backbone {name!r} needs ImageNet weights on disk, but none of "
             f"{', '.join(file_names)} is in {folder}. This library never downloads: fetch the file on a machine "
             f"with internet access ({where}) and put it in that folder (or point $TORCH_HOME elsewhere), "
-            f"or pass pretrained='/path/to/file.pth'")
+            f"or pass pretrained='/path/to/file.pth'"
+        )
     if isinstance(pretrained, (str, os.PathLike)):
         path = Path(pretrained).expanduser()
         if not path.is_file():
             hint = f" (expected a file such as {', '.join(file_names)})" if file_names else ""
-            raise FileNotFoundError(f"pretrained weights file {str(path)!r} for backbone {name!r} does not "
-                                    f"exist{hint}; pass an existing path, pretrained=True to use the torch "
-                                    "cache, or pretrained=None for random initialisation")
+            raise FileNotFoundError(
+                f"pretrained weights file {str(path)!r} for backbone {name!r} does not "
+                f"exist{hint}; pass an existing path, pretrained=True to use the torch "
+                "cache, or pretrained=None for random initialisation"
+            )
         return path
     raise TypeError(f"pretrained must be None, False, True or a file path, got {type(pretrained).__name__}")
+
 
 def _unwrap_state_dict(obj, path) -> dict[str, torch.Tensor]:
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model_state_dict", "model"):
-            if key in obj and isinstance(obj[key], Mapping): obj = obj[key]; break
+            if key in obj and isinstance(obj[key], Mapping):
+                obj = obj[key]
+                break
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
     sd = dict(obj)
-    if sd and all(k.startswith("module.") for k in sd): sd = {k[len("module."):]: v for k, v in sd.items()}
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
     return sd
+
 
 def load_weights(module: nn.Module, path: str | Path, ignore_prefixes=(), name: str = "") -> nn.Module:
     "Load a weights file into `module`, dropping `ignore_prefixes`; any mismatch is an error listing it."
     path = Path(path)
-    try: obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"could not read weights file {str(path)!r}: {type(e).__name__}: {e}") from e
     sd = {k: v for k, v in _unwrap_state_dict(obj, path).items() if not k.startswith(tuple(ignore_prefixes))}
     own = module.state_dict()
     for k, v in sd.items():  # the converted BN-Inception file stores BatchNorm tensors as (1, C)
-        if k in own and v.shape != own[k].shape and v.dim() == own[k].dim() + 1 and v.shape[0] == 1 \
-                and v.shape[1:] == own[k].shape:
+        if (
+            k in own
+            and v.shape != own[k].shape
+            and v.dim() == own[k].dim() + 1
+            and v.shape[0] == 1
+            and v.shape[1:] == own[k].shape
+        ):
             sd[k] = v[0]
     optional = lambda k: k.endswith("num_batches_tracked")
     missing = [k for k in own if k not in sd and not optional(k)]
     unexpected = [k for k in sd if k not in own]
-    wrong = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-             for k in sd if k in own and sd[k].shape != own[k].shape]
+    wrong = [
+        f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sd
+        if k in own and sd[k].shape != own[k].shape
+    ]
     if missing or unexpected or wrong:
         show = lambda xs: ", ".join(xs[:5]) + (f", ... ({len(xs)} in all)" if len(xs) > 5 else "")
-        parts = [f"{len(missing)} missing ({show(missing)})" if missing else "",
-                 f"{len(unexpected)} unexpected ({show(unexpected)})" if unexpected else "",
-                 f"{len(wrong)} with the wrong shape ({show(wrong)})" if wrong else ""]
-        raise ValueError(f"weights file {str(path)!r} does not match backbone {name or type(module).__name__!r}: "
-                         + "; ".join(p for p in parts if p) + ". Is it the file for this architecture?")
+        parts = [
+            f"{len(missing)} missing ({show(missing)})" if missing else "",
+            f"{len(unexpected)} unexpected ({show(unexpected)})" if unexpected else "",
+            f"{len(wrong)} with the wrong shape ({show(wrong)})" if wrong else "",
+        ]
+        raise ValueError(
+            f"weights file {str(path)!r} does not match backbone {name or type(module).__name__!r}: "
+            + "; ".join(p for p in parts if p)
+            + ". Is it the file for this architecture?"
+        )
     module.load_state_dict(sd, strict=False)  # strict check done above; num_batches_tracked may be absent
     return module
 
@@ -181,14 +245,22 @@ def load_weights(module: nn.Module, path: str | Path, ignore_prefixes=(), name: 
 @BACKBONES.register("resnet50")
 class ResNet50(Backbone):
     "ResNet50 (torchvision) → pooled 2048-d features. `frozen_bn=True` keeps BatchNorm in eval mode."
+
     weight_files = ("resnet50-0676ba61.pth",)
     ignore_weight_prefixes = ("fc.",)
     feature_dim = 2048
 
-    def __init__(self, pretrained=None, frozen_bn: bool = True, frozen_bn_affine: bool = False,
-                 pooling: str = "avg", input_size: int = 224):
+    def __init__(
+        self,
+        pretrained=None,
+        frozen_bn: bool = True,
+        frozen_bn_affine: bool = False,
+        pooling: str = "avg",
+        input_size: int = 224,
+    ):
         super().__init__(pooling, frozen_bn, frozen_bn_affine)
         from torchvision.models import resnet50
+
         net = resnet50(weights=None)
         for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"):
             setattr(self, n, getattr(net, n))
@@ -196,11 +268,13 @@ class ResNet50(Backbone):
         self._finish(pretrained, "resnet50")
 
     @classmethod
-    def preprocessing_for(cls, size: int | None = None) -> Preprocessing: return imagenet_preprocessing(size or 224)
+    def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
+        return imagenet_preprocessing(size or 224)
 
     def forward_features(self, x):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         return self.layer4(self.layer3(self.layer2(self.layer1(x))))
+
     def early_stage(self, x):
         "The stem and `layer1` (MIC's code)."
         return self.layer1(self.maxpool(self.relu(self.bn1(self.conv1(x)))))
@@ -220,16 +294,25 @@ _BNINCEPTION_MODULES = {
     "5b": (1024, 352, 192, 320, 192, 224, "max", 128, 1),
 }
 
+
 @BACKBONES.register("bninception")
 class BNInception(Backbone):
     "BN-Inception (Inception-v2 with BatchNorm) → pooled 1024-d features; Caffe/BGR input convention."
+
     weight_files = ("bn_inception-52deb4733.pth", "bn_inception-239d2248.pth", "bn_inception-9f5701afb96c8044.pth")
     weight_urls = ("http://data.lip6.fr/cadene/pretrainedmodels/bn_inception-52deb4733.pth",)
     ignore_weight_prefixes = ("last_linear.",)
     feature_dim = 1024
 
-    def __init__(self, pretrained=None, frozen_bn: bool = False, frozen_bn_affine: bool = False,
-                 pooling: str = "avg", input_size: int = 224, bn_momentum: float = 0.1):
+    def __init__(
+        self,
+        pretrained=None,
+        frozen_bn: bool = False,
+        frozen_bn_affine: bool = False,
+        pooling: str = "avg",
+        input_size: int = 224,
+        bn_momentum: float = 0.1,
+    ):
         super().__init__(pooling, frozen_bn, frozen_bn_affine)
         self._bn_momentum = bn_momentum
         self._conv_bn("conv1_7x7_s2", 3, 64, 7, stride=2, padding=3)
@@ -237,13 +320,15 @@ class BNInception(Backbone):
         self._conv_bn("conv2_3x3", 64, 192, 3, padding=1)
         for m, (cin, c1, r3, c3, rd, cd, _, cp, s) in _BNINCEPTION_MODULES.items():
             p = f"inception_{m}_"
-            if c1: self._conv_bn(p + "1x1", cin, c1, 1)
+            if c1:
+                self._conv_bn(p + "1x1", cin, c1, 1)
             self._conv_bn(p + "3x3_reduce", cin, r3, 1)
             self._conv_bn(p + "3x3", r3, c3, 3, stride=s, padding=1)
             self._conv_bn(p + "double_3x3_reduce", cin, rd, 1)
             self._conv_bn(p + "double_3x3_1", rd, cd, 3, padding=1)
             self._conv_bn(p + "double_3x3_2", cd, cd, 3, stride=s, padding=1)
-            if cp: self._conv_bn(p + "pool_proj", cin, cp, 1)
+            if cp:
+                self._conv_bn(p + "pool_proj", cin, cp, 1)
         del self._bn_momentum
         self.preprocessing = self.preprocessing_for(input_size)
         self._finish(pretrained, "bninception")
@@ -266,10 +351,14 @@ class BNInception(Backbone):
         out = [self._cbr(p + "1x1", x)] if c1 else []
         out.append(self._cbr(p + "3x3", self._cbr(p + "3x3_reduce", x)))
         out.append(self._cbr(p + "double_3x3_2", self._cbr(p + "double_3x3_1", self._cbr(p + "double_3x3_reduce", x))))
-        if s == 2: out.append(F.max_pool2d(x, 3, stride=2, ceil_mode=True))
+        if s == 2:
+            out.append(F.max_pool2d(x, 3, stride=2, ceil_mode=True))
         else:
-            pooled = (F.avg_pool2d(x, 3, stride=1, padding=1, ceil_mode=True, count_include_pad=True) if pool == "avg"
-                      else F.max_pool2d(x, 3, stride=1, padding=1, ceil_mode=True))
+            pooled = (
+                F.avg_pool2d(x, 3, stride=1, padding=1, ceil_mode=True, count_include_pad=True)
+                if pool == "avg"
+                else F.max_pool2d(x, 3, stride=1, padding=1, ceil_mode=True)
+            )
             out.append(self._cbr(p + "pool_proj", pooled))
         return torch.cat(out, 1)
 
@@ -280,26 +369,53 @@ class BNInception(Backbone):
 
     def forward_features(self, x):
         x = F.max_pool2d(self.early_stage(x), 3, stride=2, ceil_mode=True)
-        for m in _BNINCEPTION_MODULES: x = self._module(m, x)
+        for m in _BNINCEPTION_MODULES:
+            x = self._module(m, x)
         return x
 
 # %% ../../nbs/24_models.ipynb #f5bfa166
 @BACKBONES.register("googlenet")
 class GoogLeNet(Backbone):
     "GoogLeNet (torchvision, no auxiliary classifiers) → pooled 1024-d features."
+
     weight_files = ("googlenet-1378be20.pth",)
     ignore_weight_prefixes = ("fc.", "aux1.", "aux2.")
     feature_dim = 1024
-    _blocks = ("conv1", "maxpool1", "conv2", "conv3", "maxpool2", "inception3a", "inception3b", "maxpool3",
-               "inception4a", "inception4b", "inception4c", "inception4d", "inception4e", "maxpool4",
-               "inception5a", "inception5b")
+    _blocks = (
+        "conv1",
+        "maxpool1",
+        "conv2",
+        "conv3",
+        "maxpool2",
+        "inception3a",
+        "inception3b",
+        "maxpool3",
+        "inception4a",
+        "inception4b",
+        "inception4c",
+        "inception4d",
+        "inception4e",
+        "maxpool4",
+        "inception5a",
+        "inception5b",
+    )
 
-    def __init__(self, pretrained=None, frozen_bn: bool = False, frozen_bn_affine: bool = False,
-                 pooling: str = "avg", input_size: int = 227):
+    def __init__(
+        self,
+        pretrained=None,
+        frozen_bn: bool = False,
+        frozen_bn_affine: bool = False,
+        pooling: str = "avg",
+        input_size: int = 227,
+    ):
         super().__init__(pooling, frozen_bn, frozen_bn_affine)
         from torchvision.models import googlenet
-        net = googlenet(weights=None, aux_logits=False, init_weights=pretrained in (None, False))  # skip init when loading
-        for n in self._blocks: setattr(self, n, getattr(net, n))
+
+        net = googlenet(
+            weights=None, aux_logits=False, init_weights=pretrained in (None, False)
+        )  # skip init when loading
+        for n in self._blocks:
+            setattr(self, n, getattr(net, n))
         self.register_buffer("_in_scale", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) / 0.5, persistent=False)
         self.register_buffer("_in_shift", (torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) - 0.5) / 0.5, persistent=False)
         self.preprocessing = self.preprocessing_for(input_size)
@@ -312,8 +428,10 @@ class GoogLeNet(Backbone):
 
     def forward_features(self, x):
         x = x * self._in_scale + self._in_shift  # ImageNet-normalised -> the [-1, 1] scale of the weights
-        for n in self._blocks: x = getattr(self, n)(x)
+        for n in self._blocks:
+            x = getattr(self, n)(x)
         return x
+
     def early_stage(self, x):
         "The stem up to the second pooling (192 channels)."
         return self.conv3(self.conv2(self.maxpool1(self.conv1(x * self._in_scale + self._in_shift))))
@@ -322,49 +440,77 @@ class GoogLeNet(Backbone):
 @BACKBONES.register("small_cnn")
 class SmallCNN(Backbone):
     "Four conv-(pool)-BN-ReLU blocks (widths w, 2w, 4w, feature_dim) and global pooling, for small images on a CPU."
-    def __init__(self, pretrained=None, width: int = 32, feature_dim: int = 256, in_channels: int = 3,
-                 input_size: int = 32, pooling: str = "avg", frozen_bn: bool = False, frozen_bn_affine: bool = False,
-                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5),
-                 weights: str = "fgpool"):   # which shipped weights pretrained=True loads (dml_nb.blocks.pretrain.RECIPES)
+
+    def __init__(
+        self,
+        pretrained=None,
+        width: int = 32,
+        feature_dim: int = 256,
+        in_channels: int = 3,
+        input_size: int = 32,
+        pooling: str = "avg",
+        frozen_bn: bool = False,
+        frozen_bn_affine: bool = False,
+        mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+        std: tuple[float, ...] = (0.5, 0.5, 0.5),
+        weights: str = "fgpool",
+    ):  # which shipped weights pretrained=True loads (dml_nb.blocks.pretrain.RECIPES)
         super().__init__(pooling, frozen_bn, frozen_bn_affine)
-        if width < 1 or feature_dim < 1: raise ValueError(f"width and feature_dim must be >= 1, got {width}, {feature_dim}")
+        if width < 1 or feature_dim < 1:
+            raise ValueError(f"width and feature_dim must be >= 1, got {width}, {feature_dim}")
         if len(mean) != in_channels or len(std) != in_channels:
             raise ValueError(f"mean and std need {in_channels} values (one per input channel), got {mean}, {std}")
         widths, layers, cin = (width, 2 * width, 4 * width, feature_dim), [], in_channels
         for i, cout in enumerate(widths):
             layers.append(nn.Conv2d(cin, cout, 3, padding=1, bias=False))
-            if i < 3: layers.append(nn.MaxPool2d(2))
+            if i < 3:
+                layers.append(nn.MaxPool2d(2))
             layers += [nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
             cin = cout
         self.body = nn.Sequential(*layers)
         self.feature_dim = feature_dim
         self.preprocessing = replace(self.preprocessing_for(input_size), mean=tuple(mean), std=tuple(std))
-        pretrained = self.weights_for(pretrained, "small_cnn", width=width, feature_dim=feature_dim, in_channels=in_channels,
-                                      weights=weights)
+        pretrained = self.weights_for(
+            pretrained, "small_cnn", width=width, feature_dim=feature_dim, in_channels=in_channels, weights=weights
+        )
         self._finish(pretrained, "small_cnn")
 
     @classmethod
-    def weights_for(cls, pretrained, name: str = "small_cnn", width: int = 32, feature_dim: int = 256,
-                    in_channels: int = 3, weights: str = "fgpool", **_) -> Path | None:
+    def weights_for(
+        cls,
+        pretrained,
+        name: str = "small_cnn",
+        width: int = 32,
+        feature_dim: int = 256,
+        in_channels: int = 3,
+        weights: str = "fgpool",
+        **_,
+    ) -> Path | None:
         """`pretrained=True`: the weights shipped in the package as `small_cnn_<weights>.pt` (`dml_nb.blocks.pretrain`: `fgpool`
         for `finegrained`, `novelpool` for `finegrained_novel`), their checksum and options checked."""
         if pretrained is True:
-            return SHIPPED_WEIGHTS.get("small_cnn")(width, feature_dim, in_channels, tag=weights)   # dml_nb.blocks.pretrain
+            return SHIPPED_WEIGHTS.get("small_cnn")(
+                width, feature_dim, in_channels, tag=weights
+            )  # dml_nb.blocks.pretrain
         return super().weights_for(pretrained, name)
 
     @classmethod
     def weights_checksum(cls, pretrained, **options) -> str | None:
         "`pretrained=True`: the sha256 of the shipped weights, so that regenerated weights give new run folders."
-        if pretrained is not True: return None
+        if pretrained is not True:
+            return None
         return SHIPPED_WEIGHTS.get("small_cnn")(tag=options.get("weights", "fgpool"), checksum_only=True)
 
     @classmethod
     def preprocessing_for(cls, size: int | None = None) -> Preprocessing:
         "Pixels to [-1, 1]; a mild random-resized crop (scale 0.7-1, ratio 0.9-1.1); test: resize to `size`, the images' side."
-        if size is None: raise ValueError("small_cnn's preprocessing needs size= (the images' side, e.g. 32; data.size in a config)")
+        if size is None:
+            raise ValueError("small_cnn's preprocessing needs size= (the images' side, e.g. 32; data.size in a config)")
         return Preprocessing(size, size, (0.5,) * 3, (0.5,) * 3, train_scale=(0.7, 1.0), train_ratio=(0.9, 1.1))
 
-    def forward_features(self, x): return self.body(x)
+    def forward_features(self, x):
+        return self.body(x)
+
     def early_stage(self, x):
         "The first conv block."
         return self.body[:4](x)

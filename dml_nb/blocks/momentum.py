@@ -20,12 +20,16 @@ __all__ = ['MomentumEncoder', 'all_gather_keys', 'MemoryQueue']
 def _unwrap_ddp(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
 
+
 class MomentumEncoder(nn.Module):
     "EMA copy of a model: `update(model)` after each optimiser step sets key = m * key + (1 - m) * query."
+
     def __init__(self, model: nn.Module, momentum: float = 0.9, buffers: str = "ema"):
         super().__init__()
-        if not 0.0 <= momentum <= 1.0: raise ValueError(f"momentum must be in [0, 1], got {momentum}")
-        if buffers not in ("ema", "copy"): raise unknown_name_error("buffer mode", buffers, ("ema", "copy"))
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1], got {momentum}")
+        if buffers not in ("ema", "copy"):
+            raise unknown_name_error("buffer mode", buffers, ("ema", "copy"))
         self.momentum, self.buffers = momentum, buffers
         self.encoder = copy.deepcopy(_unwrap_ddp(model))
         self.encoder.requires_grad_(False)
@@ -34,14 +38,17 @@ class MomentumEncoder(nn.Module):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        for bn in batchnorm_modules(self.encoder): bn.eval()
+        for bn in batchnorm_modules(self.encoder):
+            bn.eval()
         return self
 
     @torch.no_grad()
-    def forward(self, *args, **kwargs): return self.encoder(*args, **kwargs)
+    def forward(self, *args, **kwargs):
+        return self.encoder(*args, **kwargs)
 
     @torch.no_grad()
-    def embed(self, *args, **kwargs): return self.encoder.embed(*args, **kwargs)
+    def embed(self, *args, **kwargs):
+        return self.encoder.embed(*args, **kwargs)
 
     @torch.no_grad()
     def update(self, model: nn.Module, momentum: float | None = None):
@@ -51,31 +58,40 @@ class MomentumEncoder(nn.Module):
         kp, qp = dict(self.encoder.named_parameters()), dict(model.named_parameters())
         if kp.keys() != qp.keys():
             diff = sorted(set(kp) ^ set(qp))[:5]
-            raise ValueError(f"the model's parameters do not match the momentum encoder's (differing: {diff}); "
-                             "update the encoder with the model it was copied from")
+            raise ValueError(
+                f"the model's parameters do not match the momentum encoder's (differing: {diff}); "
+                "update the encoder with the model it was copied from"
+            )
         keys, queries = list(kp.values()), [qp[n].detach() for n in kp]
         torch._foreach_mul_(keys, m)
         torch._foreach_add_(keys, queries, alpha=1.0 - m)
         qb = dict(model.named_buffers())
         for n, b in self.encoder.named_buffers():
-            if n not in qb: continue
-            if b.is_floating_point() and self.buffers == "ema": b.mul_(m).add_(qb[n].detach(), alpha=1.0 - m)
-            else: b.copy_(qb[n])
+            if n not in qb:
+                continue
+            if b.is_floating_point() and self.buffers == "ema":
+                b.mul_(m).add_(qb[n].detach(), alpha=1.0 - m)
+            else:
+                b.copy_(qb[n])
         self.num_updates += 1
 
 # %% ../../nbs/28_momentum.ipynb #f035ce2d
 def all_gather_keys(x: torch.Tensor) -> torch.Tensor:
     "Concatenate `x` from all processes (rank order) when torch.distributed is initialised; else `x` itself."
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return x
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x.contiguous())
     return torch.cat(out)
 
+
 class MemoryQueue(nn.Module):
     "Fixed-size FIFO of `dim`-d keys with wrap-around; its state lives in buffers."
+
     def __init__(self, size: int, dim: int, gather: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
-        if size < 1 or dim < 1: raise ValueError(f"size and dim must be >= 1, got size={size}, dim={dim}")
+        if size < 1 or dim < 1:
+            raise ValueError(f"size and dim must be >= 1, got size={size}, dim={dim}")
         self.size, self.dim, self.gather = size, dim, gather
         self.register_buffer("queue", torch.zeros(size, dim, dtype=dtype))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
@@ -87,9 +103,11 @@ class MemoryQueue(nn.Module):
         if keys.dim() != 2 or keys.shape[1] != self.dim:
             raise ValueError(f"keys must have shape (batch, {self.dim}), got {tuple(keys.shape)}")
         keys = keys.detach()
-        if self.gather: keys = all_gather_keys(keys)
+        if self.gather:
+            keys = all_gather_keys(keys)
         n = keys.shape[0]
-        if n == 0: return
+        if n == 0:
+            return
         skip = max(n - self.size, 0)  # only the newest `size` keys survive
         idx = (self.ptr + skip + torch.arange(n - skip, device=self.queue.device)) % self.size
         self.queue.index_copy_(0, idx, keys[skip:].to(self.queue))
@@ -106,8 +124,13 @@ class MemoryQueue(nn.Module):
         return torch.roll(self.queue, -int(self.ptr), 0) if self.is_full else self.queue[: int(self.count)]
 
     @property
-    def is_full(self) -> bool: return int(self.count) == self.size
-    def __len__(self) -> int: return int(self.count)
+    def is_full(self) -> bool:
+        return int(self.count) == self.size
+
+    def __len__(self) -> int:
+        return int(self.count)
 
     def reset(self):
-        self.queue.zero_(); self.ptr.zero_(); self.count.zero_()
+        self.queue.zero_()
+        self.ptr.zero_()
+        self.count.zero_()

@@ -5,7 +5,10 @@
 # %% ../../nbs/25_pretrain.ipynb #1514c635
 from __future__ import annotations
 
-import argparse, hashlib, json, time
+import argparse
+import hashlib
+import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,29 +31,34 @@ __all__ = ['TAG', 'RECIPES', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pre
 @dataclass(frozen=True)
 class PretrainRecipe:
     "Everything the pretrained weights depend on."
-    num_classes: int = 500          # classes of the finegrained pretraining pool
+
+    num_classes: int = 500  # classes of the finegrained pretraining pool
     images_per_class: int = 24
-    heldout_per_class: int = 4      # drawn with seed + 1: the pretraining accuracy on unseen images
+    heldout_per_class: int = 4  # drawn with seed + 1: the pretraining accuracy on unseen images
     size: int = 32
-    width: int = 32                 # small_cnn options
+    width: int = 32  # small_cnn options
     feature_dim: int = 256
     epochs: int = 4
     batch_size: int = 128
-    lr: float = 0.1                 # peak of the one-cycle schedule
+    lr: float = 0.1  # peak of the one-cycle schedule
     weight_decay: float = 5e-4
     seed: int = 0
-    threads: int = 2                # part of the recipe: the bytes depend on it
-    layout: str = "shared"          # whose pool: finegrained's ("shared") or finegrained_novel's ("novel")
+    threads: int = 2  # part of the recipe: the bytes depend on it
+    layout: str = "shared"  # whose pool: finegrained's ("shared") or finegrained_novel's ("novel")
 
-TAG = "fgpool"                      # the shipped file: dml_nb/weights/small_cnn_fgpool.pt
-RECIPES = {TAG: PretrainRecipe(),    # small_cnn_<tag>.pt: `model.options.weights` of small_cnn picks one
-           "novelpool": PretrainRecipe(num_classes=300, images_per_class=16, epochs=3, threads=1, layout="novel")}
+
+TAG = "fgpool"  # the shipped file: dml_nb/weights/small_cnn_fgpool.pt
+RECIPES = {
+    TAG: PretrainRecipe(),  # small_cnn_<tag>.pt: `model.options.weights` of small_cnn picks one
+    "novelpool": PretrainRecipe(num_classes=300, images_per_class=16, epochs=3, threads=1, layout="novel"),
+}
 WEIGHTS_DIR = Path(dml_nb.__file__).parent / "weights"
 
 # %% ../../nbs/25_pretrain.ipynb #e2e606b8
 def _to_input(images: np.ndarray) -> torch.Tensor:
     "uint8 (N, H, W, 3) -> float (N, 3, H, W), normalised as `small_cnn` expects (mean 0.5, std 0.5)."
     return (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
+
 
 def shift_flip(x: torch.Tensor, g: torch.Generator, pad: int = 3) -> torch.Tensor:
     "Each image of the batch `x` shifted by up to `pad` pixels (edges replicated) and flipped with probability 1/2."
@@ -64,11 +72,13 @@ def shift_flip(x: torch.Tensor, g: torch.Generator, pad: int = 3) -> torch.Tenso
 # %% ../../nbs/25_pretrain.ipynb #f7d751cd
 def _train(r: PretrainRecipe, x, y, g, progress: bool):
     from tqdm.auto import tqdm
+
     torch.manual_seed(r.seed)
     net = build_backbone("small_cnn", width=r.width, feature_dim=r.feature_dim, input_size=r.size)
     clf = nn.Linear(r.feature_dim, int(y.max()) + 1)
-    opt = torch.optim.SGD([*net.parameters(), *clf.parameters()], lr=r.lr, momentum=0.9, nesterov=True,
-                          weight_decay=r.weight_decay)
+    opt = torch.optim.SGD(
+        [*net.parameters(), *clf.parameters()], lr=r.lr, momentum=0.9, nesterov=True, weight_decay=r.weight_decay
+    )
     per_epoch = len(x) // r.batch_size
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, r.lr, total_steps=r.epochs * per_epoch, pct_start=0.15)
     net.train()
@@ -76,93 +86,135 @@ def _train(r: PretrainRecipe, x, y, g, progress: bool):
         for _ in range(r.epochs):
             perm = torch.randperm(len(x), generator=g)
             for b in range(per_epoch):
-                idx = perm[b * r.batch_size:(b + 1) * r.batch_size]
+                idx = perm[b * r.batch_size : (b + 1) * r.batch_size]
                 loss = F.cross_entropy(clf(net(shift_flip(x[idx], g))), y[idx])
-                opt.zero_grad(set_to_none=True); loss.backward(); opt.step(); sched.step()
-                bar.update(); bar.set_postfix(loss=f"{loss.item():.3f}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                bar.update()
+                bar.set_postfix(loss=f"{loss.item():.3f}")
     return net.eval(), clf.eval()
+
 
 def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -> tuple[nn.Module, dict]:
     "Train `small_cnn` on the pretraining pool as `recipe` says; returns (backbone, measurements)."
     r, threads, det = recipe, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     t0 = time.perf_counter()
-    pool = make_finegrained("pretrain", r.images_per_class, r.size, seed=r.seed, num_classes=r.num_classes, layout=r.layout)
-    held = make_finegrained("pretrain", r.heldout_per_class, r.size, seed=r.seed + 1, num_classes=r.num_classes,
-                            layout=r.layout)
+    pool = make_finegrained(
+        "pretrain", r.images_per_class, r.size, seed=r.seed, num_classes=r.num_classes, layout=r.layout
+    )
+    held = make_finegrained(
+        "pretrain", r.heldout_per_class, r.size, seed=r.seed + 1, num_classes=r.num_classes, layout=r.layout
+    )
     stats = {"generate_s": time.perf_counter() - t0}
     try:
-        torch.set_num_threads(r.threads); torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(r.threads)
+        torch.use_deterministic_algorithms(True)
         t1, c1 = time.perf_counter(), time.process_time()
-        net, clf = _train(r, _to_input(pool.images), torch.from_numpy(pool.labels), torch.Generator().manual_seed(r.seed), progress)
+        net, clf = _train(
+            r, _to_input(pool.images), torch.from_numpy(pool.labels), torch.Generator().manual_seed(r.seed), progress
+        )
         stats.update(train_wall_s=time.perf_counter() - t1, train_cpu_s=time.process_time() - c1, threads=r.threads)
         with torch.no_grad():
             pred = torch.cat([clf(net(c)).argmax(1) for c in _to_input(held.images).split(500)])
         stats["heldout_accuracy"] = (pred == torch.from_numpy(held.labels)).float().mean().item()
     finally:
-        torch.set_num_threads(threads); torch.use_deterministic_algorithms(det)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)
     return net, stats
 
 # %% ../../nbs/25_pretrain.ipynb #16415506
-def _sha256(path: Path) -> str: return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-def _command(tag: str) -> str: return "python -m dml_nb.blocks.pretrain" + ("" if tag == TAG else f" --tag {tag}")
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _command(tag: str) -> str:
+    return "python -m dml_nb.blocks.pretrain" + ("" if tag == TAG else f" --tag {tag}")
+
+
 def _files(folder, tag) -> tuple[Path, Path, Path]:
     p = Path(folder) / f"small_cnn_{tag}.pt"
     return p, p.with_name(p.name + ".sha256"), p.with_suffix(".json")
 
-def save_weights(backbone: nn.Module, recipe: PretrainRecipe, heldout_accuracy: float,
-                 folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> Path:
+
+def save_weights(
+    backbone: nn.Module,
+    recipe: PretrainRecipe,
+    heldout_accuracy: float,
+    folder: str | Path = WEIGHTS_DIR,
+    tag: str = TAG,
+) -> Path:
     "Write `small_cnn_<tag>.pt` (the state dict), its `.sha256` and a `.json` with the recipe; returns the .pt path."
     pt, sha, meta = _files(folder, tag)
     pt.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in backbone.state_dict().items()}, pt)
     sha.write_text(f"{_sha256(pt)}  {pt.name}\n")
-    info = {"options": {"width": recipe.width, "feature_dim": recipe.feature_dim, "in_channels": 3},
-            "recipe": asdict(recipe), "heldout_accuracy": round(heldout_accuracy, 4), "torch": torch.__version__,
-            "regenerate": _command(tag)}
+    info = {
+        "options": {"width": recipe.width, "feature_dim": recipe.feature_dim, "in_channels": 3},
+        "recipe": asdict(recipe),
+        "heldout_accuracy": round(heldout_accuracy, 4),
+        "torch": torch.__version__,
+        "regenerate": _command(tag),
+    }
     meta.write_text(json.dumps(info, indent=1) + "\n")
     return pt
 
 # %% ../../nbs/25_pretrain.ipynb #3f6cff72
-def shipped_weights(width: int = 32, feature_dim: int = 256, in_channels: int = 3,
-                    folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> Path:
+def shipped_weights(
+    width: int = 32, feature_dim: int = 256, in_channels: int = 3, folder: str | Path = WEIGHTS_DIR, tag: str = TAG
+) -> Path:
     "The shipped weights file for a `small_cnn` of these options, checked against its checksum and recipe."
     pt, sha, meta = _files(folder, tag)
     if Path(folder) == WEIGHTS_DIR and tag not in RECIPES:
-        raise ValueError(f"no shipped small_cnn weights are called {tag!r}; the package ships {', '.join(RECIPES)} "
-                         "(small_cnn's option `weights`), or pass a file of your own as pretrained")
+        raise ValueError(
+            f"no shipped small_cnn weights are called {tag!r}; the package ships {', '.join(RECIPES)} "
+            "(small_cnn's option `weights`), or pass a file of your own as pretrained"
+        )
     if not (pt.is_file() and sha.is_file() and meta.is_file()):
-        raise FileNotFoundError(f"the pretrained small_cnn weights {pt} (with {sha.name} and {meta.name}) are not "
-                                f"there; regenerate them with `{_command(tag)}` (or restore dml_nb/weights/ "
-                                "from git), or use pretrained=None")
+        raise FileNotFoundError(
+            f"the pretrained small_cnn weights {pt} (with {sha.name} and {meta.name}) are not "
+            f"there; regenerate them with `{_command(tag)}` (or restore dml_nb/weights/ "
+            "from git), or use pretrained=None"
+        )
     want = {"width": width, "feature_dim": feature_dim, "in_channels": in_channels}
     have = json.loads(meta.read_text())["options"]
     if want != have:
-        raise ValueError(f"the shipped small_cnn weights fit {have}, not {want}: build small_cnn with those options "
-                         f"(model.options: {{width: {have['width']}, feature_dim: {have['feature_dim']}}}), or use "
-                         "pretrained=None, or pretrain your own (dml_nb.blocks.pretrain) and pass its file as pretrained")
+        raise ValueError(
+            f"the shipped small_cnn weights fit {have}, not {want}: build small_cnn with those options "
+            f"(model.options: {{width: {have['width']}, feature_dim: {have['feature_dim']}}}), or use "
+            "pretrained=None, or pretrain your own (dml_nb.blocks.pretrain) and pass its file as pretrained"
+        )
     expected, actual = sha.read_text().split()[0], _sha256(pt)
     if actual != expected:
-        raise ValueError(f"{pt} does not match its checksum ({sha.name}: {expected[:12]}..., file: {actual[:12]}...): "
-                         "the file is damaged or was rewritten; restore it with `git checkout dml_nb/weights/`, or "
-                         f"regenerate it and its checksum with `{_command(tag)}`")
+        raise ValueError(
+            f"{pt} does not match its checksum ({sha.name}: {expected[:12]}..., file: {actual[:12]}...): "
+            "the file is damaged or was rewritten; restore it with `git checkout dml_nb/weights/`, or "
+            f"regenerate it and its checksum with `{_command(tag)}`"
+        )
     return pt
+
 
 def shipped_checksum(folder: str | Path = WEIGHTS_DIR, tag: str = TAG) -> str | None:
     "The recorded sha256 of the shipped weights (None when they are not there): part of the hash of every run that starts from them."
     sha = _files(folder, tag)[1]
     return sha.read_text().split()[0] if sha.is_file() else None
 
+
 @SHIPPED_WEIGHTS.register("small_cnn")
-def small_cnn_shipped(width: int = 32, feature_dim: int = 256, in_channels: int = 3, tag: str = TAG,
-                      checksum_only: bool = False):
+def small_cnn_shipped(
+    width: int = 32, feature_dim: int = 256, in_channels: int = 3, tag: str = TAG, checksum_only: bool = False
+):
     "What `small_cnn(pretrained=True)` loads: `shipped_weights`, or with `checksum_only` `shipped_checksum`."
     return shipped_checksum(tag=tag) if checksum_only else shipped_weights(width, feature_dim, in_channels, tag=tag)
 
 # %% ../../nbs/25_pretrain.ipynb #d248f7b1
 def main(argv: list[str] | None = None) -> None:
     "The command line: pretrain with the shipped recipe and write (or `--check`) the weights; prints the measurements."
-    p = argparse.ArgumentParser(prog="dml-pretrain", description="Regenerate the pretrained small_cnn weights "
-                                "(the stand-in for ImageNet) bit-identically on CPU.")
+    p = argparse.ArgumentParser(
+        prog="dml-pretrain",
+        description="Regenerate the pretrained small_cnn weights (the stand-in for ImageNet) bit-identically on CPU.",
+    )
     p.add_argument("--out", default=str(WEIGHTS_DIR), help="folder for the weights (default: the package's)")
     p.add_argument("--check", action="store_true", help="regenerate into a temporary folder and compare with --out")
     p.add_argument("--tag", default=TAG, choices=list(RECIPES), help=f"which shipped recipe (default: {TAG})")
@@ -171,22 +223,27 @@ def main(argv: list[str] | None = None) -> None:
     net, stats = pretrain(recipe)
     if a.check:
         import tempfile
+
         with tempfile.TemporaryDirectory() as d:
             new = _sha256(save_weights(net, recipe, stats["heldout_accuracy"], d, a.tag))
         stats["identical"] = new == _files(a.out, a.tag)[1].read_text().split()[0]
-    else: stats["file"] = str(save_weights(net, recipe, stats["heldout_accuracy"], a.out, a.tag))
+    else:
+        stats["file"] = str(save_weights(net, recipe, stats["heldout_accuracy"], a.out, a.tag))
     print(json.dumps(stats, indent=1))
-    if a.check and not stats["identical"]: raise SystemExit("the regenerated weights differ from the shipped file")
+    if a.check and not stats["identical"]:
+        raise SystemExit("the regenerated weights differ from the shipped file")
 
 # %% ../../nbs/25_pretrain.ipynb #4844cde3
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    main()
 
 # %% ../../nbs/25_pretrain.ipynb #3f83c413
 @torch.no_grad()
 def feature_recall(backbone: nn.Module, dataset, ks=(1,)) -> dict[int, float]:
     "Recall@k of `backbone`'s L2-normalised features on `dataset` (an `ArrayDataset`), in eval mode."
-    was = backbone.training; backbone.eval()
+    was = backbone.training
+    backbone.eval()
     f = torch.cat([backbone(c) for c in _to_input(dataset.images).split(500)])
     backbone.train(was)
     return recall_at_k(F.normalize(f, dim=1), torch.from_numpy(dataset.labels), ks=ks)

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/23_proxy_nce.ipynb #6752a719
 from __future__ import annotations
-import functools, math
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +22,26 @@ __all__ = ['DANCE_AXES', 'ProxyLoss', 'ProxyNCALoss', 'ProxyAnchorLoss', 'InfoNC
 # %% ../../nbs/23_proxy_nce.ipynb #6b348654
 def _no_tuples(loss_name: str, tuples) -> None:
     if tuples is not None:
-        raise ValueError(f"{loss_name} uses every sample of the batch and takes no mined tuples; "
-                         "call it with tuples=None (configure no miner for this task)")
+        raise ValueError(
+            f"{loss_name} uses every sample of the batch and takes no mined tuples; "
+            "call it with tuples=None (configure no miner for this task)"
+        )
+
 
 class ProxyLoss(RankingLoss):
     "Base of the proxy losses: `proxies`, one learnable vector per class; every sample of the batch, no tuples."
+
     param_weight_decay: float = 0.0
-    uses_proxies: bool = True   # what `sharing.has_proxies` reads (an attribute survives a class defined anew in a notebook)
+    uses_proxies: bool = (
+        True  # what `sharing.has_proxies` reads (an attribute survives a class defined anew in a notebook)
+    )
 
     def __init__(self, num_classes: int, embedding_dim: int, param_lr: float, distance: str | Distance):
         super().__init__(distance)
         if num_classes < 1 or embedding_dim < 1:
             raise ValueError(f"num_classes and embedding_dim must be positive, got {num_classes}, {embedding_dim}")
         self.num_classes, self.embedding_dim, self.param_lr = num_classes, embedding_dim, float(param_lr)
-        self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))   # each loss initialises them
+        self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))  # each loss initialises them
 
     def similarities(self, embeddings: Tensor) -> Tensor:
         "(batch, num_classes) similarities of the samples to the proxies (a distance is negated)."
@@ -46,27 +53,40 @@ class ProxyLoss(RankingLoss):
         labels = check_batch(embeddings, labels, name)
         _no_tuples(name, tuples)
         if embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(f"{name} was built for embedding_dim={self.embedding_dim} but got "
-                             f"embeddings of dim {embeddings.shape[1]}; build it with the head's output size")
+            raise ValueError(
+                f"{name} was built for embedding_dim={self.embedding_dim} but got "
+                f"embeddings of dim {embeddings.shape[1]}; build it with the head's output size"
+            )
         if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
         if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-            raise ValueError(f"{name} has {self.num_classes} proxies but got labels in "
-                             f"[{int(labels.min())}, {int(labels.max())}]; labels must be 0..num_classes-1 "
-                             "(renumber the training classes, or build the loss with the number of training classes)")
+            raise ValueError(
+                f"{name} has {self.num_classes} proxies but got labels in "
+                f"[{int(labels.min())}, {int(labels.max())}]; labels must be 0..num_classes-1 "
+                "(renumber the training classes, or build the loss with the number of training classes)"
+            )
         return labels
 
 # %% ../../nbs/23_proxy_nce.ipynb #f8a857da
 @LOSSES.register("proxy_nca")
 class ProxyNCALoss(ProxyLoss):
     "Proxy-NCA: softmax over negative squared distances to one learnable proxy per class."
+
     param_lr: float = 5e-4
 
-    def __init__(self, num_classes: int, embedding_dim: int, scale: float = 1.0, include_positive: bool = False,
-                 param_lr: float = 5e-4, distance: str | Distance = "squared_euclidean"):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        scale: float = 1.0,
+        include_positive: bool = False,
+        param_lr: float = 5e-4,
+        distance: str | Distance = "squared_euclidean",
+    ):
         super().__init__(num_classes, embedding_dim, param_lr, distance)
         self.scale, self.include_positive = float(scale), bool(include_positive)
-        with torch.no_grad(): self.proxies.copy_(torch.randn(num_classes, embedding_dim) / 8)
+        with torch.no_grad():
+            self.proxies.copy_(torch.randn(num_classes, embedding_dim) / 8)
 
     def logits(self, embeddings: Tensor) -> Tensor:
         "-scale * (squared) distance of every sample to every proxy, shape `(batch, num_classes)`."
@@ -74,9 +94,11 @@ class ProxyNCALoss(ProxyLoss):
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         labels = self.check(embeddings, labels, tuples)
-        if len(embeddings) == 0: return zero_loss(embeddings, self.proxies)
+        if len(embeddings) == 0:
+            return zero_loss(embeddings, self.proxies)
         logits = self.logits(embeddings)
-        if not self.include_positive and self.num_classes == 1: return zero_loss(embeddings, self.proxies)
+        if not self.include_positive and self.num_classes == 1:
+            return zero_loss(embeddings, self.proxies)
         pos_logit = logits.gather(1, labels[:, None].long())[:, 0]
         others = logits if self.include_positive else logits.scatter(1, labels[:, None].long(), -math.inf)
         return (torch.logsumexp(others, dim=1) - pos_logit).mean()
@@ -85,20 +107,29 @@ class ProxyNCALoss(ProxyLoss):
 @LOSSES.register("proxy_anchor")
 class ProxyAnchorLoss(ProxyLoss):
     "Proxy-Anchor: each proxy pulls its class's samples and pushes the others with a soft (log-sum-exp) hardness weighting."
+
     param_lr: float = 1e-3
 
-    def __init__(self, num_classes: int, embedding_dim: int, alpha: float = 32.0, delta: float = 0.1,
-                 param_lr: float = 1e-3, distance: str | Distance = "cosine"):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        alpha: float = 32.0,
+        delta: float = 0.1,
+        param_lr: float = 1e-3,
+        distance: str | Distance = "cosine",
+    ):
         super().__init__(num_classes, embedding_dim, param_lr, distance)
         self.alpha, self.delta = float(alpha), float(delta)
         nn.init.kaiming_normal_(self.proxies, mode="fan_out")
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         labels = self.check(embeddings, labels, tuples)
-        if len(embeddings) == 0: return zero_loss(embeddings, self.proxies)
-        cos = self.similarities(embeddings)                                           # (B, C)
+        if len(embeddings) == 0:
+            return zero_loss(embeddings, self.proxies)
+        cos = self.similarities(embeddings)  # (B, C)
         pos = F.one_hot(labels.long(), self.num_classes).bool()
-        one = cos.new_zeros(1, self.num_classes)                                       # the "1 +" term
+        one = cos.new_zeros(1, self.num_classes)  # the "1 +" term
         pos_term = torch.logsumexp(torch.cat([one, (-self.alpha * (cos - self.delta)).masked_fill(~pos, -math.inf)]), 0)
         neg_term = torch.logsumexp(torch.cat([one, (self.alpha * (cos + self.delta)).masked_fill(pos, -math.inf)]), 0)
         n_pos_proxies = pos.any(0).sum()
@@ -108,9 +139,11 @@ class ProxyAnchorLoss(ProxyLoss):
 @LOSSES.register("infonce")
 class InfoNCELoss(RankingLoss):
     "InfoNCE / NT-Xent over the positive pairs of a labelled batch (or of mined pairs), negatives = other classes."
+
     def __init__(self, temperature: float = 0.07, distance: str | Distance = "cosine"):
         super().__init__(distance)
-        if temperature <= 0: raise ValueError(f"temperature must be positive, got {temperature}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
         self.temperature = float(temperature)
 
     def forward(self, embeddings: Tensor, labels: Tensor | None = None, tuples=None) -> Tensor:
@@ -126,14 +159,16 @@ class InfoNCELoss(RankingLoss):
             neg_mask = ~same
         else:
             a1, p, a2, neg = as_pairs(tuples, labels, type(self).__name__)
-            if len(a1) == 0: return zero_loss(embeddings)
+            if len(a1) == 0:
+                return zero_loss(embeddings)
             neg_mask = torch.zeros(n, n, dtype=torch.bool, device=x.device)
             neg_mask[a2, neg] = True
         has_neg = neg_mask.any(1)
         lse = torch.logsumexp(torch.where(neg_mask, sim, -math.inf).masked_fill(~has_neg[:, None], 0.0), dim=1)
-        lse = lse.masked_fill(~has_neg, -math.inf)                  # anchor without negatives: softplus(-inf) = 0
-        if tuples is not None: return F.softplus(lse[a1] - sim[a1, p]).mean()
-        per_pair = F.softplus(lse[:, None] - sim) * pos_mask        # dense: no data-dependent shapes, no sync
+        lse = lse.masked_fill(~has_neg, -math.inf)  # anchor without negatives: softplus(-inf) = 0
+        if tuples is not None:
+            return F.softplus(lse[a1] - sim[a1, p]).mean()
+        per_pair = F.softplus(lse[:, None] - sim) * pos_mask  # dense: no data-dependent shapes, no sync
         return per_pair.sum() / pos_mask.sum().clamp_min(1)
 
 # %% ../../nbs/23_proxy_nce.ipynb #512c79aa
@@ -141,63 +176,94 @@ def _check_query_keys_queue(loss_name: str, query: Tensor, keys: Tensor, queue: 
     check_batch(query, None, loss_name, name="query")
     _no_tuples(loss_name, tuples)
     if keys is None or queue is None:
-        raise ValueError(f"{loss_name} needs keyword arguments keys= (positive keys, one per query) and "
-                         "queue= (negative keys) from the momentum encoder")
+        raise ValueError(
+            f"{loss_name} needs keyword arguments keys= (positive keys, one per query) and "
+            "queue= (negative keys) from the momentum encoder"
+        )
     if keys.shape != query.shape:
-        raise ValueError(f"keys must have the shape of query (one positive key per query), got {tuple(keys.shape)} "
-                         f"for query {tuple(query.shape)}")
+        raise ValueError(
+            f"keys must have the shape of query (one positive key per query), got {tuple(keys.shape)} "
+            f"for query {tuple(query.shape)}"
+        )
     if queue.dim() != 2 or queue.shape[1] != query.shape[1]:
         raise ValueError(f"queue must be (num_keys, {query.shape[1]}), got {tuple(queue.shape)}")
     if len(queue) == 0:
-        raise ValueError(f"{loss_name} got an empty queue: fill the queue with keys before the first step "
-                         "(DiVA fills it with 30 batches of keys before training)")
+        raise ValueError(
+            f"{loss_name} got an empty queue: fill the queue with keys before the first step "
+            "(DiVA fills it with 30 batches of keys before training)"
+        )
+
 
 def _full_precision(*tensors: Tensor) -> tuple[Tensor, ...]:
     "The tensors in one dtype of at least float32 (half and bfloat16 inputs are upcast; float64 stays)."
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
     return tuple(t.to(dtype) for t in tensors)
 
+
 @LOSSES.register("nce_queue")
 class QueueNCELoss(RankingLoss):
     "MoCo-style NCE: each query against its positive key and a queue of negative keys."
+
     extra_inputs: tuple[str, ...] = ("keys", "queue")
 
     def __init__(self, temperature: float = 0.07, include_positive: bool = True, distance: str | Distance = "cosine"):
         super().__init__(distance)
-        if temperature <= 0: raise ValueError(f"temperature must be positive, got {temperature}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
         self.temperature, self.include_positive = float(temperature), bool(include_positive)
 
-    def forward(self, query: Tensor, labels: Tensor | None = None, tuples=None, *, keys: Tensor,
-                queue: Tensor) -> Tensor:
+    def forward(
+        self, query: Tensor, labels: Tensor | None = None, tuples=None, *, keys: Tensor, queue: Tensor
+    ) -> Tensor:
         _check_query_keys_queue(type(self).__name__, query, keys, queue, tuples)
-        if len(query) == 0: return zero_loss(query, keys)
-        with torch.autocast(query.device.type, enabled=False):       # fp32 even under autocast (see DaNCE)
+        if len(query) == 0:
+            return zero_loss(query, keys)
+        with torch.autocast(query.device.type, enabled=False):  # fp32 even under autocast (see DaNCE)
             d = self.distance
             q, k, k_neg = (d.embed(t) for t in _full_precision(query, keys, queue))
             pos = d.as_similarity(d.rowwise(q, k)) / self.temperature
             logits = d.as_similarity(d.matrix(q, k_neg)) / self.temperature
-            if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
+            if self.include_positive:
+                logits = torch.cat([pos[:, None], logits], dim=1)
             return (torch.logsumexp(logits, dim=1) - pos).mean()
 
 # %% ../../nbs/23_proxy_nce.ipynb #0567de18
 DANCE_AXES = ("key", "query")
 
+
 @LOSSES.register("dance")
 class DaNCELoss(RankingLoss):
     "Distance-adapted NCE (DiVA eq. 6): queue negatives weighted by inverse sphere-distance density (cosine only)."
+
     extra_inputs: tuple[str, ...] = ("keys", "queue")
 
-    def __init__(self, temperature: float = 0.01, lower_cutoff: float = 0.5, upper_cutoff: float | None = 1.4,
-                 include_positive: bool = False, normalize: str = "key"):
-        super().__init__("cosine")        # the weights are the density of distances on the unit sphere
-        if temperature <= 0: raise ValueError(f"temperature must be positive, got {temperature}")
-        if not lower_cutoff >= 0: raise ValueError(f"lower_cutoff must be >= 0, got {lower_cutoff}")
+    def __init__(
+        self,
+        temperature: float = 0.01,
+        lower_cutoff: float = 0.5,
+        upper_cutoff: float | None = 1.4,
+        include_positive: bool = False,
+        normalize: str = "key",
+    ):
+        super().__init__("cosine")  # the weights are the density of distances on the unit sphere
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if not lower_cutoff >= 0:
+            raise ValueError(f"lower_cutoff must be >= 0, got {lower_cutoff}")
         if upper_cutoff is not None and not upper_cutoff > lower_cutoff:
-            raise ValueError(f"need lower_cutoff < upper_cutoff (or upper_cutoff=None), got {lower_cutoff}, {upper_cutoff}")
+            raise ValueError(
+                f"need lower_cutoff < upper_cutoff (or upper_cutoff=None), got {lower_cutoff}, {upper_cutoff}"
+            )
         if normalize not in DANCE_AXES:
-            raise ValueError(f"normalize must be 'key' (per key over the batch, the authors' default) or 'query' "
-                             f"(per query over the queue, their --diva_fixed), got {normalize!r}")
-        self.temperature, self.lower_cutoff, self.include_positive = float(temperature), float(lower_cutoff), bool(include_positive)
+            raise ValueError(
+                f"normalize must be 'key' (per key over the batch, the authors' default) or 'query' "
+                f"(per query over the queue, their --diva_fixed), got {normalize!r}"
+            )
+        self.temperature, self.lower_cutoff, self.include_positive = (
+            float(temperature),
+            float(lower_cutoff),
+            bool(include_positive),
+        )
         self.upper_cutoff = None if upper_cutoff is None else float(upper_cutoff)
         self.normalize = normalize
         self.last_stats: dict[str, Tensor] = {}
@@ -208,31 +274,37 @@ class DaNCELoss(RankingLoss):
         return self._weights(q @ k.T, dim=q.shape[1])
 
     def _within_cutoff(self, sim: Tensor) -> Tensor:
-        if self.upper_cutoff is None: return torch.ones_like(sim, dtype=torch.bool)
+        if self.upper_cutoff is None:
+            return torch.ones_like(sim, dtype=torch.bool)
         return (2 - 2 * sim.detach()).clamp_min(0).sqrt() <= self.upper_cutoff
 
     def _weights(self, sim: Tensor, dim: int) -> Tensor:
-        dist = (2 - 2 * sim.detach()).clamp_min(0).sqrt()          # d = sqrt(2 - 2 q.k) on the sphere
+        dist = (2 - 2 * sim.detach()).clamp_min(0).sqrt()  # d = sqrt(2 - 2 q.k) on the sphere
         log_w = log_inverse_sphere_density(dist, dim, self.lower_cutoff)
         valid = torch.isfinite(log_w) & self._within_cutoff(sim)
         axis = 0 if self.normalize == "key" else 1
         log_w = log_w.masked_fill(~valid, -math.inf)
         w = (log_w - log_w.amax(axis, keepdim=True).nan_to_num(0.0, neginf=0.0)).exp() * valid
         total = w.sum(axis, keepdim=True)
-        uniform = torch.full_like(total, 1.0 / w.shape[axis])      # a line with no valid entry (the code's 1e-45 clamp)
+        uniform = torch.full_like(total, 1.0 / w.shape[axis])  # a line with no valid entry (the code's 1e-45 clamp)
         return torch.where(total > 0, w / total.clamp_min(torch.finfo(w.dtype).tiny), uniform)
 
-    def forward(self, query: Tensor, labels: Tensor | None = None, tuples=None, *, keys: Tensor,
-                queue: Tensor) -> Tensor:
+    def forward(
+        self, query: Tensor, labels: Tensor | None = None, tuples=None, *, keys: Tensor, queue: Tensor
+    ) -> Tensor:
         _check_query_keys_queue(type(self).__name__, query, keys, queue, tuples)
-        if len(query) == 0: return zero_loss(query, keys)
-        with torch.autocast(query.device.type, enabled=False):       # fp32 even under autocast
+        if len(query) == 0:
+            return zero_loss(query, keys)
+        with torch.autocast(query.device.type, enabled=False):  # fp32 even under autocast
             q, k, k_neg = (F.normalize(t, dim=1) for t in _full_precision(query, keys, queue))
-            pos = (q * k).sum(1) / self.temperature                    # (B,)   positive logit, unweighted
-            sim = q @ k_neg.T                                          # (B, K)
+            pos = (q * k).sum(1) / self.temperature  # (B,)   positive logit, unweighted
+            sim = q @ k_neg.T  # (B, K)
             w = self._weights(sim, dim=q.shape[1])
-            self.last_stats = {"nonzero_weight_fraction": (w > 0).float().mean().detach(),
-                               "within_cutoff_fraction": self._within_cutoff(sim).float().mean()}
+            self.last_stats = {
+                "nonzero_weight_fraction": (w > 0).float().mean().detach(),
+                "within_cutoff_fraction": self._within_cutoff(sim).float().mean(),
+            }
             logits = w * sim / self.temperature
-            if self.include_positive: logits = torch.cat([pos[:, None], logits], dim=1)
+            if self.include_positive:
+                logits = torch.cat([pos[:, None], logits], dim=1)
             return (torch.logsumexp(logits, dim=1) - pos).mean()

@@ -4,12 +4,23 @@
 
 # %% ../../nbs/00_core.ipynb #fd546218
 from __future__ import annotations
-import datetime, errno, hashlib, json, os, random, shutil, socket, sys, tempfile
+import datetime
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-if TYPE_CHECKING: import torch   # annotations only: importing dml_nb.core.base does not import torch
+
+if TYPE_CHECKING:
+    import torch  # annotations only: importing dml_nb.core.base does not import torch
 
 # %% auto #0
 __all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'DiskWriteError', 'disk_cause',
@@ -25,15 +36,19 @@ def in_test() -> bool:
 def seed_everything(seed: int, cuda: bool = True) -> "torch.Generator":
     "Seed Python, NumPy and torch (CPU, and CUDA unless `cuda=False`); return a `torch.Generator` seeded with `seed`."
     import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)   # torch.manual_seed also queues a lazy CUDA seeding: ~3 ms a call
-    if cuda and torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues a lazy CUDA seeding: ~3 ms a call
+    if cuda and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
     return torch.Generator().manual_seed(seed)
+
 
 def derive_seed(*keys: int) -> int:
     "A 63-bit seed that depends on every (non-negative integer) key."
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
 
 def name_key(name: str) -> int:
     "A stable 63-bit integer of the string `name` (its SHA-256): the domain of a named random stream."
@@ -41,60 +56,84 @@ def name_key(name: str) -> int:
         raise ValueError(f"a random stream is named by a non-empty string (e.g. 'diva/queue-fill'), got {name!r}")
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
 
+
 def stream_seed(seed: int, name: str, *keys: int) -> int:
     "The seed of random stream `name` of a run seeded with `seed`, at position `keys` (e.g. epoch, step)."
     return derive_seed(seed, name_key(name), *keys)
 
+
 def get_device(device: "str | torch.device | None" = "auto") -> "torch.device":
     "Resolve `'auto'` (CUDA if available, else CPU) or a device name; an unavailable CUDA device is an error."
     import torch
+
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {str(device)!r} was asked for but CUDA is not available here; "
-                           "use device='cpu' or device='auto'")
+        raise RuntimeError(
+            f"device {str(device)!r} was asked for but CUDA is not available here; use device='cpu' or device='auto'"
+        )
     return device
 
 # %% ../../nbs/00_core.ipynb #237789a4
 class DiskWriteError(OSError):
     "A result could not be written: disk full, read-only file system, quota exceeded or no permission."
 
-_DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-                errno.EPERM: "operation not permitted"}
+
+_DISK_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
 
 def disk_cause(e: BaseException | None) -> OSError | None:
     "The `OSError` with a disk errno in `e` or its cause/context chain (`torch.save` wraps it in a RuntimeError)."
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS: return e
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e
         e = e.__cause__ or e.__context__
     return None
 
+
 def _free_space(folder: Path) -> str:
-    while not folder.exists() and folder != folder.parent: folder = folder.parent
-    try: free = shutil.disk_usage(folder).free
-    except OSError: return "unknown"
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return "unknown"
     for unit in ("B", "KB", "MB", "GB", "TB"):
-        if free < 1024 or unit == "TB": return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        if free < 1024 or unit == "TB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
         free /= 1024
 
-def disk_write_error(path: str | Path, cause: OSError,
-                     elsewhere: str = "dml-train -o / --runs-dir, or run(runs_dir=...)") -> DiskWriteError:
+
+def disk_write_error(
+    path: str | Path, cause: OSError, elsewhere: str = "dml-train -o / --runs-dir, or run(runs_dir=...)"
+) -> DiskWriteError:
     "A one-line `DiskWriteError` for a failed write of `path`; `elsewhere` says how to write somewhere else."
     path = Path(path)
     what = _DISK_ERRNOS.get(cause.errno, cause.strerror or str(cause))
-    fix = {errno.ENOSPC: "free some space there or write elsewhere",
-           errno.EDQUOT: "free some of your quota or write elsewhere",
-           errno.EROFS: "write to a writable folder"}.get(cause.errno, "make the folder writable or write elsewhere")
-    err = DiskWriteError(cause.errno, f"cannot write {path}: {what} (free space there: {_free_space(path.parent)}); "
-                                      f"{fix} ({elsewhere})")
+    fix = {
+        errno.ENOSPC: "free some space there or write elsewhere",
+        errno.EDQUOT: "free some of your quota or write elsewhere",
+        errno.EROFS: "write to a writable folder",
+    }.get(cause.errno, "make the folder writable or write elsewhere")
+    err = DiskWriteError(
+        cause.errno, f"cannot write {path}: {what} (free space there: {_free_space(path.parent)}); {fix} ({elsewhere})"
+    )
     err.filename = str(path)
     return err
 
-def tmp_prefix(path: Path) -> str: return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
+def tmp_prefix(path: Path) -> str:
+    return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
 
 def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -> Path:
     "Write `path` atomically. `write` is bytes, text, or a function that writes to an open binary file."
@@ -104,62 +143,89 @@ def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            if isinstance(write, str): f.write(write.encode())
-            elif isinstance(write, (bytes, bytearray)): f.write(write)
-            else: write(f)
-            f.flush(); os.fsync(f.fileno())
-        umask = os.umask(0); os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)   # mkstemp creates 0600: give the file the mode a plain open() would
+            if isinstance(write, str):
+                f.write(write.encode())
+            elif isinstance(write, (bytes, bytearray)):
+                f.write(write)
+            else:
+                write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600: give the file the mode a plain open() would
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None and os.path.exists(tmp): os.unlink(tmp)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         cause = disk_cause(e) if isinstance(e, Exception) else None
-        if cause is not None and not isinstance(e, DiskWriteError): raise disk_write_error(path, cause) from e
+        if cause is not None and not isinstance(e, DiskWriteError):
+            raise disk_write_error(path, cause) from e
         raise
     return path
+
 
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     "`torch.save` through `atomic_write`."
     import torch
+
     return atomic_write(path, lambda f: torch.save(obj, f))
+
 
 def atomic_json(obj: Any, path: str | Path) -> Path:
     "Write `obj` as indented JSON, atomically."
     return atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
 
+
 def _json_default(o):
-    if isinstance(o, (np.integer,)): return int(o)
-    if isinstance(o, (np.floating,)): return float(o)
-    if isinstance(o, np.ndarray): return o.tolist()
-    torch = sys.modules.get("torch")            # a tensor can only exist if torch was imported
-    if torch is not None and isinstance(o, torch.Tensor): return o.tolist()
-    if isinstance(o, Path): return str(o)
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch was imported
+    if torch is not None and isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
 
+
 def _pid_alive(pid: int) -> bool:
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
+
 
 def _tmp_pid(name: str, host: str) -> int | None:
     "The pid in a temporary file name of `atomic_write` on `host`, else None."
     i = name.rfind(f".{host}-")
-    pid = name[i + len(host) + 2:].split(".", 1)[0] if i >= 0 else ""
+    pid = name[i + len(host) + 2 :].split(".", 1)[0] if i >= 0 else ""
     return int(pid) if pid.isdigit() else None
+
 
 def remove_temp_files(folder: str | Path, everything: bool = False) -> list[Path]:
     """Delete the temporary files that writes killed midway left in `folder` (not its subfolders); returns them.
     `everything=True` (the caller holds the folder's lock, so nothing else writes there) deletes every `.*.tmp`;
     otherwise only those of processes on this host that no longer run."""
     folder, host, gone = Path(folder), socket.gethostname(), []
-    if not folder.is_dir(): return gone
+    if not folder.is_dir():
+        return gone
     for p in folder.iterdir():
-        if not (p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()): continue
+        if not (p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()):
+            continue
         pid = _tmp_pid(p.name, host)
         if everything or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
-            try: p.unlink(); gone.append(p)
-            except FileNotFoundError: pass
+            try:
+                p.unlink()
+                gone.append(p)
+            except FileNotFoundError:
+                pass
     return gone
 
 # %% ../../nbs/00_core.ipynb #85ccc5ab
@@ -171,12 +237,15 @@ def config_hash(config: dict, length: int = 12) -> str:
 # %% ../../nbs/00_core.ipynb #a21bcd8b
 def data_root(name: str, root: str | Path | None = None) -> Path:
     "`root` if given, else `$DML_DATA/<name>`; a missing `$DML_DATA` is an error that says how to set it."
-    if root is not None: return Path(root).expanduser()
+    if root is not None:
+        return Path(root).expanduser()
     base = os.environ.get("DML_DATA")
     if not base:
-        raise FileNotFoundError(f"no root given for dataset {name!r} and $DML_DATA is not set: pass "
-                                f"root=... or export DML_DATA=/path/to/datasets (the data then lives in "
-                                f"$DML_DATA/{name})")
+        raise FileNotFoundError(
+            f"no root given for dataset {name!r} and $DML_DATA is not set: pass "
+            f"root=... or export DML_DATA=/path/to/datasets (the data then lives in "
+            f"$DML_DATA/{name})"
+        )
     return Path(base).expanduser() / name
 
 # %% ../../nbs/00_core.ipynb #89f4a3bb
@@ -185,79 +254,111 @@ def project_root(start: str | Path | None = None) -> Path:
     here = Path(start or os.getcwd()).resolve()
     for d in (here, *here.parents):
         ini = d / "settings.ini"
-        if ini.exists() and "lib_name = dml_nb" in ini.read_text(): return d
+        if ini.exists() and "lib_name = dml_nb" in ini.read_text():
+            return d
     return here
+
 
 def source_hash() -> str:
     "A hash of the installed library's source files: what decides whether smoke runs and reproductions are stale."
     import dml_nb
+
     h = hashlib.sha1()
-    for p in sorted(Path(dml_nb.__file__).parent.rglob("*.py")): h.update(p.read_bytes())
+    for p in sorted(Path(dml_nb.__file__).parent.rglob("*.py")):
+        h.update(p.read_bytes())
     return h.hexdigest()[:10]
 
 # %% ../../nbs/00_core.ipynb #dfdb4d20
 class RunLockedError(RuntimeError):
     "Another process holds the lock of a run directory."
 
+
 def _holder(path: Path) -> dict:
-    try: return json.loads(path.read_text() or "{}")
-    except (OSError, ValueError): return {}
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
 
 def describe_holder(h: dict) -> str:
     "'pid 123 on host gpu1 since 2025-01-01T10:00:00+00:00 (dml-train a.yaml)' from a lock file's record."
-    if not h: return "another process (no record of which)"
+    if not h:
+        return "another process (no record of which)"
     cmd = f" ({h['command']})" if h.get("command") else ""
     return f"pid {h.get('pid', '?')} on host {h.get('host', '?')} since {h.get('since', '?')}{cmd}"
+
 
 class lock_dir:
     """Exclusive lock on `folder` (created if needed) while the `with` block runs: `RunLockedError` naming the
     holder if another process has it, or, with `wait=True`, wait for it (`on_wait(holder)` is called once first)."""
+
     def __init__(self, folder: str | Path, wait: bool = False, on_wait: Callable[[dict], None] | None = None):
         self.folder, self.wait, self.on_wait = Path(folder), wait, on_wait
         self.path, self.fd, self.previous = self.folder / ".lock", None, {}
 
     def __enter__(self) -> "lock_dir":
         import fcntl
+
         waited = False
         while True:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as e:
-                if e.errno in _DISK_ERRNOS: raise disk_write_error(self.path, e) from e
+                if e.errno in _DISK_ERRNOS:
+                    raise disk_write_error(self.path, e) from e
                 raise
             try:
-                try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     holder = _holder(self.path)
                     if not self.wait:
-                        raise RunLockedError(f"{self.folder} is in use by {describe_holder(holder)}: wait for it "
-                                             "(dml-train --wait, or run(..., wait=True)) or use another run directory")
-                    if not waited and self.on_wait is not None: self.on_wait(holder)
+                        raise RunLockedError(
+                            f"{self.folder} is in use by {describe_holder(holder)}: wait for it "
+                            "(dml-train --wait, or run(..., wait=True)) or use another run directory"
+                        )
+                    if not waited and self.on_wait is not None:
+                        self.on_wait(holder)
                     waited = True
                     fcntl.flock(fd, fcntl.LOCK_EX)
-                try: same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-                except FileNotFoundError: same = False
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
             except BaseException:
-                os.close(fd); raise
-            if same: break
-            os.close(fd)        # the folder was removed while we waited: lock the new one
+                os.close(fd)
+                raise
+            if same:
+                break
+            os.close(fd)  # the folder was removed while we waited: lock the new one
         self.fd, self.previous = fd, _holder(self.path)
-        record = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300] if sys.argv and sys.argv[0] else ""}
-        os.ftruncate(fd, 0); os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300] if sys.argv and sys.argv[0] else "",
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         return self
 
     def __exit__(self, *exc) -> None:
         import fcntl
+
         if self.fd is not None:
-            try: os.ftruncate(self.fd, 0)    # nobody holds it now
-            except OSError: pass
-            fcntl.flock(self.fd, fcntl.LOCK_UN); os.close(self.fd); self.fd = None
+            try:
+                os.ftruncate(self.fd, 0)  # nobody holds it now
+            except OSError:
+                pass
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
     def release_and_remove(self) -> None:
         "Remove the folder's lock file and release the lock (for a folder about to be deleted)."
-        try: self.path.unlink()
-        except FileNotFoundError: pass
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
         self.__exit__()

@@ -19,63 +19,98 @@ class ConfigError(ValueError):
 class _Loader(yaml.SafeLoader):
     "`yaml.SafeLoader` with YAML 1.2 numbers and booleans, and duplicate keys refused."
 
+
 _Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in rs if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float", "tag:yaml.org,2002:int")]
-    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    ch: [
+        (tag, rx)
+        for tag, rx in rs
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float", "tag:yaml.org,2002:int")
+    ]
+    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 _Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node), 10))
+
 
 def _no_duplicates(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge": continue
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=True)
         if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping (first on "
-                                                    f"line {seen[key] + 1}); keep one", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} appears twice in one mapping (first on line {seen[key] + 1}); keep one",
+                key_node.start_mark,
+            )
         seen[key] = key_node.start_mark.line
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
 _Loader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _no_duplicates(loader, node))
 
-MAX_YAML_NODES = 100_000   # a parameter file has hundreds; aliases that expand past this are refused (an alias bomb)
+MAX_YAML_NODES = 100_000  # a parameter file has hundreds; aliases that expand past this are refused (an alias bomb)
+
 
 def _expanded_size(node, memo: dict) -> int:
     "The number of nodes `node` stands for with every alias expanded, counted without expanding (memoised per node)."
-    if id(node) in memo: return memo[id(node)]
-    memo[id(node)] = 1                                  # a node that contains itself counts once
-    if isinstance(node, yaml.SequenceNode): n = 1 + sum(_expanded_size(c, memo) for c in node.value)
-    elif isinstance(node, yaml.MappingNode): n = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    else: n = 1
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a node that contains itself counts once
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded_size(c, memo) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        n = 1
     memo[id(node)] = n
     return n
+
 
 def _load_bounded(text: str, source: str):
     "`text` composed, its expanded size checked against `MAX_YAML_NODES`, then constructed."
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
-        if node is None: return None
-        try: size = _expanded_size(node, {})
-        except RecursionError: size = MAX_YAML_NODES + 1
+        if node is None:
+            return None
+        try:
+            size = _expanded_size(node, {})
+        except RecursionError:
+            size = MAX_YAML_NODES + 1
         if size > MAX_YAML_NODES:
-            raise ConfigError(f"{source}: its aliases (*name) expand to more than {MAX_YAML_NODES:,} values (an alias "
-                              "bomb?); a parameter file needs far fewer: write the values out, or use 'base:' files")
+            raise ConfigError(
+                f"{source}: its aliases (*name) expand to more than {MAX_YAML_NODES:,} values (an alias "
+                "bomb?); a parameter file needs far fewer: write the values out, or use 'base:' files"
+            )
         return loader.construct_document(node)
-    finally: loader.dispose()
+    finally:
+        loader.dispose()
+
 
 def parse_yaml(text: str, source: str = "<string>"):
     """YAML `text` with `_Loader`; a syntax error, a duplicate key or aliases that expand past `MAX_YAML_NODES` are a
     one-line `ConfigError` naming `source` (and the line)."""
-    try: return _load_bounded(text, source)
+    try:
+        return _load_bounded(text, source)
     except yaml.MarkedYAMLError as e:
         mark, ctx = e.problem_mark or e.context_mark, e.context_mark
         where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
         what = "; ".join(str(x) for x in (e.context, e.problem) if x)
-        if ctx is not None and mark is not None and ctx.line != mark.line: what += f" (it started on line {ctx.line + 1})"
+        if ctx is not None and mark is not None and ctx.line != mark.line:
+            what += f" (it started on line {ctx.line + 1})"
         raise ConfigError(f"{where}: {what}" if what else f"{where}: invalid YAML") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: invalid YAML ({' '.join(str(e).split())})") from None

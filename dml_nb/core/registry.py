@@ -4,7 +4,11 @@
 
 # %% ../../nbs/01_registry.ipynb #e128c97e
 from __future__ import annotations
-import ast, difflib, importlib, importlib.util, re
+import ast
+import difflib
+import importlib
+import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,125 +24,183 @@ def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     return ValueError(f"unknown {kind} {name!r}.{hint} Valid {kind}s: {', '.join(valid)}")
 
-METRICS = ("recall@K", "map@r", "r_precision", "nmi", "spectral_decay")   # evaluated by dml_nb.evaluation.metrics.evaluate
+
+METRICS = (
+    "recall@K",
+    "map@r",
+    "r_precision",
+    "nmi",
+    "spectral_decay",
+)  # evaluated by dml_nb.evaluation.metrics.evaluate
 RETRIEVAL_METRICS = ("map@r", "r_precision")
+
 
 def parse_metric(name: str) -> int | str:
     "k of 'recall@k', or the name of another metric of `METRICS`; an unknown name is an error with suggestions."
     if isinstance(name, str):
         m = re.fullmatch(r"recall@(\d+)", name)
-        if m and int(m.group(1)) >= 1: return int(m.group(1))
-        if name in METRICS[1:]: return name
+        if m and int(m.group(1)) >= 1:
+            return int(m.group(1))
+        if name in METRICS[1:]:
+            return name
     raise unknown_name_error("metric", name, ["recall@1", "recall@2", "recall@4", "recall@8", *METRICS[1:]])
 
 # %% ../../nbs/01_registry.ipynb #c066df8f
 import inspect
 
-_UNKNOWN = object()   # a fact the source does not state plainly: import the module to learn it
+_UNKNOWN = object()  # a fact the source does not state plainly: import the module to learn it
+
 
 def _live_spec(obj) -> dict:
     "Options (keyword arguments) and whether it takes **kwargs, from the imported object."
     sig = inspect.signature(obj)
     ps = sig.parameters.values()
-    return {"options": [p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"],
-            "var_kw": any(p.kind == p.VAR_KEYWORD for p in ps), "attrs": None,
-            "defaults": {p.name: p.default for p in ps if p.default is not p.empty}}
+    return {
+        "options": [p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"],
+        "var_kw": any(p.kind == p.VAR_KEYWORD for p in ps),
+        "attrs": None,
+        "defaults": {p.name: p.default for p in ps if p.default is not p.empty},
+    }
+
 
 class _Source:
     "Top-level classes and imports of a package's modules, read with `ast` (nothing is imported)."
-    def __init__(self): self._trees = {}
+
+    def __init__(self):
+        self._trees = {}
+
     def module(self, name: str) -> dict | None:
         if name not in self._trees:
             try:
                 spec = importlib.util.find_spec(name)
                 tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
-            except Exception: self._trees[name] = None; return None
+            except Exception:
+                self._trees[name] = None
+                return None
             classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
             funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
             imports, package = {}, name.rpartition(".")[0]
             for n in ast.walk(tree):
                 if isinstance(n, ast.ImportFrom) and n.module:
                     mod = (package + "." + n.module) if n.level == 1 else n.module if n.level == 0 else None
-                    for a in n.names: imports[a.asname or a.name] = (mod, a.name)
+                    for a in n.names:
+                        imports[a.asname or a.name] = (mod, a.name)
             self._trees[name] = {"tree": tree, "classes": classes, "funcs": funcs, "imports": imports}
         return self._trees[name]
+
     def resolve(self, module: str, base: ast.expr):
         "(module, ClassDef) of a base class written as a plain name, `object` -> 'object', else None (external)."
-        if isinstance(base, ast.Name) and base.id == "object": return "object"
-        if not isinstance(base, ast.Name): return None
+        if isinstance(base, ast.Name) and base.id == "object":
+            return "object"
+        if not isinstance(base, ast.Name):
+            return None
         m = self.module(module)
-        if m is None: return None
-        if base.id in m["classes"]: return module, m["classes"][base.id]
+        if m is None:
+            return None
+        if base.id in m["classes"]:
+            return module, m["classes"][base.id]
         mod, name = m["imports"].get(base.id, (None, None))
         if mod and mod.split(".")[0] == module.split(".")[0]:
             t = self.module(mod)
-            if t is not None and name in t["classes"]: return mod, t["classes"][name]
+            if t is not None and name in t["classes"]:
+                return mod, t["classes"][name]
         return None
+
     def mro(self, module: str, cls: ast.ClassDef) -> list:
         "The class and its bases, depth first; `None` stands for a base outside the package (torch's, say)."
         out = [(module, cls)]
         for b in cls.bases:
             r = self.resolve(module, b)
-            if r == "object": continue
+            if r == "object":
+                continue
             rest = [None] if r is None else self.mro(*r)
             out += [x for x in rest if x is None or x not in out]
         return out
 
+
 def _args_spec(fn, drop_first: bool) -> dict:
     a = fn.args
-    names = [x.arg for x in a.args][1 if drop_first else 0:] + [x.arg for x in a.kwonlyargs]
+    names = [x.arg for x in a.args][1 if drop_first else 0 :] + [x.arg for x in a.kwonlyargs]
     const = lambda d: d.value if isinstance(d, ast.Constant) else _UNKNOWN
     defaults = {x.arg: const(d) for x, d in zip((a.posonlyargs + a.args)[::-1], a.defaults[::-1])}
     defaults.update({x.arg: const(d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
     return {"options": [n for n in names if n != "self"], "var_kw": a.kwarg is not None, "defaults": defaults}
 
+
 def _is_register(d) -> bool:
     return isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
+
 
 def _class_spec(src: _Source, module: str, cls: ast.ClassDef) -> dict | None:
     init, attrs, external = None, {}, False
     for link in src.mro(module, cls):
-        if link is None:                        # a base from outside: its constructor and attributes are unknown
-            if init is None: return None
-            external = True; continue
+        if link is None:  # a base from outside: its constructor and attributes are unknown
+            if init is None:
+                return None
+            external = True
+            continue
         c = link[1]
-        if c.keywords or not all(_is_register(d) for d in c.decorator_list): return None   # a metaclass, @dataclass, ...
+        if c.keywords or not all(_is_register(d) for d in c.decorator_list):
+            return None  # a metaclass, @dataclass, ...
         for n in c.body:
             if init is None and isinstance(n, ast.FunctionDef) and n.name == "__init__":
-                if n.decorator_list: return None
+                if n.decorator_list:
+                    return None
                 init = n
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in ("__new__", "__signature__"): return None
-            targets = ([n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else
-                       n.targets if isinstance(n, ast.Assign) else [])
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in ("__new__", "__signature__"):
+                return None
+            targets = (
+                [n.target]
+                if isinstance(n, ast.AnnAssign) and n.value is not None
+                else n.targets
+                if isinstance(n, ast.Assign)
+                else []
+            )
             for t in targets:
                 if isinstance(t, ast.Name) and t.id not in attrs and not external:
                     v = getattr(n, "value", None)
                     attrs[t.id] = v.value if isinstance(v, ast.Constant) else _UNKNOWN
     spec = {"options": [], "var_kw": False} if init is None else _args_spec(init, drop_first=True)
-    if spec["var_kw"]: return None              # **options passed on (e.g. a recipe with other defaults): import to see them
+    if spec["var_kw"]:
+        return None  # **options passed on (e.g. a recipe with other defaults): import to see them
     return {**spec, "attrs": attrs, "complete": not external}
+
 
 def _static_registrations(modules, symbol: str) -> dict | None:
     "{name: spec or None} of everything `modules` register with `@<symbol>.register(...)`; None if not all can be read."
     src, out = _Source(), {}
     for module in modules:
         m = src.module(module)
-        if m is None: return None
+        if m is None:
+            return None
         decorating = set()
         for node in m["tree"].body:
-            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)): continue
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                continue
             for d in node.decorator_list:
-                if not (_is_register(d) and isinstance(d.func.value, ast.Name) and d.func.value.id == symbol): continue
+                if not (_is_register(d) and isinstance(d.func.value, ast.Name) and d.func.value.id == symbol):
+                    continue
                 decorating.add(id(d))
                 args = list(d.args) + [k.value for k in d.keywords if k.arg == "name"]
-                if args and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, (str, type(None)))): return None
+                if args and not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, (str, type(None)))):
+                    return None
                 name = (args[0].value if args else None) or node.name.lower()
-                if isinstance(node, ast.ClassDef): out[name] = _class_spec(src, module, node)
-                else: out[name] = {**_args_spec(node, drop_first=False), "attrs": {}} if node.decorator_list == [d] else None
-        for n in ast.walk(m["tree"]):   # a registration written any other way: the source cannot list the names
-            if _is_register(n) and isinstance(n.func.value, ast.Name) and n.func.value.id == symbol and id(n) not in decorating:
+                if isinstance(node, ast.ClassDef):
+                    out[name] = _class_spec(src, module, node)
+                else:
+                    out[name] = (
+                        {**_args_spec(node, drop_first=False), "attrs": {}} if node.decorator_list == [d] else None
+                    )
+        for n in ast.walk(m["tree"]):  # a registration written any other way: the source cannot list the names
+            if (
+                _is_register(n)
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id == symbol
+                and id(n) not in decorating
+            ):
                 return None
     return out
+
 
 def registering_modules(symbol: str, package: str = "dml_nb") -> tuple[str, ...]:
     "The modules of `package` with a decorator line `@<symbol>.register`, found by reading their source (no import)."
@@ -146,96 +208,140 @@ def registering_modules(symbol: str, package: str = "dml_nb") -> tuple[str, ...]
     pattern = re.compile(rf"^@{re.escape(symbol)}\.register\b", re.M)
     roots = [Path(d) for d in spec.submodule_search_locations]
     files = sorted((r, p) for r in roots for p in r.rglob("*.py") if not p.name.startswith("_"))
-    return tuple(".".join((package, *p.relative_to(r).with_suffix("").parts))
-                 for r, p in files if pattern.search(p.read_text()))
+    return tuple(
+        ".".join((package, *p.relative_to(r).with_suffix("").parts)) for r, p in files if pattern.search(p.read_text())
+    )
+
 
 class Registry:
     "Maps names to classes or factories; `build(name, **kwargs)` validates both."
+
     def __init__(self, kind: str, modules: tuple[str, ...] | None = None, symbol: str | None = None):
         """`modules` are imported on first lookup, so that everything registered there is known. `symbol`, the name
         they decorate with (`@LOSSES.register`), lets names and options be read from their source before that;
         with no `modules`, the package's modules that decorate with it are the ones (`registering_modules`)."""
-        if modules is None: modules = None if symbol else ()
+        if modules is None:
+            modules = None if symbol else ()
         self.kind, self._items, self._module_names, self._loaded = kind, {}, modules, modules == ()
         self.symbol, self._static = symbol, None
+
     @property
     def _modules(self) -> tuple[str, ...]:
-        if self._module_names is None: self._module_names = registering_modules(self.symbol)
+        if self._module_names is None:
+            self._module_names = registering_modules(self.symbol)
         return self._module_names
+
     def _load(self):
         if not self._loaded:
             self._loaded = True
             import importlib
-            for m in self._modules: importlib.import_module(m)
+
+            for m in self._modules:
+                importlib.import_module(m)
+
     def _source(self) -> dict | None:
         "The registrations read from the modules' source while they are not imported, else None."
-        if self._loaded or not self.symbol: return None
-        if self._static is None: self._static = _static_registrations(self._modules, self.symbol) or False
+        if self._loaded or not self.symbol:
+            return None
+        if self._static is None:
+            self._static = _static_registrations(self._modules, self.symbol) or False
         return self._static or None
+
     def register(self, name: str | None = None):
         "Decorator: register a class or function under `name` (default: its lower-case name)."
+
         def deco(obj):
             key = name or obj.__name__.lower()
             old = self._items.get(key)
             if old is not None and old is not obj:
                 if old.__qualname__ != obj.__qualname__:
-                    raise KeyError(f"{self.kind} {key!r} is registered twice ({old.__qualname__} and {obj.__qualname__})")
+                    raise KeyError(
+                        f"{self.kind} {key!r} is registered twice ({old.__qualname__} and {obj.__qualname__})"
+                    )
                 # the same definition again: a re-run notebook cell replaces it, but importing the exported
                 # module does not replace the definition made in a notebook that is being run
-                if old.__module__ == "__main__" and obj.__module__ != "__main__": return obj
+                if old.__module__ == "__main__" and obj.__module__ != "__main__":
+                    return obj
             self._items[key] = obj
             return obj
+
         return deco
+
     def names(self) -> list[str]:
         "Every registered name (read from the source while the modules are not imported)."
         src = self._source()
-        if src is None: self._load(); return sorted(self._items)
+        if src is None:
+            self._load()
+            return sorted(self._items)
         return sorted(set(src) | set(self._items))
-    def __contains__(self, name): return name in self.names()
-    def __iter__(self): return iter(self.names())
-    def __len__(self): return len(self.names())
-    def __repr__(self): return f"Registry({self.kind!r}: {', '.join(self)})"
+
+    def __contains__(self, name):
+        return name in self.names()
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __len__(self):
+        return len(self.names())
+
+    def __repr__(self):
+        return f"Registry({self.kind!r}: {', '.join(self)})"
+
     def get(self, name: str):
         "The registered object for `name`; an unknown name is an error listing the valid ones."
         self._load()
-        if name not in self._items: raise unknown_name_error(self.kind, name, self._items)
+        if name not in self._items:
+            raise unknown_name_error(self.kind, name, self._items)
         return self._items[name]
+
     def spec(self, name: str) -> dict:
         "{'options': keyword options, 'var_kw': takes **kwargs, 'attrs': constant class attributes or None}."
         if name not in self._items:
             src = self._source()
             if src is not None:
-                if name not in src: raise unknown_name_error(self.kind, name, self.names())
-                if src[name] is not None: return src[name]
+                if name not in src:
+                    raise unknown_name_error(self.kind, name, self.names())
+                if src[name] is not None:
+                    return src[name]
         return _live_spec(self.get(name))
+
     def options(self, name: str) -> list[str]:
         "Names of the keyword options that `name` accepts."
         return self.spec(name)["options"]
+
     def accepts_any(self, name: str) -> bool:
         "Whether `name` takes arbitrary keyword options (**kwargs): its options cannot be checked by name."
         return self.spec(name)["var_kw"]
+
     def attr(self, name: str, key: str, default=None):
         "A class attribute of `name` (e.g. a loss's `default_miner`), from the source when it states it plainly."
         spec = self.spec(name)
         attrs = spec["attrs"]
-        if attrs is not None and key in attrs and attrs[key] is not _UNKNOWN: return attrs[key]
-        if attrs is not None and key not in attrs and spec.get("complete", True): return default
+        if attrs is not None and key in attrs and attrs[key] is not _UNKNOWN:
+            return attrs[key]
+        if attrs is not None and key not in attrs and spec.get("complete", True):
+            return default
         return getattr(self.get(name), key, default)
+
     def default(self, name: str, option: str, fallback=None):
         "The default value of `name`'s option `option` (`fallback` when it has none)."
         spec = self.spec(name)
         value = spec.get("defaults", {}).get(option, fallback)
         return _live_spec(self.get(name))["defaults"].get(option, fallback) if value is _UNKNOWN else value
+
     def check_options(self, name: str, options) -> None:
         "An error naming the valid options if `options` holds one that `name` does not take."
-        if self.accepts_any(name): return
+        if self.accepts_any(name):
+            return
         valid = self.options(name)
         for k in options:
             if k not in valid:
                 close = difflib.get_close_matches(k, valid, n=3, cutoff=0.5)
                 hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-                raise TypeError(f"{self.kind} {name!r} has no option {k!r}.{hint} "
-                                f"Valid options: {', '.join(valid) or '(none)'}")
+                raise TypeError(
+                    f"{self.kind} {name!r} has no option {k!r}.{hint} Valid options: {', '.join(valid) or '(none)'}"
+                )
+
     def build(self, name: str, **kwargs):
         "Instantiate `name` with `kwargs`; an option it does not take is an error naming the valid ones."
         obj = self.get(name)
@@ -245,8 +351,10 @@ class Registry:
                 if k not in spec["options"]:
                     close = difflib.get_close_matches(k, spec["options"], n=3, cutoff=0.5)
                     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-                    raise TypeError(f"{self.kind} {name!r} has no option {k!r}.{hint} "
-                                    f"Valid options: {', '.join(spec['options']) or '(none)'}")
+                    raise TypeError(
+                        f"{self.kind} {name!r} has no option {k!r}.{hint} "
+                        f"Valid options: {', '.join(spec['options']) or '(none)'}"
+                    )
         return obj(**kwargs)
 
 # %% ../../nbs/01_registry.ipynb #b354fcea
@@ -254,81 +362,119 @@ MINERS = Registry("miner", symbol="MINERS")
 LOSSES = Registry("loss", symbol="LOSSES")
 BACKBONES = Registry("backbone", symbol="BACKBONES")
 METHODS = Registry("method", symbol="METHODS")
-EMBEDDED_SETS = Registry("embedded dataset", symbol="EMBEDDED_SETS")   # generated sets beyond `shapes` and `digits`
-SHIPPED_WEIGHTS = Registry("shipped weights", symbol="SHIPPED_WEIGHTS")   # weights files that ship with the package
+EMBEDDED_SETS = Registry("embedded dataset", symbol="EMBEDDED_SETS")  # generated sets beyond `shapes` and `digits`
+SHIPPED_WEIGHTS = Registry("shipped weights", symbol="SHIPPED_WEIGHTS")  # weights files that ship with the package
 
 # %% ../../nbs/01_registry.ipynb #93937888
 def _literal(node: ast.expr, names: dict):
     "The value of a constant expression of a module: literals, `dict(key=...)`, and names bound to one at module level."
-    if isinstance(node, ast.Name) and node.id in names: return _literal(names[node.id], names)
+    if isinstance(node, ast.Name) and node.id in names:
+        return _literal(names[node.id], names)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
         return {k.arg: _literal(k.value, names) for k in node.keywords}
-    if isinstance(node, ast.Dict): return {_literal(k, names): _literal(v, names) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.Dict):
+        return {_literal(k, names): _literal(v, names) for k, v in zip(node.keys, node.values)}
     return ast.literal_eval(node)
+
 
 def _static_presets(symbol: str, package: str = "dml_nb") -> dict:
     "{method: {name: (options, doc)}} of every module-level `<symbol>.register(method, name, options, doc)`, from the source."
     spec, out = importlib.util.find_spec(package), {}
     pattern = re.compile(rf"^{re.escape(symbol)}\.register\(", re.M)
-    files = sorted(p for r in spec.submodule_search_locations for p in Path(r).rglob("*.py") if not p.name.startswith("_"))
+    files = sorted(
+        p for r in spec.submodule_search_locations for p in Path(r).rglob("*.py") if not p.name.startswith("_")
+    )
     for path in files:
         text = path.read_text()
-        if not pattern.search(text): continue
+        if not pattern.search(text):
+            continue
         body = ast.parse(text, str(path)).body
-        names = {n.targets[0].id: n.value for n in body if isinstance(n, ast.Assign) and len(n.targets) == 1
-                 and isinstance(n.targets[0], ast.Name)}
+        names = {
+            n.targets[0].id: n.value
+            for n in body
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+        }
         for n in body:
             call = n.value if isinstance(n, ast.Expr) else None
-            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "register"
-                    and isinstance(call.func.value, ast.Name) and call.func.value.id == symbol):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "register"
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == symbol
+            ):
                 method, name, options, doc = (_literal(a, names) for a in call.args)
                 out.setdefault(method, {})[name] = (options, doc)
     return out
+
 
 class Presets:
     """Named paper readings of the methods, as timm names its variants: `method` -> `name` -> (options, doc). A method
     module states each with a module-level `PRESETS.register("method", "name", OPTIONS, "doc")` (OPTIONS: a `dict(...)`
     of constants, or a name bound to one), so that a config's `method.preset` is checked before torch loads."""
-    def __init__(self, symbol: str = "PRESETS"): self.symbol, self._items, self._static = symbol, {}, None
+
+    def __init__(self, symbol: str = "PRESETS"):
+        self.symbol, self._items, self._static = symbol, {}, None
+
     def register(self, method: str, name: str, options: dict, doc: str) -> dict:
         "Name `options` (a reading of a paper or code) for `method`; returns them."
         self._items.setdefault(method, {})[name] = (dict(options), doc)
         return options
+
     def _all(self) -> dict:
-        if self._static is None: self._static = _static_presets(self.symbol)
+        if self._static is None:
+            self._static = _static_presets(self.symbol)
         return {m: {**self._static.get(m, {}), **self._items.get(m, {})} for m in sorted({*self._static, *self._items})}
+
     def names(self, method: str) -> list[str]:
         "The presets of `method`, sorted."
         return sorted(self._all().get(method, {}))
+
     def options(self, method: str, name: str) -> dict:
         "The options of preset `name` of `method` (an unknown name: the error names the nearest and all of them)."
         known = self._all().get(method, {})
         if name not in known:
-            if not known: raise ValueError(f"method {method!r} has no presets (method.preset: {name!r}); methods with presets: "
-                                           f"{', '.join(self._all())}")
+            if not known:
+                raise ValueError(
+                    f"method {method!r} has no presets (method.preset: {name!r}); methods with presets: "
+                    f"{', '.join(self._all())}"
+                )
             close = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise ValueError(f"unknown preset {name!r} of method {method!r} (method.preset).{hint} Its presets: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"unknown preset {name!r} of method {method!r} (method.preset).{hint} Its presets: {', '.join(sorted(known))}"
+            )
         return dict(known[name][0])
+
     def doc(self, method: str, name: str) -> str:
         self.options(method, name)
         return self._all()[method][name][1]
+
     def resolve(self, raw: dict, default_method: str, error: type[Exception] = ValueError) -> dict:
         """A config mapping (`method.options` holding its options) with `method.options.preset` replaced by the preset's
         options under the explicit ones (`default_method`: the method of a config that names none); a bad preset raises
         `error` (the config's `ConfigError`)."""
         method = raw.get("method")
-        if not isinstance(method, dict) or "preset" not in (method.get("options") or {}): return raw
+        if not isinstance(method, dict) or "preset" not in (method.get("options") or {}):
+            return raw
         name, opts = method.get("name", default_method), dict(method["options"])
         preset = opts.pop("preset")
         if not isinstance(preset, str):
-            raise error(f"bad value for method.preset: {preset!r}; expected a preset name of method {name!r}: "
-                        f"{', '.join(self.names(name)) or 'it has none'}")
-        try: base = self.options(name, preset)
-        except ValueError as e: raise error(str(e)) from None
+            raise error(
+                f"bad value for method.preset: {preset!r}; expected a preset name of method {name!r}: "
+                f"{', '.join(self.names(name)) or 'it has none'}"
+            )
+        try:
+            base = self.options(name, preset)
+        except ValueError as e:
+            raise error(str(e)) from None
         return {**raw, "method": {**method, "options": {**base, **opts}}}
+
     def listing(self) -> str:
         "One line per preset: `method.preset`, then its doc."
-        return "\n".join(f"{m}: preset {n} - {doc}" for m, ps in self._all().items() for n, (_, doc) in sorted(ps.items()))
+        return "\n".join(
+            f"{m}: preset {n} - {doc}" for m, ps in self._all().items() for n, (_, doc) in sorted(ps.items())
+        )
+
 
 PRESETS = Presets()

@@ -8,9 +8,11 @@ __all__ = ['load_dataset']
 # %% ../../nbs/18_data.ipynb #ed8d0a4b
 _all_ = ["load_dataset"]
 
+
 def __getattr__(name: str):
     "`dml_nb.data.load_dataset`: `dml_nb.data.datasets.load_dataset`, imported on first use."
     if name == "load_dataset":
         from dml_nb.data.datasets import load_dataset
+
         return load_dataset
     raise AttributeError(f"module 'dml_nb.data' has no attribute {name!r}")

@@ -22,96 +22,134 @@ def without_flips(dataset):
     its random horizontal flips; the other steps draw the same random numbers, so a seed gives the same crop."""
     t = getattr(dataset, "transform", None)
     if not isinstance(t, (v2.Compose, T.Compose)):
-        raise TypeError(f"unflipped batches need a dataset whose transform is a torchvision Compose (as "
-                        f"dml_nb.data.datasets.make_transform builds); {type(dataset).__name__} has {type(t).__name__}: build the "
-                        "dataset with load_dataset, or turn the recipe's unflipped batches off (e.g. shared_flip=True)")
+        raise TypeError(
+            f"unflipped batches need a dataset whose transform is a torchvision Compose (as "
+            f"dml_nb.data.datasets.make_transform builds); {type(dataset).__name__} has {type(t).__name__}: build the "
+            "dataset with load_dataset, or turn the recipe's unflipped batches off (e.g. shared_flip=True)"
+        )
     out = copy.copy(dataset)
-    out.transform = type(t)([s for s in t.transforms if not isinstance(s, (v2.RandomHorizontalFlip, T.RandomHorizontalFlip))])
+    out.transform = type(t)(
+        [s for s in t.transforms if not isinstance(s, (v2.RandomHorizontalFlip, T.RandomHorizontalFlip))]
+    )
     return out
+
 
 class SeededViews(torch.utils.data.Dataset):
     """`ds[(index, seed)]`: seed the RNGs with `seed`, then `{'x', 'y', 'index'}` (+ `'extra_views'` when `views > 1`);
     `ds[(index, seed, False)]`: the same without horizontal flips (`without_flips`)."""
+
     def __init__(self, dataset, views: int = 1):
-        if views < 1: raise ValueError(f"views must be >= 1, got {views}")
+        if views < 1:
+            raise ValueError(f"views must be >= 1, got {views}")
         self.dataset, self.views, self._unflipped = dataset, views, None
-    def __len__(self): return len(self.dataset)
+
+    def __len__(self):
+        return len(self.dataset)
+
     def __getitem__(self, key):
         index, seed, *flip = key
         ds = self.dataset
         if flip and not flip[0]:
-            if self._unflipped is None: self._unflipped = without_flips(self.dataset)
+            if self._unflipped is None:
+                self._unflipped = without_flips(self.dataset)
             ds = self._unflipped
         seed_everything(seed, cuda=False)
         x, y = ds[index]
         item = {"x": x, "y": int(y), "index": int(index)}
-        if self.views > 1: item["extra_views"] = [ds[index][0] for _ in range(self.views - 1)]
+        if self.views > 1:
+            item["extra_views"] = [ds[index][0] for _ in range(self.views - 1)]
         return item
+
 
 class BatchList(torch.utils.data.Sampler):
     "The batches the loader runs next; the learner replaces `batches` every epoch (works with persistent workers)."
-    def __init__(self): self.batches: list = []
-    def __iter__(self): return iter(list(self.batches))
-    def __len__(self): return len(self.batches)
+
+    def __init__(self):
+        self.batches: list = []
+
+    def __iter__(self):
+        return iter(list(self.batches))
+
+    def __len__(self):
+        return len(self.batches)
 
 # %% ../../nbs/17_batches.ipynb #94e3f8e3
-def to_device(batch: dict, device, channels_last: bool = False, transform=None, views: int = 1, generator=None,
-              flip: bool = True) -> dict:
+def to_device(
+    batch: dict, device, channels_last: bool = False, transform=None, views: int = 1, generator=None, flip: bool = True
+) -> dict:
     """Move `batch` to `device`. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
     it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device
     (`flip=False`: without horizontal flips, the same crops). A batch of `JpegItems` ('jpeg': encoded images,
     'boxes', 'flips') is decoded, cropped and normalised on the device by `transform` (a `JpegDecode`)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
+
     def move(v):
         if isinstance(v, torch.Tensor):
             v = v.to(device, non_blocking=True)
             return v.contiguous(memory_format=fmt) if v.dim() == 4 and v.is_floating_point() else v
-        if isinstance(v, list): return [move(u) for u in v]
+        if isinstance(v, list):
+            return [move(u) for u in v]
         return v
-    jpeg = batch.pop("jpeg", None)          # encoded images stay on the CPU: the decoder reads them from there
+
+    jpeg = batch.pop("jpeg", None)  # encoded images stay on the CPU: the decoder reads them from there
     batch = {k: move(v) for k, v in batch.items()}
     if jpeg is not None:
         xs = transform(jpeg, batch.pop("boxes"), batch.pop("flips"), device, flip=flip, index=batch.get("index"))
         batch["x"] = xs[0].contiguous(memory_format=fmt)
-        if len(xs) > 1: batch["extra_views"] = [x.contiguous(memory_format=fmt) for x in xs[1:]]
-    elif transform is not None and "sizes" in batch:   # a cached set's padded uint8 batch (`pad_collate`)
+        if len(xs) > 1:
+            batch["extra_views"] = [x.contiguous(memory_format=fmt) for x in xs[1:]]
+    elif transform is not None and "sizes" in batch:  # a cached set's padded uint8 batch (`pad_collate`)
         raw, sizes = batch.pop("x"), batch.pop("sizes")
         kw = {} if flip else {"flip": False}
         xs = [transform(raw, sizes, generator, **kw).contiguous(memory_format=fmt) for _ in range(views)]
         batch["x"] = xs[0]
-        if views > 1: batch["extra_views"] = xs[1:]
+        if views > 1:
+            batch["extra_views"] = xs[1:]
     return batch
 
 # %% ../../nbs/17_batches.ipynb #b0377481
-import io, warnings
+import io
+import warnings
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms.v2 import functional as TF
 
 from .cache import BatchAugment
 
+
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
     "(height, width) of a baseline or progressive JPEG in RGB or grey, read from its header; None for anything else."
-    if data[:2] != b"\xff\xd8": return None
+    if data[:2] != b"\xff\xd8":
+        return None
     with Image.open(io.BytesIO(data)) as im:
         return (im.height, im.width) if im.format == "JPEG" and im.mode in ("RGB", "L") else None
+
 
 def random_resized_crop_params(height: int, width: int, scale, ratio) -> tuple[int, int, int, int]:
     """(top, left, height, width): torchvision's `RandomResizedCrop.get_params` for an image of `height` x `width`,
     drawn from torch's global RNG exactly as the PIL path draws it, from the size alone (no pixels)."""
-    return tuple(T.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(1, height, width), list(scale), list(ratio)))
+    return tuple(
+        T.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(1, height, width), list(scale), list(ratio))
+    )
+
 
 def _decode_jpeg(data, device):
     "torchvision's `decode_jpeg` in RGB; its notice that torchvision 0.29 deprecates it (for TorchCodec) is silenced here."
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*image decoding and encoding capabilities of TorchVision", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*image decoding and encoding capabilities of TorchVision", category=DeprecationWarning
+        )
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
+
 _NVJPEG: dict = {}
+
+
 def nvjpeg_available(device) -> bool:
     "Whether `decode_jpeg` decodes on the CUDA `device` here (torchvision built with nvJPEG); False for the CPU."
     device = torch.device(device)
-    if device.type != "cuda": return False
+    if device.type != "cuda":
+        return False
     if device not in _NVJPEG:
         try:
             with warnings.catch_warnings():
@@ -119,14 +157,17 @@ def nvjpeg_available(device) -> bool:
                 tiny = encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))
             _decode_jpeg([tiny], device)
             _NVJPEG[device] = True
-        except (RuntimeError, NotImplementedError): _NVJPEG[device] = False
+        except (RuntimeError, NotImplementedError):
+            _NVJPEG[device] = False
     return _NVJPEG[device]
+
 
 class JpegDecode(torch.nn.Module):
     """The device stage of the JPEG path, for one `make_transform` pipeline: decode encoded images (nvJPEG on a
     CUDA device), then per image its box of the full-resolution decode -> float -> resize (train: the box to `size`;
     test: the shorter side to `resize`, then a centre crop) -> flip, then normalise (and RGB -> BGR), with the
     functions the PIL path calls in its order, so that equal decodes give equal pixels."""
+
     def __init__(self, spec: BatchAugment, has_flip: bool):
         super().__init__()
         self.spec, self.has_flip = spec, bool(has_flip)
@@ -136,19 +177,24 @@ class JpegDecode(torch.nn.Module):
         "The stage equivalent to a `dml_nb.data.datasets.make_transform` pipeline; other pipelines are an error naming the step."
         steps = list(getattr(transform, "transforms", [transform]))
         if not steps or not isinstance(steps[0], v2.ToImage) or not any(isinstance(s, v2.ToDtype) for s in steps):
-            raise ValueError(f"the JPEG path runs the dml_nb.data.datasets.make_transform pipelines (ToImage, ToDtype, ...); got "
-                             f"{transform!r}: build the dataset with load_dataset, or use data.decode: pil")
+            raise ValueError(
+                f"the JPEG path runs the dml_nb.data.datasets.make_transform pipelines (ToImage, ToDtype, ...); got "
+                f"{transform!r}: build the dataset with load_dataset, or use data.decode: pil"
+            )
         return cls(BatchAugment.from_transform(transform), any(isinstance(s, v2.RandomHorizontalFlip) for s in steps))
 
     @property
-    def train_mode(self) -> bool: return self.spec.train_mode
+    def train_mode(self) -> bool:
+        return self.spec.train_mode
 
     def draw(self, height: int, width: int, views: int = 1, flip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(views, 4) boxes and (views,) flips for an image of `height` x `width`, drawn from torch's global RNG in
         the PIL path's order (per view: the crop's draws, then the flip's unless `flip=False`); test: the whole image."""
         s, boxes, flips = self.spec, [], []
         for _ in range(views):
-            boxes.append(random_resized_crop_params(height, width, s.scale, s.ratio) if s.train_mode else (0, 0, height, width))
+            boxes.append(
+                random_resized_crop_params(height, width, s.scale, s.ratio) if s.train_mode else (0, 0, height, width)
+            )
             flips.append(bool(s.train_mode and self.has_flip and flip and torch.rand(1) < s.flip))
         return torch.tensor(boxes, dtype=torch.long), torch.tensor(flips, dtype=torch.bool)
 
@@ -158,7 +204,8 @@ class JpegDecode(torch.nn.Module):
         out, enc = list(data), [i for i, d in enumerate(data) if d.dim() == 1]
         if enc:
             on = device if device.type == "cuda" else "cpu"
-            for i, x in zip(enc, _decode_jpeg([data[i] for i in enc], on)): out[i] = x
+            for i, x in zip(enc, _decode_jpeg([data[i] for i in enc], on)):
+                out[i] = x
         return [x.to(device, non_blocking=True) for x in out]
 
     def view(self, image: torch.Tensor, box, flip: bool) -> torch.Tensor:
@@ -166,11 +213,14 @@ class JpegDecode(torch.nn.Module):
         s = self.spec
         if s.train_mode:
             top, left, h, w = (int(v) for v in box)
-            x = TF.to_dtype(image[:, top:top + h, left:left + w], torch.float32, scale=True)
+            x = TF.to_dtype(image[:, top : top + h, left : left + w], torch.float32, scale=True)
             x = TF.resize(x, [s.size, s.size], antialias=True)
         else:
-            x = TF.resize(TF.to_dtype(image, torch.float32, scale=True), [s.resize], antialias=True) if s.resize else \
-                TF.to_dtype(image, torch.float32, scale=True)
+            x = (
+                TF.resize(TF.to_dtype(image, torch.float32, scale=True), [s.resize], antialias=True)
+                if s.resize
+                else TF.to_dtype(image, torch.float32, scale=True)
+            )
             x = TF.center_crop(x, [s.size, s.size])
         return TF.horizontal_flip(x) if flip else x
 
@@ -178,67 +228,98 @@ class JpegDecode(torch.nn.Module):
         x = TF.normalize(x, list(self.spec.mean), list(self.spec.std))
         return x.flip(-3) if self.spec.bgr else x
 
-    def forward(self, data: list, boxes: torch.Tensor, flips: torch.Tensor, device, flip: bool = True,
-                index=None) -> list[torch.Tensor]:
+    def forward(
+        self, data: list, boxes: torch.Tensor, flips: torch.Tensor, device, flip: bool = True, index=None
+    ) -> list[torch.Tensor]:
         """`views` normalised float batches (N, 3, size, size) on `device` from N encoded (or decoded) images and their
         (N, views, 4) boxes and (N, views) flips; `flip=False` leaves every view unflipped."""
-        try: images = self.decode(data, device)
+        try:
+            images = self.decode(data, device)
         except RuntimeError as e:
             which = "" if index is None else f" (dataset indices {[int(i) for i in index]})"
-            raise RuntimeError(f"cannot decode a batch of JPEGs{which}: {e}. dml-train --check-data lists unreadable "
-                               "images; data.on_unreadable: skip leaves them out; data.decode: pil decodes with PIL") from e
+            raise RuntimeError(
+                f"cannot decode a batch of JPEGs{which}: {e}. dml-train --check-data lists unreadable "
+                "images; data.on_unreadable: skip leaves them out; data.decode: pil decodes with PIL"
+            ) from e
         boxes, flips = boxes.cpu(), flips.cpu() & flip
-        return [self.normalize(torch.stack([self.view(im, boxes[i, v], bool(flips[i, v])) for i, im in enumerate(images)]))
-                for v in range(boxes.shape[1])]
+        return [
+            self.normalize(torch.stack([self.view(im, boxes[i, v], bool(flips[i, v])) for i, im in enumerate(images)]))
+            for v in range(boxes.shape[1])
+        ]
 
 # %% ../../nbs/17_batches.ipynb #b197cc06
 class JpegItems(torch.utils.data.Dataset):
     """`ds[(index, seed[, False])]` of a `JpegImages`: the encoded image ('jpeg'; decoded by PIL here when it is not a
     JPEG in RGB or grey) and the (views, 4) 'boxes' and (views,) 'flips' drawn after seeding with `seed`, as
     `SeededViews` draws them (`False`: no flips); `decode_in_worker`: the finished views instead ('x', 'extra_views')."""
+
     def __init__(self, images: "JpegImages", views: int = 1, decode_in_worker: bool = False):
-        if views < 1: raise ValueError(f"views must be >= 1, got {views}")
+        if views < 1:
+            raise ValueError(f"views must be >= 1, got {views}")
         self.images, self.views, self.decode_in_worker = images, views, decode_in_worker
-    def __len__(self): return len(self.images)
+
+    def __len__(self):
+        return len(self.images)
+
     def __getitem__(self, key):
         index, seed, *flip = key if isinstance(key, (tuple, list)) else (key, None)
         index = int(index)
         data, (h, w) = self.images.read(index)
-        if seed is not None: seed_everything(seed, cuda=False)
+        if seed is not None:
+            seed_everything(seed, cuda=False)
         boxes, flips = self.images.batch_transform.draw(h, w, self.views, flip=not flip or bool(flip[0]))
         item = {"y": int(self.images.labels[index]), "index": index}
-        if not self.decode_in_worker: return {"jpeg": data, "boxes": boxes, "flips": flips, **item}
+        if not self.decode_in_worker:
+            return {"jpeg": data, "boxes": boxes, "flips": flips, **item}
         xs = self.images.batch_transform([data], boxes[None], flips[None], "cpu", index=[index])
         item["x"] = xs[0][0]
-        if self.views > 1: item["extra_views"] = [x[0] for x in xs[1:]]
+        if self.views > 1:
+            item["extra_views"] = [x[0] for x in xs[1:]]
         return item
+
 
 def jpeg_collate(items) -> dict:
     "A batch of `JpegItems`: 'jpeg' a list of uint8 tensors, 'boxes' (N, views, 4), 'flips' (N, views), 'y', 'index'."
-    return {"jpeg": [it["jpeg"] for it in items], "boxes": torch.stack([it["boxes"] for it in items]),
-            "flips": torch.stack([it["flips"] for it in items]), "y": torch.tensor([it["y"] for it in items]),
-            "index": torch.tensor([it["index"] for it in items])}
+    return {
+        "jpeg": [it["jpeg"] for it in items],
+        "boxes": torch.stack([it["boxes"] for it in items]),
+        "flips": torch.stack([it["flips"] for it in items]),
+        "y": torch.tensor([it["y"] for it in items]),
+        "index": torch.tensor([it["index"] for it in items]),
+    }
+
 
 DECODE_ON = ("auto", "device", "worker")
+
 
 class JpegImages(torch.utils.data.Dataset):
     """The image files of `source` (a `load_dataset` set with a `make_transform` pipeline) on the JPEG path: decoded
     and augmented on the device in batches (`decode_on='device'`; 'auto': where nvJPEG decodes on the training
     device) or in the loader workers ('worker'), with the PIL path's crops. `ds[i]` gives (view, label) on the CPU
     with draws from torch's global RNG, like `source[i]`."""
+
     def __init__(self, source, decode_on: str = "auto"):
-        if decode_on not in DECODE_ON: raise ValueError(f"decode_on must be one of {DECODE_ON}, got {decode_on!r}")
+        if decode_on not in DECODE_ON:
+            raise ValueError(f"decode_on must be one of {DECODE_ON}, got {decode_on!r}")
         if not (hasattr(source, "paths") and hasattr(source, "labels")):
-            raise TypeError(f"the JPEG path reads image files: {type(source).__name__} has none (.paths); embedded sets "
-                            "(shapes, finegrained, digits) are arrays in memory: use data.decode: pil for them")
+            raise TypeError(
+                f"the JPEG path reads image files: {type(source).__name__} has none (.paths); embedded sets "
+                "(shapes, finegrained, digits) are arrays in memory: use data.decode: pil for them"
+            )
         self.source, self.decode_on = source, decode_on
         self.batch_transform = JpegDecode.from_transform(getattr(source, "transform", None))
-    def __getattr__(self, name):   # labels, num_classes, class_ids, paths, clean_labels, flipped, ... of the source
-        if name.startswith("__") or name in ("source", "batch_transform", "decode_on"): raise AttributeError(name)
+
+    def __getattr__(self, name):  # labels, num_classes, class_ids, paths, clean_labels, flipped, ... of the source
+        if name.startswith("__") or name in ("source", "batch_transform", "decode_on"):
+            raise AttributeError(name)
         return getattr(self.source, name)
-    def __len__(self): return len(self.source)
+
+    def __len__(self):
+        return len(self.source)
+
     @property
-    def transform(self): return self.source.transform
+    def transform(self):
+        return self.source.transform
 
     def read(self, i: int) -> tuple[torch.Tensor, tuple[int, int]]:
         "Image `i`: its encoded bytes (1-d uint8), or PIL's decode (3, H, W) when it is not a JPEG in RGB or grey; and (H, W)."
@@ -247,9 +328,11 @@ class JpegImages(torch.utils.data.Dataset):
             data = open(path, "rb").read()
             size = jpeg_size(data)
         except OSError as e:
-            raise OSError(f"cannot read image {path} ({e}); replace or remove the file, or drop unreadable images with "
-                          "data.on_unreadable: skip (dml-train --check-data lists every unreadable image)") from e
-        if size is None:                                         # not a plain JPEG: PIL decodes it, as the PIL path does
+            raise OSError(
+                f"cannot read image {path} ({e}); replace or remove the file, or drop unreadable images with "
+                "data.on_unreadable: skip (dml-train --check-data lists every unreadable image)"
+            ) from e
+        if size is None:  # not a plain JPEG: PIL decodes it, as the PIL path does
             img = TF.pil_to_tensor(self.source.load(i))
             return img, tuple(img.shape[-2:])
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), size
@@ -261,8 +344,10 @@ class JpegImages(torch.utils.data.Dataset):
 
     def decodes_on_device(self, device) -> bool:
         "Whether batches decode on `device` (else in the workers): 'auto' decodes on a CUDA device with nvJPEG."
-        if self.decode_on == "worker": return False
-        if self.decode_on == "device": return True
+        if self.decode_on == "worker":
+            return False
+        if self.decode_on == "device":
+            return True
         return nvjpeg_available(device)
 
     def loader_items(self, views: int, device) -> tuple[torch.utils.data.Dataset, object]:
@@ -273,8 +358,11 @@ class JpegImages(torch.utils.data.Dataset):
     def eval_view(self) -> "JpegImages":
         "The same images under the test pipeline of the source's preprocessing (for `Learner.train_eval_set`)."
         preprocessing = getattr(self.source.transform, "preprocessing", None)
-        if preprocessing is None or not self.batch_transform.train_mode: return self
+        if preprocessing is None or not self.batch_transform.train_mode:
+            return self
         src = copy.copy(self.source)
         src.transform = preprocessing.transform(train=False)
         return JpegImages(src, self.decode_on)
-    def __repr__(self): return f"JpegImages({self.source!r}, decode on {self.decode_on}, {self.batch_transform.spec})"
+
+    def __repr__(self):
+        return f"JpegImages({self.source!r}, decode on {self.decode_on}, {self.batch_transform.spec})"

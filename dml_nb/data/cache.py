@@ -4,7 +4,12 @@
 
 # %% ../../nbs/15_cache.ipynb #7cdca80f
 from __future__ import annotations
-import hashlib, io, json, math, os, tempfile
+import hashlib
+import io
+import json
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -25,19 +30,22 @@ def resample_weights(start, length, out_size: int, n_in: int, limit=None, flip=N
     `flip` (N,) bool reverses the output order (a horizontal flip when this is the width axis)."""
     start = torch.as_tensor(start, dtype=torch.float64)
     length = torch.as_tensor(length, dtype=torch.float64, device=start.device)
-    scale = length / out_size                                          # input pixels per output pixel
-    inv = 1.0 / scale.clamp(min=1.0)                                   # the filter widens when downsampling
+    scale = length / out_size  # input pixels per output pixel
+    inv = 1.0 / scale.clamp(min=1.0)  # the filter widens when downsampling
     centre = scale[:, None] * (torch.arange(out_size, dtype=torch.float64, device=start.device) + 0.5)
-    j = torch.arange(n_in, dtype=torch.float64, device=start.device) - start[:, None]   # window-local positions
+    j = torch.arange(n_in, dtype=torch.float64, device=start.device) - start[:, None]  # window-local positions
     w = (1 - ((j[:, None, :] - centre[..., None] + 0.5) * inv[:, None, None]).abs()).clamp(min=0)
-    if limit is None: keep = (j > -1) & (j < length[:, None])          # pixels that overlap the window
+    if limit is None:
+        keep = (j > -1) & (j < length[:, None])  # pixels that overlap the window
     else:
         g = j + start[:, None]
         keep = (g >= 0) & (g < torch.as_tensor(limit, dtype=torch.float64, device=start.device)[:, None])
     w = w * keep[:, None, :]
     w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-    if flip is not None: w = torch.where(torch.as_tensor(flip, device=w.device)[:, None, None], w.flip(1), w)
+    if flip is not None:
+        w = torch.where(torch.as_tensor(flip, device=w.device)[:, None, None], w.flip(1), w)
     return w.float()
+
 
 def crop_resize(images: torch.Tensor, top, left, height, width, size: int, flip=None, image_sizes=None) -> torch.Tensor:
     """Crop box i (`top`, `left`, `height`, `width`, in pixels, may be fractional) of every image of the uint8 or
@@ -50,14 +58,15 @@ def crop_resize(images: torch.Tensor, top, left, height, width, size: int, flip=
     as_t = lambda v: torch.as_tensor(v, dtype=torch.float64).to(dev).expand(n)
     top, left, height, width = map(as_t, (top, left, height, width))
     lim_h, lim_w = (None, None) if image_sizes is None else (image_sizes[:, 0].to(dev), image_sizes[:, 1].to(dev))
-    ry = resample_weights(top, height, size, h_pad, lim_h)                       # (N, size, H)
-    rx = resample_weights(left, width, size, w_pad, lim_w, flip)                 # (N, size, W)
+    ry = resample_weights(top, height, size, h_pad, lim_h)  # (N, size, H)
+    rx = resample_weights(left, width, size, w_pad, lim_w, flip)  # (N, size, W)
     x = images.float()
-    return ry[:, None] @ (x @ rx[:, None].transpose(-1, -2))                    # (N, C, size, size)
+    return ry[:, None] @ (x @ rx[:, None].transpose(-1, -2))  # (N, C, size, size)
 
 # %% ../../nbs/15_cache.ipynb #77be4932
-def random_resized_crop_boxes(heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator=None,
-                              attempts: int = 10) -> torch.Tensor:
+def random_resized_crop_boxes(
+    heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator=None, attempts: int = 10
+) -> torch.Tensor:
     """(N, 4) int64 boxes (top, left, height, width), drawn as torchvision's `RandomResizedCrop.get_params` draws
     them (area fraction uniform in `scale`, log aspect ratio uniform in `ratio`, the first of `attempts` draws that
     fits, else a centre crop), for N images at once on the CPU (`generator`: a CPU `torch.Generator`)."""
@@ -66,8 +75,11 @@ def random_resized_crop_boxes(heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 
     n = len(H)
     area = H * W
     s = torch.empty(n, attempts, dtype=torch.float64).uniform_(scale[0], scale[1], generator=generator)
-    r = torch.exp(torch.empty(n, attempts, dtype=torch.float64).uniform_(math.log(ratio[0]), math.log(ratio[1]),
-                                                                           generator=generator))
+    r = torch.exp(
+        torch.empty(n, attempts, dtype=torch.float64).uniform_(
+            math.log(ratio[0]), math.log(ratio[1]), generator=generator
+        )
+    )
     w = torch.round(torch.sqrt(area[:, None] * s * r))
     h = torch.round(torch.sqrt(area[:, None] * s / r))
     ok = (w > 0) & (w <= W[:, None]) & (h > 0) & (h <= H[:, None])
@@ -85,12 +97,14 @@ def random_resized_crop_boxes(heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 
     left = torch.where(fallback, torch.div(W - w, 2, rounding_mode="floor"), torch.floor(u[:, 1] * (W - w + 1)))
     return torch.stack([top, left, h, w], 1).long()
 
+
 def center_crop_boxes(heights, widths, size: int, resize: int | None = None) -> torch.Tensor:
     """(N, 4) float64 boxes in source pixels equivalent to `Resize(resize)` (shorter side; None: no resize) then
     `CenterCrop(size)`, with torchvision's rounding of the resized size and of the crop offset."""
     H = torch.as_tensor(heights, dtype=torch.float64).cpu()
     W = torch.as_tensor(widths, dtype=torch.float64).cpu()
-    if resize is None: nh, nw = H, W
+    if resize is None:
+        nh, nw = H, W
     else:
         short, long = torch.minimum(H, W), torch.maximum(H, W)
         new_long = torch.floor(resize * long / short)
@@ -98,8 +112,10 @@ def center_crop_boxes(heights, widths, size: int, resize: int | None = None) -> 
         same = (nh == H) & (nw == W)
         nh, nw = torch.where(same, H, nh), torch.where(same, W, nw)
     if (nh < size).any() or (nw < size).any():
-        raise ValueError(f"a centre crop of {size} px needs images of at least {size} px after the resize to "
-                         f"{resize}; got {int(torch.minimum(nh, nw).min())} px")
+        raise ValueError(
+            f"a centre crop of {size} px needs images of at least {size} px after the resize to "
+            f"{resize}; got {int(torch.minimum(nh, nw).min())} px"
+        )
     sy, sx = H / nh, W / nw
     top, left = torch.round((nh - size) / 2), torch.round((nw - size) / 2)
     return torch.stack([top * sy, left * sx, size * sy, size * sx], 1)
@@ -111,56 +127,90 @@ class BatchAugment(torch.nn.Module):
     (`size`); then (x / 255 - mean) / std and, with `bgr`, RGB -> BGR. Call it on a zero-padded batch (N, C, H, W)
     with the true sizes (N, 2), or on one (C, H, W) image (the per-item path; random draws from torch's global RNG).
     `preprocessing`: the backbone's `dml_nb.data.preprocessing.Preprocessing` it runs, which gives its `test_version`."""
-    def __init__(self, size: int, train: bool = True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-                 resize: int | None = None, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), bgr: bool = False,
-                 preprocessing=None):
+
+    def __init__(
+        self,
+        size: int,
+        train: bool = True,
+        scale=(0.08, 1.0),
+        ratio=(3 / 4, 4 / 3),
+        flip: float = 0.5,
+        resize: int | None = None,
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        bgr: bool = False,
+        preprocessing=None,
+    ):
         super().__init__()
-        if not (isinstance(size, int) and size >= 1): raise ValueError(f"size must be a positive integer, got {size!r}")
-        if not (0 < scale[0] <= scale[1] <= 1): raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {scale}")
-        if not (0 < ratio[0] <= ratio[1]): raise ValueError(f"ratio must be (lo, hi) with 0 < lo <= hi, got {ratio}")
-        if not 0 <= flip <= 1: raise ValueError(f"flip is a probability in [0, 1], got {flip}")
-        if len(mean) != len(std): raise ValueError(f"mean {mean} and std {std} need one value per channel")
-        self.size, self.train_mode, self.scale, self.ratio, self.flip = size, bool(train), tuple(scale), tuple(ratio), float(flip)
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        if not (0 < scale[0] <= scale[1] <= 1):
+            raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {scale}")
+        if not (0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"ratio must be (lo, hi) with 0 < lo <= hi, got {ratio}")
+        if not 0 <= flip <= 1:
+            raise ValueError(f"flip is a probability in [0, 1], got {flip}")
+        if len(mean) != len(std):
+            raise ValueError(f"mean {mean} and std {std} need one value per channel")
+        self.size, self.train_mode, self.scale, self.ratio, self.flip = (
+            size,
+            bool(train),
+            tuple(scale),
+            tuple(ratio),
+            float(flip),
+        )
         self.resize, self.bgr, self.preprocessing = resize, bool(bgr), preprocessing
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
     def boxes(self, sizes: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         "(N, 4) crop boxes (top, left, height, width) in source pixels and the (N,) flip mask (None at test)."
         sizes = torch.as_tensor(sizes).cpu()
-        if not self.train_mode: return center_crop_boxes(sizes[:, 0], sizes[:, 1], self.size, self.resize), None
+        if not self.train_mode:
+            return center_crop_boxes(sizes[:, 0], sizes[:, 1], self.size, self.resize), None
         boxes = random_resized_crop_boxes(sizes[:, 0], sizes[:, 1], self.scale, self.ratio, generator)
         return boxes, torch.rand(len(sizes), generator=generator) < self.flip
 
-    def forward(self, images: torch.Tensor, sizes: torch.Tensor | None = None, generator=None,
-                flip: bool = True) -> torch.Tensor:
+    def forward(
+        self, images: torch.Tensor, sizes: torch.Tensor | None = None, generator=None, flip: bool = True
+    ) -> torch.Tensor:
         "`flip=False`: no horizontal flips (the flip draws are still made, so the crops are those of `flip=True`)."
         single = images.dim() == 3
-        if single: images = images[None]
+        if single:
+            images = images[None]
         if images.dim() != 4 or images.shape[1] != len(self.mean):
-            raise ValueError(f"BatchAugment expects uint8 images (N, {len(self.mean)}, H, W) or one ({len(self.mean)}, "
-                             f"H, W) image; got shape {tuple(images.shape)}")
+            raise ValueError(
+                f"BatchAugment expects uint8 images (N, {len(self.mean)}, H, W) or one ({len(self.mean)}, "
+                f"H, W) image; got shape {tuple(images.shape)}"
+            )
         if images.dtype != torch.uint8:
             raise TypeError(f"BatchAugment expects uint8 images (0-255), got {images.dtype}")
-        if sizes is None: sizes = torch.tensor([images.shape[-2:]] * len(images))
+        if sizes is None:
+            sizes = torch.tensor([images.shape[-2:]] * len(images))
         boxes, flips = self.boxes(sizes, generator)
-        if flips is not None and not flip: flips = torch.zeros_like(flips)
+        if flips is not None and not flip:
+            flips = torch.zeros_like(flips)
         b = boxes.double()
-        x = crop_resize(images, b[:, 0], b[:, 1], b[:, 2], b[:, 3], self.size, flips,
-                        image_sizes=None if self.train_mode else sizes)
+        x = crop_resize(
+            images, b[:, 0], b[:, 1], b[:, 2], b[:, 3], self.size, flips, image_sizes=None if self.train_mode else sizes
+        )
         mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1) * 255
         inv_std = 1 / (torch.tensor(self.std, device=x.device).view(1, -1, 1, 1) * 255)
         x = (x - mean) * inv_std
-        if self.bgr: x = x.flip(1)
+        if self.bgr:
+            x = x.flip(1)
         return x[0] if single else x
 
     def test_version(self) -> "BatchAugment":
         "The test pipeline of the backbone preprocessing this one runs, e.g. Resize(256) + CenterCrop(224)."
-        if not self.train_mode: return self
+        if not self.train_mode:
+            return self
         if self.preprocessing is None:
-            raise ValueError("this BatchAugment carries no backbone preprocessing, so its test pipeline is unknown: build "
-                             "it with BatchAugment.from_transform(make_transform(<backbone>, train=True)) or pass "
-                             "preprocessing=<the backbone's Preprocessing>; or build the test pipeline yourself, e.g. "
-                             "BatchAugment(size, train=False, resize=..., mean=..., std=...)")
+            raise ValueError(
+                "this BatchAugment carries no backbone preprocessing, so its test pipeline is unknown: build "
+                "it with BatchAugment.from_transform(make_transform(<backbone>, train=True)) or pass "
+                "preprocessing=<the backbone's Preprocessing>; or build the test pipeline yourself, e.g. "
+                "BatchAugment(size, train=False, resize=..., mean=..., std=...)"
+            )
         return BatchAugment.from_transform(self.preprocessing.transform(train=False))
 
     @classmethod
@@ -169,38 +219,60 @@ class BatchAugment(torch.nn.Module):
         carries as `.preprocessing`); other pipelines are an error naming the step."""
         from torchvision.transforms import v2
         from dml_nb.data.preprocessing import ToBGR
+
         ops = list(getattr(transform, "transforms", [transform]))
         kw, crop, resize = {"flip": 0.0}, None, None
         for op in ops:
-            if isinstance(op, (v2.ToImage, v2.ToDtype)): continue
+            if isinstance(op, (v2.ToImage, v2.ToDtype)):
+                continue
             if isinstance(op, v2.RandomResizedCrop):
-                if op.size[0] != op.size[1]: raise ValueError(f"only square crops run in batches, got {op.size}")
+                if op.size[0] != op.size[1]:
+                    raise ValueError(f"only square crops run in batches, got {op.size}")
                 crop, kw["scale"], kw["ratio"], kw["train"] = op.size[0], op.scale, op.ratio, True
-            elif isinstance(op, v2.RandomHorizontalFlip): kw["flip"] = op.p
-            elif isinstance(op, v2.Resize) and isinstance(op.size, (list, tuple)) and len(op.size) == 1: resize = op.size[0]
+            elif isinstance(op, v2.RandomHorizontalFlip):
+                kw["flip"] = op.p
+            elif isinstance(op, v2.Resize) and isinstance(op.size, (list, tuple)) and len(op.size) == 1:
+                resize = op.size[0]
             elif isinstance(op, v2.CenterCrop):
-                if op.size[0] != op.size[1]: raise ValueError(f"only square crops run in batches, got {op.size}")
+                if op.size[0] != op.size[1]:
+                    raise ValueError(f"only square crops run in batches, got {op.size}")
                 crop, kw["train"] = op.size[0], False
-            elif isinstance(op, v2.Normalize): kw["mean"], kw["std"] = op.mean, op.std
-            elif isinstance(op, ToBGR): kw["bgr"] = True
+            elif isinstance(op, v2.Normalize):
+                kw["mean"], kw["std"] = op.mean, op.std
+            elif isinstance(op, ToBGR):
+                kw["bgr"] = True
             else:
-                raise ValueError(f"cannot run the transform step {op!r} in batches on the device; the image cache "
-                                 "supports the dml_nb.data.datasets.make_transform pipelines (RandomResizedCrop, flip, Resize, "
-                                 "CenterCrop, Normalize, ToBGR): use that transform or switch the cache off "
-                                 "(data.cache: false)")
+                raise ValueError(
+                    f"cannot run the transform step {op!r} in batches on the device; the image cache "
+                    "supports the dml_nb.data.datasets.make_transform pipelines (RandomResizedCrop, flip, Resize, "
+                    "CenterCrop, Normalize, ToBGR): use that transform or switch the cache off "
+                    "(data.cache: false)"
+                )
         if crop is None:
-            raise ValueError(f"the transform {transform!r} has no RandomResizedCrop or CenterCrop: the batched path "
-                             "needs a fixed output size")
-        if "mean" not in kw: raise ValueError(f"the transform {transform!r} has no Normalize step")
-        return cls(crop, resize=resize if not kw.get("train") else None, preprocessing=getattr(transform, "preprocessing", None), **kw)
+            raise ValueError(
+                f"the transform {transform!r} has no RandomResizedCrop or CenterCrop: the batched path "
+                "needs a fixed output size"
+            )
+        if "mean" not in kw:
+            raise ValueError(f"the transform {transform!r} has no Normalize step")
+        return cls(
+            crop,
+            resize=resize if not kw.get("train") else None,
+            preprocessing=getattr(transform, "preprocessing", None),
+            **kw,
+        )
 
     def extra_repr(self) -> str:
-        mode = (f"train, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, flip={self.flip}"
-                if self.train_mode else f"test, resize={self.resize}")
+        mode = (
+            f"train, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, flip={self.flip}"
+            if self.train_mode
+            else f"test, resize={self.resize}"
+        )
         return f"size={self.size}, {mode}, mean={self.mean}, std={self.std}" + (", bgr" if self.bgr else "")
 
 # %% ../../nbs/15_cache.ipynb #efb9b8f5
 CACHE_FORMAT = 1
+
 
 def pad_collate(items: Sequence[dict]) -> dict:
     """Collate items whose 'x' are uint8 (C, h, w) images of different sizes: 'x' becomes a zero-padded
@@ -209,56 +281,90 @@ def pad_collate(items: Sequence[dict]) -> dict:
     sizes = torch.tensor([tuple(im.shape[-2:]) for im in imgs], dtype=torch.long)
     H, W = (int(v) for v in sizes.max(0).values)
     x = torch.zeros(len(imgs), imgs[0].shape[0], H, W, dtype=torch.uint8)
-    for i, im in enumerate(imgs): x[i, :, :im.shape[1], :im.shape[2]] = im
+    for i, im in enumerate(imgs):
+        x[i, :, : im.shape[1], : im.shape[2]] = im
     out = {"x": x, "sizes": sizes}
     for k in items[0]:
-        if k != "x": out[k] = torch.tensor([it[k] for it in items])
+        if k != "x":
+            out[k] = torch.tensor([it[k] for it in items])
     return out
+
 
 class RawItems(torch.utils.data.Dataset):
     "`ds[(index, seed)] -> {'x': uint8 image, 'y', 'index'}` of a `CachedImages` (the seed is not needed: no randomness here)."
-    def __init__(self, dataset): self.dataset = dataset
-    def __len__(self): return len(self.dataset)
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
     def __getitem__(self, key):
         index = int(key[0]) if isinstance(key, (tuple, list)) else int(key)
         return {"x": self.dataset.load(index), "y": int(self.dataset.labels[index]), "index": index}
+
 
 class CachedImages(torch.utils.data.Dataset):
     """The images of `source` decoded once, as uint8 (C, h, w) in a memory-mapped file (or an in-memory array),
     with `batch_transform` (a `BatchAugment`) applied on the device in batches by the `Learner`. `ds[i]` applies it
     to one image on the CPU (any code that indexes datasets still works); labels and other attributes come from
     `source`, so label noise set on it later is seen here."""
-    def __init__(self, source, batch_transform: BatchAugment, path: Path | None = None, offsets=None, shapes=None,
-                 array: np.ndarray | None = None):
-        if (path is None) == (array is None): raise ValueError("give either a cache file (path, offsets, shapes) or an array")
+
+    def __init__(
+        self,
+        source,
+        batch_transform: BatchAugment,
+        path: Path | None = None,
+        offsets=None,
+        shapes=None,
+        array: np.ndarray | None = None,
+    ):
+        if (path is None) == (array is None):
+            raise ValueError("give either a cache file (path, offsets, shapes) or an array")
         self.source, self.batch_transform, self.path, self.array = source, batch_transform, path, array
         self.offsets = None if offsets is None else np.asarray(offsets, dtype=np.int64)
         self.shapes = None if shapes is None else np.asarray(shapes, dtype=np.int64)
         self._mm = None
-    def __getattr__(self, name):   # labels, num_classes, class_ids, clean_labels, flipped, ... of the source
-        if name.startswith("__") or name in ("source", "_mm"): raise AttributeError(name)
+
+    def __getattr__(self, name):  # labels, num_classes, class_ids, clean_labels, flipped, ... of the source
+        if name.startswith("__") or name in ("source", "_mm"):
+            raise AttributeError(name)
         return getattr(self.source, name)
-    def __getstate__(self): return {**self.__dict__, "_mm": None}   # worker processes map the file themselves
-    def __setstate__(self, state): self.__dict__.update(state)
-    def __len__(self): return len(self.source)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_mm": None}  # worker processes map the file themselves
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __len__(self):
+        return len(self.source)
+
     @property
-    def transform(self): return self.batch_transform
+    def transform(self):
+        return self.batch_transform
 
     def load(self, i: int) -> torch.Tensor:
         "Image `i` as a uint8 (C, h, w) tensor, straight from the cache."
-        if self.array is not None: return torch.from_numpy(np.ascontiguousarray(self.array[i])).permute(2, 0, 1)
-        if self._mm is None: self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        if self.array is not None:
+            return torch.from_numpy(np.ascontiguousarray(self.array[i])).permute(2, 0, 1)
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         c, h, w = self.shapes[i]
-        a = self._mm[self.offsets[i]: self.offsets[i] + c * h * w]
+        a = self._mm[self.offsets[i] : self.offsets[i] + c * h * w]
         return torch.from_numpy(a.reshape(c, h, w).copy())
+
     def __getitem__(self, i):
         return self.batch_transform(self.load(i)), int(self.labels[i])
+
     def eval_view(self) -> "CachedImages":
         "The same cache under the matching test transform (for `Learner.train_eval_set`)."
         import copy
+
         view = copy.copy(self)
         view.batch_transform, view._mm = self.batch_transform.test_version(), None
         return view
+
     def __repr__(self):
         where = f"file {self.path}" if self.path is not None else "memory"
         return f"CachedImages({self.source!r}, uint8 in {where}, {self.batch_transform})"
@@ -268,39 +374,58 @@ def _decoded(img) -> torch.Tensor:
     "A PIL image or a uint8 (C, H, W) tensor as a uint8 (C, H, W) tensor."
     if isinstance(img, torch.Tensor):
         if img.dtype != torch.uint8 or img.dim() != 3:
-            raise TypeError(f"dataset.load must give uint8 (C, H, W) tensors or PIL images; got {img.dtype} {tuple(img.shape)}")
+            raise TypeError(
+                f"dataset.load must give uint8 (C, H, W) tensors or PIL images; got {img.dtype} {tuple(img.shape)}"
+            )
         return img
     from torchvision.transforms.v2 import functional as F
+
     return F.pil_to_tensor(img.convert("RGB"))
+
 
 def shrink(img: torch.Tensor, short_side: int) -> torch.Tensor:
     "Resize a uint8 (C, H, W) image so that its shorter side is `short_side` (antialiased, in float, rounded); never enlarge."
     h, w = img.shape[-2:]
-    if min(h, w) <= short_side: return img
+    if min(h, w) <= short_side:
+        return img
     from torchvision.transforms.v2 import functional as F
+
     x = F.resize(img.float(), [short_side], antialias=True)
     return x.round_().clamp_(0, 255).to(torch.uint8)
 
+
 class _Decode(torch.utils.data.Dataset):
-    def __init__(self, dataset, short_side): self.dataset, self.short_side = dataset, short_side
-    def __len__(self): return len(self.dataset)
-    def __getitem__(self, i): return shrink(_decoded(self.dataset.load(i)), self.short_side)
+    def __init__(self, dataset, short_side):
+        self.dataset, self.short_side = dataset, short_side
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return shrink(_decoded(self.dataset.load(i)), self.short_side)
+
 
 def _fingerprint(dataset, short_side: int) -> str:
     "Names and sizes of the source files, and the cache settings: a changed file list or file gives another cache."
-    h = hashlib.sha256(json.dumps([CACHE_FORMAT, short_side, getattr(dataset, "name", ""),
-                                   getattr(dataset, "split", ""), len(dataset)]).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            [CACHE_FORMAT, short_side, getattr(dataset, "name", ""), getattr(dataset, "split", ""), len(dataset)]
+        ).encode()
+    )
     for p in dataset.paths:
         st = os.stat(p)
         h.update(f"{p}\0{st.st_size}\0".encode())
     return h.hexdigest()[:16]
 
+
 def default_cache_dir(dataset) -> Path:
     "`.dml_nb_cache` inside the folder that holds all of the dataset's image files."
     return Path(os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in dataset.paths])) / ".dml_nb_cache"
 
-def cache_images(dataset, cache_dir: str | Path | None = None, short_side: int = 256, num_workers: int = 0,
-                 progress: bool = True) -> CachedImages:
+
+def cache_images(
+    dataset, cache_dir: str | Path | None = None, short_side: int = 256, num_workers: int = 0, progress: bool = True
+) -> CachedImages:
     """`dataset` with its images decoded once into uint8 (shorter side `short_side`, never enlarged) and its
     transform run in batches on the device (`BatchAugment.from_transform(dataset.transform)`). Images read from
     files (`dataset.paths`, `dataset.load`) go to a memory-mapped file in `cache_dir` (default: `.dml_nb_cache`
@@ -308,12 +433,20 @@ def cache_images(dataset, cache_dir: str | Path | None = None, short_side: int =
     in-memory uint8 sets (`shapes`, `digits`) are used as they are."""
     augment = BatchAugment.from_transform(getattr(dataset, "transform", None))
     array = getattr(dataset, "images", None)
-    if isinstance(array, np.ndarray) and array.dtype == np.uint8 and array.ndim == 4 and min(array.shape[1:3]) <= short_side:
+    if (
+        isinstance(array, np.ndarray)
+        and array.dtype == np.uint8
+        and array.ndim == 4
+        and min(array.shape[1:3]) <= short_side
+    ):
         return CachedImages(dataset, augment, array=array)
     if not (hasattr(dataset, "paths") and hasattr(dataset, "load")):
-        raise TypeError(f"cannot cache {type(dataset).__name__}: the image cache needs a dataset with image files "
-                        "(.paths and .load(i), like dml_nb.data.datasets.ImageListDataset) or a uint8 .images array")
-    if short_side < 1: raise ValueError(f"short_side must be >= 1, got {short_side}")
+        raise TypeError(
+            f"cannot cache {type(dataset).__name__}: the image cache needs a dataset with image files "
+            "(.paths and .load(i), like dml_nb.data.datasets.ImageListDataset) or a uint8 .images array"
+        )
+    if short_side < 1:
+        raise ValueError(f"short_side must be >= 1, got {short_side}")
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(dataset)
     stem = f"{getattr(dataset, 'name', '') or 'images'}-{getattr(dataset, 'split', '') or 'all'}-{short_side}-{_fingerprint(dataset, short_side)}"
     data_path, index_path = folder / f"{stem}.u8", folder / f"{stem}.idx.npz"
@@ -322,45 +455,68 @@ def cache_images(dataset, cache_dir: str | Path | None = None, short_side: int =
     offsets, shapes = _read_index(index_path, data_path, len(dataset))
     return CachedImages(dataset, augment, path=data_path, offsets=offsets, shapes=shapes)
 
+
 def _read_index(index_path: Path, data_path: Path, n: int):
     fix = f"delete {data_path} and {index_path} to rebuild the cache"
     try:
-        with np.load(index_path) as z: fmt, offsets, shapes = int(z["format"]), z["offsets"], z["shapes"]
-    except Exception as e: raise ValueError(f"cannot read the image-cache index {index_path} ({e}): {fix}") from e
-    if fmt != CACHE_FORMAT: raise ValueError(f"{index_path} has cache format {fmt}, this dml_nb writes {CACHE_FORMAT}: {fix}")
-    if len(offsets) != n: raise ValueError(f"{index_path} indexes {len(offsets)} images, the dataset has {n}: {fix}")
+        with np.load(index_path) as z:
+            fmt, offsets, shapes = int(z["format"]), z["offsets"], z["shapes"]
+    except Exception as e:
+        raise ValueError(f"cannot read the image-cache index {index_path} ({e}): {fix}") from e
+    if fmt != CACHE_FORMAT:
+        raise ValueError(f"{index_path} has cache format {fmt}, this dml_nb writes {CACHE_FORMAT}: {fix}")
+    if len(offsets) != n:
+        raise ValueError(f"{index_path} indexes {len(offsets)} images, the dataset has {n}: {fix}")
     end = int(offsets[-1] + np.prod(shapes[-1])) if n else 0
     size = data_path.stat().st_size if data_path.exists() else -1
     if size != end:
         raise ValueError(f"the image cache {data_path} is incomplete or damaged ({size} bytes, expected {end}): {fix}")
     return offsets, shapes
 
-def _build(dataset, folder: Path, data_path: Path, index_path: Path, short_side: int, num_workers: int,
-           progress: bool, default_dir: bool):
+
+def _build(
+    dataset,
+    folder: Path,
+    data_path: Path,
+    index_path: Path,
+    short_side: int,
+    num_workers: int,
+    progress: bool,
+    default_dir: bool,
+):
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        remove_temp_files(folder)      # halves of caches whose builders were killed (dead processes on this host)
+        remove_temp_files(folder)  # halves of caches whose builders were killed (dead processes on this host)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=tmp_prefix(data_path), suffix=".tmp")
     except OSError as e:
         hint = " (the default: beside the images)" if default_dir else ""
-        raise PermissionError(f"cannot write the image cache to {folder}{hint}: {e}. Name a writable folder with "
-                              "cache_dir= (data.cache_dir in a parameter file)") from e
+        raise PermissionError(
+            f"cannot write the image cache to {folder}{hint}: {e}. Name a writable folder with "
+            "cache_dir= (data.cache_dir in a parameter file)"
+        ) from e
     loader = torch.utils.data.DataLoader(_Decode(dataset, short_side), batch_size=None, num_workers=num_workers)
     offsets, shapes, pos = np.zeros(len(dataset), np.int64), np.zeros((len(dataset), 3), np.int64), 0
     try:
         from tqdm.auto import tqdm
+
         with os.fdopen(fd, "wb") as f:
-            for i, img in enumerate(tqdm(loader, total=len(dataset), desc=f"caching {data_path.name}", disable=not progress)):
+            for i, img in enumerate(
+                tqdm(loader, total=len(dataset), desc=f"caching {data_path.name}", disable=not progress)
+            ):
                 b = img.contiguous().numpy().tobytes()
                 offsets[i], shapes[i] = pos, img.shape
-                f.write(b); pos += len(b)
-            f.flush(); os.fsync(f.fileno())
+                f.write(b)
+                pos += len(b)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, data_path)
     except BaseException as e:
-        if os.path.exists(tmp): os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         cause = disk_cause(e) if isinstance(e, Exception) else None
-        if cause is not None: raise disk_write_error(data_path, cause, "data.cache_dir, or cache_dir=...") from e
+        if cause is not None:
+            raise disk_write_error(data_path, cause, "data.cache_dir, or cache_dir=...") from e
         raise
     buf = io.BytesIO()
     np.savez(buf, format=CACHE_FORMAT, offsets=offsets, shapes=shapes, short_side=short_side)
-    atomic_write(index_path, buf.getvalue())   # written last: an index means a complete data file
+    atomic_write(index_path, buf.getvalue())  # written last: an index means a complete data file

@@ -4,7 +4,12 @@
 
 # %% ../../nbs/13_checks.ipynb #2f04e51f
 from __future__ import annotations
-import datetime, hashlib, json, os, re, warnings
+import datetime
+import hashlib
+import json
+import os
+import re
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -20,68 +25,102 @@ __all__ = ['write_fake_dataset', 'UnreadableImagesError', 'image_check_cache_dir
 # %% ../../nbs/13_checks.ipynb #c09150ad
 def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_class: int = 3, size: int = 24) -> Path:
     "Write a small tree in the real on-disk format of `name` under `root` (for tests); returns the dataset root."
-    if name not in READERS: raise unknown_name_error("real dataset", name, READERS)
+    if name not in READERS:
+        raise unknown_name_error("real dataset", name, READERS)
     from PIL import Image
-    root = Path(root); rng = np.random.default_rng(0)
+
+    root = Path(root)
+    rng = np.random.default_rng(0)
+
     def jpg(path: Path, c: int):
         path.parent.mkdir(parents=True, exist_ok=True)
-        a = np.full((size, size + 4, 3), (37 * c) % 256, np.uint8) + rng.integers(0, 20, (size, size + 4, 3), dtype=np.uint8)
+        a = np.full((size, size + 4, 3), (37 * c) % 256, np.uint8) + rng.integers(
+            0, 20, (size, size + 4, 3), dtype=np.uint8
+        )
         Image.fromarray(a).save(path, quality=90)
+
     if name == "cub200":
-        base = root / "CUB_200_2011"; i = 0
+        base = root / "CUB_200_2011"
+        i = 0
         lines, lab, cls = [], [], []
         for c in range(1, n_classes + 1):
-            folder = f"{c:03d}.Bird_{c}"; cls.append(f"{c} {folder}")
+            folder = f"{c:03d}.Bird_{c}"
+            cls.append(f"{c} {folder}")
             for k in range(per_class):
-                i += 1; rel = f"{folder}/Bird_{c}_{k:04d}.jpg"; jpg(base / "images" / rel, c)
-                lines.append(f"{i} {rel}"); lab.append(f"{i} {c}")
+                i += 1
+                rel = f"{folder}/Bird_{c}_{k:04d}.jpg"
+                jpg(base / "images" / rel, c)
+                lines.append(f"{i} {rel}")
+                lab.append(f"{i} {c}")
         (base / "images.txt").write_text("\n".join(lines) + "\n")
         (base / "classes.txt").write_text("\n".join(cls) + "\n")
         (base / "image_class_labels.txt").write_text("\n".join(lab) + "\n")
         return root
     if name == "cars196":
         from scipy.io import savemat
+
         n = n_classes * per_class
-        ann = np.zeros((1, n), dtype=[(f, "O") for f in ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2",
-                                                           "bbox_y2", "class", "test")])
+        ann = np.zeros(
+            (1, n),
+            dtype=[(f, "O") for f in ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")],
+        )
         order = rng.permutation(n)  # file order differs from class order, as in the real file
         for j, o in enumerate(order):
-            c = o % n_classes + 1; rel = f"car_ims/{j + 1:06d}.jpg"; jpg(root / rel, c)
-            ann[0, j] = (rel, *[np.array([[v]], np.uint8) for v in (1, 1, size, size)],
-                         np.array([[c]], np.uint8), np.array([[j % 2]], np.uint8))
-        names = np.empty((1, n_classes), dtype=object); names[0] = [f"Car {c}" for c in range(1, n_classes + 1)]
+            c = o % n_classes + 1
+            rel = f"car_ims/{j + 1:06d}.jpg"
+            jpg(root / rel, c)
+            ann[0, j] = (
+                rel,
+                *[np.array([[v]], np.uint8) for v in (1, 1, size, size)],
+                np.array([[c]], np.uint8),
+                np.array([[j % 2]], np.uint8),
+            )
+        names = np.empty((1, n_classes), dtype=object)
+        names[0] = [f"Car {c}" for c in range(1, n_classes + 1)]
         savemat(root / "cars_annos.mat", {"annotations": ann, "class_names": names})
         return root
     if name == "sop":
-        header = "image_id class_id super_class_id path"; i = 0; rows = {"train": [header], "test": [header]}
+        header = "image_id class_id super_class_id path"
+        i = 0
+        rows = {"train": [header], "test": [header]}
         for c in range(1, n_classes + 1):
             split = "train" if c <= n_classes // 2 else "test"
             for k in range(per_class):
-                i += 1; rel = f"bicycle_final/{100000 + c}_{k}.JPG"; jpg(root / rel, c)
+                i += 1
+                rel = f"bicycle_final/{100000 + c}_{k}.JPG"
+                jpg(root / rel, c)
                 rows[split].append(f"{i} {c} 1 {rel}")
-        for s in rows: (root / f"Ebay_{s}.txt").write_text("\n".join(rows[s]) + "\n")
+        for s in rows:
+            (root / f"Ebay_{s}.txt").write_text("\n".join(rows[s]) + "\n")
         return root
     if name == "inshop":
         rows = []
         for c in range(1, n_classes + 1):
             item = f"id_{c:08d}"
             for k in range(per_class):
-                rel = f"img/WOMEN/Dresses/{item}/{k:02d}_1_front.jpg"; jpg(root / rel, c)
+                rel = f"img/WOMEN/Dresses/{item}/{k:02d}_1_front.jpg"
+                jpg(root / rel, c)
                 status = "train" if c <= n_classes // 2 else ("query" if k == 0 else "gallery")
                 rows.append(f"{rel}  {item}  {status}")
         (root / "Eval").mkdir(parents=True, exist_ok=True)
         (root / "Eval/list_eval_partition.txt").write_text(
-            f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n")
+            f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
+        )
         return root
     # vehicleid: a quarter of the classes in each test list, larger lists containing the smaller ones
-    rows = {"train": [], "800": [], "1600": [], "2400": []}; i = 0
+    rows = {"train": [], "800": [], "1600": [], "2400": []}
+    i = 0
     q = max(1, n_classes // 4)
     for c in range(1, n_classes + 1):
         for k in range(per_class):
-            i += 1; name_ = f"{i:08d}"; jpg(root / "image" / f"{name_}.jpg", c)
-            if c <= n_classes - 3 * q: rows["train"].append(f"{name_} {c}")
+            i += 1
+            name_ = f"{i:08d}"
+            jpg(root / "image" / f"{name_}.jpg", c)
+            if c <= n_classes - 3 * q:
+                rows["train"].append(f"{name_} {c}")
             for j, s in enumerate(("800", "1600", "2400")):
-                if n_classes - 3 * q < c <= n_classes - 3 * q + (j + 1) * q: rows[s].append(f"{name_} {c}")
+                if n_classes - 3 * q < c <= n_classes - 3 * q + (j + 1) * q:
+                    rows[s].append(f"{name_} {c}")
     (root / "train_test_split").mkdir(parents=True, exist_ok=True)
     (root / "train_test_split/train_list.txt").write_text("\n".join(rows["train"]) + "\n")
     for s in ("800", "1600", "2400"):
@@ -91,21 +130,28 @@ def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_clas
 # %% ../../nbs/13_checks.ipynb #2eac9e67
 class UnreadableImagesError(ValueError):
     "Some images of a dataset cannot be decoded; `bad` lists (path, reason) for each."
-    def __init__(self, bad: Sequence[tuple] | str, total: int | None = None, what: str = "the dataset", how: str | None = None):
-        if isinstance(bad, str):     # rebuilt from its message (a DataLoader worker's error): its last line, the message
+
+    def __init__(
+        self, bad: Sequence[tuple] | str, total: int | None = None, what: str = "the dataset", how: str | None = None
+    ):
+        if isinstance(bad, str):  # rebuilt from its message (a DataLoader worker's error): its last line, the message
             lines = [l for l in bad.splitlines() if l.strip()]
             msg = lines[-1].split(f"{type(self).__name__}: ", 1)[-1] if lines else bad
             self.bad, self.total = [], total
             return super().__init__(msg)
         self.bad, self.total = list(bad), total
         shown = "; ".join(f"{p} ({r})" for p, r in self.bad[:5]) + ("; ..." if len(self.bad) > 5 else "")
-        how = how or ("Replace or remove them, or drop them with load_dataset(..., on_unreadable='skip') "
-                      "(dml-train: --set data.on_unreadable=skip)")
+        how = how or (
+            "Replace or remove them, or drop them with load_dataset(..., on_unreadable='skip') "
+            "(dml-train: --set data.on_unreadable=skip)"
+        )
         super().__init__(f"{len(self.bad)} of {total:,} images of {what} cannot be read: {shown}. {how}")
+
 
 def image_check_cache_dir() -> Path:
     "Where `check_images` keeps its verdicts: `$XDG_CACHE_HOME/dml_nb/image-checks` (default `~/.cache/...`)."
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dml_nb" / "image-checks"
+
 
 def image_fingerprint(paths: Sequence) -> str:
     """SHA-256 over every path, size, modification time, inode and change time (a missing file counts as such). The
@@ -113,21 +159,29 @@ def image_fingerprint(paths: Sequence) -> str:
     modification time), so a file rewritten in place with its old size and modification time gets a new fingerprint."""
     h = hashlib.sha256()
     for p in paths:
-        try: st = os.stat(p); h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\n".encode())
-        except OSError: h.update(f"{p}\0missing\n".encode())
+        try:
+            st = os.stat(p)
+            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\n".encode())
+        except OSError:
+            h.update(f"{p}\0missing\n".encode())
     return h.hexdigest()
+
 
 def _decode(path) -> str | None:
     "None if the image decodes as training decodes it, else the reason."
     from PIL import Image
+
     try:
-        with Image.open(path) as im: im.convert("RGB")
+        with Image.open(path) as im:
+            im.convert("RGB")
         return None
     except Exception as e:
         return f"{type(e).__name__}: {e}"
 
-def check_images(paths: Sequence, what: str = "images", progress: bool = True, workers: int | None = None,
-                 cache: bool = True) -> list[tuple[Path, str]]:
+
+def check_images(
+    paths: Sequence, what: str = "images", progress: bool = True, workers: int | None = None, cache: bool = True
+) -> list[tuple[Path, str]]:
     "Decode every image of `paths` once (cached by their fingerprint); returns [(path, reason)] of the unreadable ones."
     paths = [Path(p) for p in paths]
     fp = image_fingerprint(paths)
@@ -136,17 +190,36 @@ def check_images(paths: Sequence, what: str = "images", progress: bool = True, w
     if cache and record.exists():
         try:
             r = json.loads(record.read_text())
-            if r.get("fingerprint") == fp and r.get("count") == len(paths): return [(Path(p), why) for p, why in r["bad"]]
-        except (OSError, ValueError, KeyError, TypeError): pass
+            if r.get("fingerprint") == fp and r.get("count") == len(paths):
+                return [(Path(p), why) for p, why in r["bad"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     from concurrent.futures import ThreadPoolExecutor
     from tqdm.auto import tqdm
+
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as pool:
-        reasons = list(tqdm(pool.map(_decode, paths, chunksize=64), total=len(paths), desc=f"checking {what}",
-                            disable=not progress, leave=False))
+        reasons = list(
+            tqdm(
+                pool.map(_decode, paths, chunksize=64),
+                total=len(paths),
+                desc=f"checking {what}",
+                disable=not progress,
+                leave=False,
+            )
+        )
     bad = [(p, why) for p, why in zip(paths, reasons) if why is not None]
     if cache:
-        try: atomic_json({"fingerprint": fp, "count": len(paths), "bad": [[str(p), w] for p, w in bad],
-                          "checked": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, record)
-        except OSError as e: warnings.warn(f"could not cache the image check in {record.parent} ({e}); it will run again")
+        try:
+            atomic_json(
+                {
+                    "fingerprint": fp,
+                    "count": len(paths),
+                    "bad": [[str(p), w] for p, w in bad],
+                    "checked": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                },
+                record,
+            )
+        except OSError as e:
+            warnings.warn(f"could not cache the image check in {record.parent} ({e}); it will run again")
     return bad

@@ -15,8 +15,15 @@ from torchvision.transforms import v2
 
 from ..core.base import data_root
 from ..core.registry import EMBEDDED_SETS, BACKBONES, unknown_name_error
-from .formats import (DATASETS, EXPECTED_FILES, REAL_DATASETS, SPLITS, DatasetNotFoundError, inshop_test_classes,
-                            read_index)
+from dml_nb.data.formats import (
+    DATASETS,
+    EXPECTED_FILES,
+    REAL_DATASETS,
+    SPLITS,
+    DatasetNotFoundError,
+    inshop_test_classes,
+    read_index,
+)
 from .checks import UnreadableImagesError, check_images
 
 # %% auto #0
@@ -25,18 +32,23 @@ __all__ = ['PRESET_ALIASES', 'SHAPES', 'TEXTURES', 'ON_UNREADABLE', 'make_transf
            'make_digits', 'load_dataset', 'add_label_noise']
 
 # %% ../../nbs/11_datasets.ipynb #63782dc6
-PRESET_ALIASES = {"small": "small_cnn"}   # preset names that are not backbone names (configs keep working)
+PRESET_ALIASES = {"small": "small_cnn"}  # preset names that are not backbone names (configs keep working)
 
-def make_transform(preset: str = "resnet50", train: bool = False, size: int | None = None,
-                   flip: bool = True) -> v2.Compose:
+
+def make_transform(
+    preset: str = "resnet50", train: bool = False, size: int | None = None, flip: bool = True
+) -> v2.Compose:
     """The train (`train=True`) or test transform of the backbone `preset` (a `BACKBONES` name, or an alias of
     `PRESET_ALIASES`) at crop `size` (None: the backbone's default): `preprocessing_for(size).transform(train, flip)`."""
     name = PRESET_ALIASES.get(preset, preset)
-    if name not in BACKBONES: raise unknown_name_error("transform preset", preset, [*BACKBONES, *PRESET_ALIASES])
+    if name not in BACKBONES:
+        raise unknown_name_error("transform preset", preset, [*BACKBONES, *PRESET_ALIASES])
     preprocessing_for = getattr(BACKBONES.get(name), "preprocessing_for", None)
     if preprocessing_for is None:
-        raise TypeError(f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
-                        "a dml_nb.data.preprocessing.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)")
+        raise TypeError(
+            f"backbone {name!r} states no preprocessing: give it a classmethod preprocessing_for(size) returning "
+            "a dml_nb.data.preprocessing.Preprocessing, or use another backbone's transforms (preset=; data.preset in a config)"
+        )
     return preprocessing_for(size).transform(train, flip)
 
 # %% ../../nbs/11_datasets.ipynb #ba5a10ab
@@ -45,97 +57,150 @@ def _renumber(raw: Sequence) -> tuple[np.ndarray, np.ndarray]:
     class_ids, labels = np.unique(np.asarray(raw), return_inverse=True)
     return labels.astype(np.int64), class_ids
 
+
 class ImageListDataset(torch.utils.data.Dataset):
     "Images read from `paths` with raw class ids `raw_labels`; `ds[i] -> (transform(image), label)`."
-    def __init__(self, paths: Sequence, raw_labels: Sequence, transform: Callable | None = None,
-                 name: str = "", split: str = "", class_ids: np.ndarray | None = None):
+
+    def __init__(
+        self,
+        paths: Sequence,
+        raw_labels: Sequence,
+        transform: Callable | None = None,
+        name: str = "",
+        split: str = "",
+        class_ids: np.ndarray | None = None,
+    ):
         paths, raw_labels = [Path(p) for p in paths], np.asarray(raw_labels)
-        if len(paths) != len(raw_labels): raise ValueError(f"{len(paths)} paths but {len(raw_labels)} labels")
+        if len(paths) != len(raw_labels):
+            raise ValueError(f"{len(paths)} paths but {len(raw_labels)} labels")
         self.paths, self.transform, self.name, self.split = paths, transform, name, split
-        if class_ids is None: self.labels, self.class_ids = _renumber(raw_labels)
+        if class_ids is None:
+            self.labels, self.class_ids = _renumber(raw_labels)
         else:  # a shared numbering (In-Shop query and gallery must agree on labels)
             self.class_ids = np.asarray(class_ids)
             self.labels = np.searchsorted(self.class_ids, raw_labels).astype(np.int64)
         self.num_classes = len(self.class_ids)
 
-    def __len__(self): return len(self.paths)
+    def __len__(self):
+        return len(self.paths)
+
     def load(self, i: int) -> Image.Image:
         "The raw RGB image `i`, no transform."
         try:
-            with Image.open(self.paths[i]) as im: return im.convert("RGB")
+            with Image.open(self.paths[i]) as im:
+                return im.convert("RGB")
         except (OSError, ValueError) as e:
-            raise OSError(f"cannot read image {self.paths[i]} ({e}); replace or remove the file, or drop unreadable "
-                          "images with load_dataset(..., on_unreadable='skip') (dml-train: --set data.on_unreadable=skip; "
-                          "dml-train --check-data lists every unreadable image)") from e
+            raise OSError(
+                f"cannot read image {self.paths[i]} ({e}); replace or remove the file, or drop unreadable "
+                "images with load_dataset(..., on_unreadable='skip') (dml-train: --set data.on_unreadable=skip; "
+                "dml-train --check-data lists every unreadable image)"
+            ) from e
+
     def __getitem__(self, i):
         img = self.load(i)
         return (self.transform(img) if self.transform else img), int(self.labels[i])
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name}/{self.split}: {len(self)} images, {self.num_classes} classes)"
 
 # %% ../../nbs/11_datasets.ipynb #ea807596
-SHAPES = ("circle", "triangle", "square", "pentagon", "hexagon", "star",
-          "cross", "ring", "crescent", "diamond", "heart", "arrow")
-TEXTURES = ("solid", "h_stripes", "v_stripes", "diag_stripes", "checker",
-            "dots", "rings", "grid", "waves", "zigzag")
+SHAPES = (
+    "circle",
+    "triangle",
+    "square",
+    "pentagon",
+    "hexagon",
+    "star",
+    "cross",
+    "ring",
+    "crescent",
+    "diamond",
+    "heart",
+    "arrow",
+)
+TEXTURES = ("solid", "h_stripes", "v_stripes", "diag_stripes", "checker", "dots", "rings", "grid", "waves", "zigzag")
+
 
 def _polygon_radius(theta, n):
     "Boundary radius of a regular n-gon with circumradius 1 in direction theta."
     a = np.pi / n
     return np.cos(a) / np.cos(np.mod(theta, 2 * a) - a)
 
+
 def shape_mask(shape: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     "Inside-mask of `shape` in its own frame (unit size)."
     r, th = np.hypot(x, y), np.arctan2(y, x)
-    if shape == "circle": return r < 0.9
-    if shape == "triangle": return r < _polygon_radius(th + np.pi / 2, 3)
-    if shape == "square": return (np.abs(x) < 0.72) & (np.abs(y) < 0.72)
-    if shape == "pentagon": return r < 0.95 * _polygon_radius(th + np.pi / 2, 5)
-    if shape == "hexagon": return r < 0.92 * _polygon_radius(th, 6)
+    if shape == "circle":
+        return r < 0.9
+    if shape == "triangle":
+        return r < _polygon_radius(th + np.pi / 2, 3)
+    if shape == "square":
+        return (np.abs(x) < 0.72) & (np.abs(y) < 0.72)
+    if shape == "pentagon":
+        return r < 0.95 * _polygon_radius(th + np.pi / 2, 5)
+    if shape == "hexagon":
+        return r < 0.92 * _polygon_radius(th, 6)
     if shape == "star":
         k = np.mod(th + np.pi / 2, 2 * np.pi / 5) / (2 * np.pi / 5)
         return r < 0.42 + 0.58 * np.abs(2 * k - 1)
-    if shape == "cross": return ((np.abs(x) < 0.3) & (np.abs(y) < 0.9)) | ((np.abs(y) < 0.3) & (np.abs(x) < 0.9))
-    if shape == "ring": return (r < 0.95) & (r > 0.55)
-    if shape == "crescent": return (r < 0.95) & (np.hypot(x - 0.45, y) > 0.7)
-    if shape == "diamond": return np.abs(x) / 0.6 + np.abs(y) < 1.0
+    if shape == "cross":
+        return ((np.abs(x) < 0.3) & (np.abs(y) < 0.9)) | ((np.abs(y) < 0.3) & (np.abs(x) < 0.9))
+    if shape == "ring":
+        return (r < 0.95) & (r > 0.55)
+    if shape == "crescent":
+        return (r < 0.95) & (np.hypot(x - 0.45, y) > 0.7)
+    if shape == "diamond":
+        return np.abs(x) / 0.6 + np.abs(y) < 1.0
     if shape == "heart":
         u, v = 1.15 * x, -1.15 * y + 0.25
-        return (u ** 2 + v ** 2 - 1) ** 3 - u ** 2 * v ** 3 < 0
+        return (u**2 + v**2 - 1) ** 3 - u**2 * v**3 < 0
     if shape == "arrow":
         return ((np.abs(y) < 0.22) & (x > -0.9) & (x < 0.1)) | ((x >= 0.0) & (np.abs(y) < 0.95 * (0.9 - x)))
     raise unknown_name_error("shape", shape, SHAPES)
 
+
 def texture_pattern(tex: str, x: np.ndarray, y: np.ndarray, phase: np.ndarray) -> np.ndarray:
     "Two-tone pattern (True = fill colour) centred on the shape, in units of its size; about 3 periods across it."
     f = 3.0
-    if tex == "solid": return np.ones_like(x, dtype=bool)
-    if tex == "h_stripes": return np.sin(np.pi * f * y + phase) > 0
-    if tex == "v_stripes": return np.sin(np.pi * f * x + phase) > 0
-    if tex == "diag_stripes": return np.sin(np.pi * f * (x + y) / np.sqrt(2) + phase) > 0
-    if tex == "checker": return np.sin(np.pi * f * x * 0.8 + phase) * np.sin(np.pi * f * y * 0.8 + phase) > 0
+    if tex == "solid":
+        return np.ones_like(x, dtype=bool)
+    if tex == "h_stripes":
+        return np.sin(np.pi * f * y + phase) > 0
+    if tex == "v_stripes":
+        return np.sin(np.pi * f * x + phase) > 0
+    if tex == "diag_stripes":
+        return np.sin(np.pi * f * (x + y) / np.sqrt(2) + phase) > 0
+    if tex == "checker":
+        return np.sin(np.pi * f * x * 0.8 + phase) * np.sin(np.pi * f * y * 0.8 + phase) > 0
     if tex == "dots":
         u, v = np.mod(f * x / 2 + phase / 6, 1) - 0.5, np.mod(f * y / 2 + phase / 6, 1) - 0.5
-        return u ** 2 + v ** 2 > 0.07
-    if tex == "rings": return np.sin(np.pi * f * 1.2 * np.hypot(x, y) + phase) > 0
+        return u**2 + v**2 > 0.07
+    if tex == "rings":
+        return np.sin(np.pi * f * 1.2 * np.hypot(x, y) + phase) > 0
     if tex == "grid":
         u, v = np.mod(f * x / 2 + phase / 6, 1) - 0.5, np.mod(f * y / 2 + phase / 6, 1) - 0.5
         return (np.abs(u) < 0.3) & (np.abs(v) < 0.3)
-    if tex == "waves": return np.sin(np.pi * f * y + 1.6 * np.sin(np.pi * 2.5 * x) + phase) > 0
-    if tex == "zigzag": return np.sin(np.pi * f * y + 3.0 * np.abs(np.mod(2 * x, 1) - 0.5) * np.pi + phase) > 0
+    if tex == "waves":
+        return np.sin(np.pi * f * y + 1.6 * np.sin(np.pi * 2.5 * x) + phase) > 0
+    if tex == "zigzag":
+        return np.sin(np.pi * f * y + 3.0 * np.abs(np.mod(2 * x, 1) - 0.5) * np.pi + phase) > 0
     raise unknown_name_error("texture", tex, TEXTURES)
+
 
 def hsv_to_rgb(h, s, v):
     "Vectorised HSV -> RGB in [0, 1]; all inputs shaped (n,)."
-    i = np.floor(h * 6).astype(int) % 6; f = h * 6 - np.floor(h * 6)
+    i = np.floor(h * 6).astype(int) % 6
+    f = h * 6 - np.floor(h * 6)
     p, q, t = v * (1 - s), v * (1 - f * s), v * (1 - (1 - f) * s)
     table = np.stack([np.stack(c, -1) for c in [(v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)]])
     return table[i, np.arange(len(h))]
+
 
 def shapes_classes(split: str) -> list[tuple[int, int]]:
     "The (shape, texture) combinations of `split`: train when shape + texture is even, test when odd."
     parity = {"train": 0, "test": 1}[split]
     return [(s, t) for s in range(len(SHAPES)) for t in range(len(TEXTURES)) if (s + t) % 2 == parity]
+
 
 def render_shapes(shape: int, texture: int, n: int, size: int = 32, seed: int = 0) -> np.ndarray:
     "`n` images (n, size, size, 3) uint8 of one (shape, texture) class, deterministic given `seed`."
@@ -143,9 +208,9 @@ def render_shapes(shape: int, texture: int, n: int, size: int = 32, seed: int = 
     S = 2 * size  # render at 2x, then average 2x2 blocks
     g = (np.arange(S) + 0.5) / S * 2 - 1
     Y, X = np.meshgrid(g, g, indexing="ij")
-    scale = rng.uniform(0.38, 0.7, n)                       # shape radius / half image
+    scale = rng.uniform(0.38, 0.7, n)  # shape radius / half image
     angle = rng.uniform(0, 2 * np.pi, n)
-    cx, cy = (rng.uniform(-1, 1, (2, n)) * (0.95 - scale))
+    cx, cy = rng.uniform(-1, 1, (2, n)) * (0.95 - scale)
     phase = rng.uniform(0, 2 * np.pi, n)
     dx, dy = X[None] - cx[:, None, None], Y[None] - cy[:, None, None]
     ca, sa = np.cos(angle)[:, None, None], np.sin(angle)[:, None, None]
@@ -154,9 +219,11 @@ def render_shapes(shape: int, texture: int, n: int, size: int = 32, seed: int = 
     inside = shape_mask(SHAPES[shape], u, v)
     # the texture lives in the image frame (not rotated with the shape), so that stripes of different
     # orientations stay different textures; it is scaled with the shape and centred on it
-    pattern = texture_pattern(TEXTURES[texture], dx / scale[:, None, None], dy / scale[:, None, None], phase[:, None, None])
+    pattern = texture_pattern(
+        TEXTURES[texture], dx / scale[:, None, None], dy / scale[:, None, None], phase[:, None, None]
+    )
     fill = hsv_to_rgb(rng.uniform(0, 1, n), rng.uniform(0.5, 1, n), rng.uniform(0.75, 1, n))
-    second = fill * rng.uniform(0.15, 0.4, (n, 1))           # darker tone of the same colour
+    second = fill * rng.uniform(0.15, 0.4, (n, 1))  # darker tone of the same colour
     # background: gradient between two random muted colours along a random direction
     b0 = hsv_to_rgb(rng.uniform(0, 1, n), rng.uniform(0, 0.5, n), rng.uniform(0.3, 0.9, n))
     b1 = hsv_to_rgb(rng.uniform(0, 1, n), rng.uniform(0, 0.5, n), rng.uniform(0.3, 0.9, n))
@@ -174,41 +241,64 @@ def render_shapes(shape: int, texture: int, n: int, size: int = 32, seed: int = 
     img = img + rng.normal(0, 0.04, img.shape)
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
+
 class ArrayDataset(torch.utils.data.Dataset):
     "Images held in memory as a uint8 array (N, H, W, 3); `ds[i] -> (transform(image), label)`."
-    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Callable | None = None,
-                 name: str = "", split: str = "", class_ids: np.ndarray | None = None, **extra):
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        transform: Callable | None = None,
+        name: str = "",
+        split: str = "",
+        class_ids: np.ndarray | None = None,
+        **extra,
+    ):
         self.images, self.transform, self.name, self.split = images, transform, name, split
         self.labels, ids = _renumber(labels)
         self.class_ids = ids if class_ids is None else np.asarray(class_ids)[ids]
         self.num_classes = len(self.class_ids)
-        for k, v in extra.items(): setattr(self, k, v)
-    def __len__(self): return len(self.images)
+        for k, v in extra.items():
+            setattr(self, k, v)
+
+    def __len__(self):
+        return len(self.images)
+
     def load(self, i: int) -> torch.Tensor:
         "Image `i` as a uint8 CHW tensor, no transform."
         return torch.from_numpy(self.images[i]).permute(2, 0, 1)
+
     def __getitem__(self, i):
         img = self.load(i)
         return (self.transform(img) if self.transform else img), int(self.labels[i])
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name}/{self.split}: {len(self)} images, {self.num_classes} classes)"
 
+
 def make_shapes(split: str = "train", images_per_class: int = 40, size: int = 32, seed: int = 0) -> ArrayDataset:
     "The `shapes` set: 60 classes per split, `images_per_class` images of `size` px (32-64)."
-    if split not in ("train", "test"): raise unknown_name_error("split of 'shapes'", split, ("train", "test"))
-    if not 32 <= size <= 64: raise ValueError(f"shapes size must be between 32 and 64 px, got {size}")
-    if images_per_class < 2: raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
+    if split not in ("train", "test"):
+        raise unknown_name_error("split of 'shapes'", split, ("train", "test"))
+    if not 32 <= size <= 64:
+        raise ValueError(f"shapes size must be between 32 and 64 px, got {size}")
+    if images_per_class < 2:
+        raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
     combos = shapes_classes(split)
     images = np.concatenate([render_shapes(s, t, images_per_class, size, seed) for s, t in combos])
     cls = np.repeat([s * len(TEXTURES) + t for s, t in combos], images_per_class)
-    return ArrayDataset(images, cls, name="shapes", split=split,
-                        shape_ids=cls // len(TEXTURES), texture_ids=cls % len(TEXTURES))
+    return ArrayDataset(
+        images, cls, name="shapes", split=split, shape_ids=cls // len(TEXTURES), texture_ids=cls % len(TEXTURES)
+    )
 
 # %% ../../nbs/11_datasets.ipynb #ed09d718
 def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
     "scikit-learn's handwritten digits as RGB uint8 images of `size` px: digits 0-4 train, 5-9 test."
-    if split not in ("train", "test"): raise unknown_name_error("split of 'digits'", split, ("train", "test"))
+    if split not in ("train", "test"):
+        raise unknown_name_error("split of 'digits'", split, ("train", "test"))
     from sklearn.datasets import load_digits
+
     d = load_digits()
     keep = d.target < 5 if split == "train" else d.target >= 5
     x = torch.from_numpy(d.images[keep] / 16.0).float()[:, None]
@@ -217,33 +307,57 @@ def make_digits(split: str = "train", size: int = 32) -> ArrayDataset:
     return ArrayDataset(np.ascontiguousarray(img.numpy()), d.target[keep], name="digits", split=split)
 
 # %% ../../nbs/11_datasets.ipynb #075af53b
-_OPTIONS = {**{n: ("on_unreadable", "progress") for n in REAL_DATASETS}, "shapes": ("images_per_class", "seed"), "digits": (),
-            "finegrained": ("images_per_class", "seed", "num_classes"),
-            "finegrained_novel": ("images_per_class", "seed", "num_classes")}
+_OPTIONS = {
+    **{n: ("on_unreadable", "progress") for n in REAL_DATASETS},
+    "shapes": ("images_per_class", "seed"),
+    "digits": (),
+    "finegrained": ("images_per_class", "seed", "num_classes"),
+    "finegrained_novel": ("images_per_class", "seed", "num_classes"),
+}
 ON_UNREADABLE = (None, "error", "skip")
+
 
 def _drop_unreadable(paths: list, raw: np.ndarray, mode: str, what: str, progress: bool = True):
     "Check every image up front (cached): an error listing the unreadable ones, or drop them with a warning."
     bad = check_images(paths, what, progress=progress)
-    if not bad: return paths, raw
-    if mode == "error": raise UnreadableImagesError(bad, len(paths), what)
+    if not bad:
+        return paths, raw
+    if mode == "error":
+        raise UnreadableImagesError(bad, len(paths), what)
     gone = {p for p, _ in bad}
     keep = np.array([p not in gone for p in paths], dtype=bool)
-    warnings.warn(f"{what}: skipped {len(bad)} unreadable image(s) of {len(paths)}: "
-                  + "; ".join(f"{p} ({r})" for p, r in bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+    warnings.warn(
+        f"{what}: skipped {len(bad)} unreadable image(s) of {len(paths)}: "
+        + "; ".join(f"{p} ({r})" for p, r in bad[:5])
+        + ("; ..." if len(bad) > 5 else "")
+    )
     return [p for p, k in zip(paths, keep) if k], raw[keep]
 
-def load_dataset(name: str, root: str | Path | None = None, split: str = "train", transform="auto",
-                 preset: str | None = None, augment: bool | None = None, size: int | None = None, **options):
+
+def load_dataset(
+    name: str,
+    root: str | Path | None = None,
+    split: str = "train",
+    transform="auto",
+    preset: str | None = None,
+    augment: bool | None = None,
+    size: int | None = None,
+    **options,
+):
     "Load split `split` of dataset `name` (see `DATASETS`, `SPLITS`); `root=None` reads `$DML_DATA/<name>`."
-    if name not in DATASETS: raise unknown_name_error("dataset", name, DATASETS)
-    if split not in SPLITS[name]: raise unknown_name_error(f"split of {name!r}", split, SPLITS[name])
+    if name not in DATASETS:
+        raise unknown_name_error("dataset", name, DATASETS)
+    if split not in SPLITS[name]:
+        raise unknown_name_error(f"split of {name!r}", split, SPLITS[name])
     bad = [k for k in options if k not in _OPTIONS[name]]
     if bad:
-        raise TypeError(f"load_dataset({name!r}) has no option {bad[0]!r}. Valid options: transform, preset, "
-                        f"augment, size{''.join(', ' + o for o in _OPTIONS[name])}")
+        raise TypeError(
+            f"load_dataset({name!r}) has no option {bad[0]!r}. Valid options: transform, preset, "
+            f"augment, size{''.join(', ' + o for o in _OPTIONS[name])}"
+        )
     mode = options.get("on_unreadable")
-    if mode not in ON_UNREADABLE: raise unknown_name_error("on_unreadable value", mode, ["error", "skip"])
+    if mode not in ON_UNREADABLE:
+        raise unknown_name_error("on_unreadable value", mode, ["error", "skip"])
     embedded = name not in REAL_DATASETS
     train = (split == "train") if augment is None else augment
     if transform == "auto":
@@ -252,15 +366,21 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
         if name in ("finegrained", "finegrained_novel"):
-            ds = EMBEDDED_SETS.get(name)(split, size=size or 32, **options)   # registered by dml_nb.data.finegrained
-        else: ds = (make_shapes(split, size=size or 32, **options) if name == "shapes"
-                    else make_digits(split, size=size or 32))
+            ds = EMBEDDED_SETS.get(name)(split, size=size or 32, **options)  # registered by dml_nb.data.finegrained
+        else:
+            ds = (
+                make_shapes(split, size=size or 32, **options)
+                if name == "shapes"
+                else make_digits(split, size=size or 32)
+            )
         ds.transform = transform
         return ds
     root = data_root(name, root)
-    if not root.exists(): raise DatasetNotFoundError(name, root, EXPECTED_FILES[name])
+    if not root.exists():
+        raise DatasetNotFoundError(name, root, EXPECTED_FILES[name])
     paths, raw = read_index(name, root, split)
-    if mode is not None: paths, raw = _drop_unreadable(paths, raw, mode, f"{name} {split}", options.get("progress", True))
+    if mode is not None:
+        paths, raw = _drop_unreadable(paths, raw, mode, f"{name} {split}", options.get("progress", True))
     class_ids = inshop_test_classes(root) if name == "inshop" and split in ("query", "gallery", "test") else None
     return ImageListDataset(paths, raw, transform, name=name, split=split, class_ids=class_ids)
 
@@ -268,24 +388,32 @@ def load_dataset(name: str, root: str | Path | None = None, split: str = "train"
 def add_label_noise(labels, ratio: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     "Relabel `ratio` of every class's samples to other classes (BSPML); returns (noisy_labels, flipped_mask)."
     labels = np.asarray(labels).astype(np.int64)
-    if not 0 <= ratio < 1: raise ValueError(f"label-noise ratio must be in [0, 1), got {ratio}")
+    if not 0 <= ratio < 1:
+        raise ValueError(f"label-noise ratio must be in [0, 1), got {ratio}")
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
-    if ratio > 0 and len(classes) < 2: raise ValueError("label noise needs at least two classes")
+    if ratio > 0 and len(classes) < 2:
+        raise ValueError("label noise needs at least two classes")
     flipped = np.zeros(len(labels), dtype=bool)
     for c in classes:
         idx = np.flatnonzero(labels == c)
         flipped[rng.choice(idx, int(round(ratio * len(idx))), replace=False)] = True
     src = np.flatnonzero(flipped)
-    if len(src) == 0: return labels.copy(), flipped
+    if len(src) == 0:
+        return labels.copy(), flipped
     src = src[rng.permutation(len(src))]
     reps = -(-len(src) // len(classes))
     target = np.concatenate([rng.permutation(classes) for _ in range(reps)])[: len(src)]
     orig = labels[src]
     for i in np.flatnonzero(target == orig):  # repair the few samples that drew their own class
-        if target[i] != orig[i]: continue
+        if target[i] != orig[i]:
+            continue
         ok = np.flatnonzero((target != orig[i]) & (orig != target[i]))
-        if len(ok): j = ok[rng.integers(len(ok))]; target[i], target[j] = target[j], target[i]
-        else: target[i] = rng.choice(classes[classes != orig[i]])
-    noisy = labels.copy(); noisy[src] = target
+        if len(ok):
+            j = ok[rng.integers(len(ok))]
+            target[i], target[j] = target[j], target[i]
+        else:
+            target[i] = rng.choice(classes[classes != orig[i]])
+    noisy = labels.copy()
+    noisy[src] = target
     return noisy, flipped

@@ -18,26 +18,36 @@ __all__ = ['PALETTES', 'PARTS', 'FACTORS', 'FINEGRAINED_SPLITS', 'CLASSES_PER_SP
            'novel_classes']
 
 # %% ../../nbs/12_finegrained.ipynb #c3317f65
-PALETTES = {"red/yellow": (0.0, 0.15), "orange/blue": (0.08, 0.62), "yellow/purple": (0.15, 0.78),
-            "green/red": (0.33, 0.0), "teal/orange": (0.48, 0.08), "blue/yellow": (0.62, 0.15),
-            "purple/green": (0.78, 0.33), "pink/teal": (0.9, 0.48)}   # (hue of the fill, hue of the second colour)
+PALETTES = {
+    "red/yellow": (0.0, 0.15),
+    "orange/blue": (0.08, 0.62),
+    "yellow/purple": (0.15, 0.78),
+    "green/red": (0.33, 0.0),
+    "teal/orange": (0.48, 0.08),
+    "blue/yellow": (0.62, 0.15),
+    "purple/green": (0.78, 0.33),
+    "pink/teal": (0.9, 0.48),
+}  # (hue of the fill, hue of the second colour)
 PARTS = ("none", "one", "two", "three")
 FACTORS = {"shape": SHAPES, "texture": TEXTURES, "palette": tuple(PALETTES), "parts": PARTS}
 FINEGRAINED_SPLITS = ("train", "test", "pretrain")
 CLASSES_PER_SPLIT = 100
 _LAYOUT_SEED = 2024
 
+
 def factor_grid() -> np.ndarray:
     "Every (shape, texture, palette, parts) combination, one row per class id."
     sizes = [len(v) for v in FACTORS.values()]
     return np.stack(np.unravel_index(np.arange(np.prod(sizes)), sizes), 1)
 
+
 def finegrained_classes(split: str) -> np.ndarray:
     "Class ids of `split`: one fixed shuffle of all combinations; 100 train, the next 100 test, the rest pretrain."
-    if split not in FINEGRAINED_SPLITS: raise unknown_name_error("split of 'finegrained'", split, FINEGRAINED_SPLITS)
+    if split not in FINEGRAINED_SPLITS:
+        raise unknown_name_error("split of 'finegrained'", split, FINEGRAINED_SPLITS)
     order = np.random.default_rng(_LAYOUT_SEED).permutation(len(factor_grid()))
     start = {"train": 0, "test": CLASSES_PER_SPLIT, "pretrain": 2 * CLASSES_PER_SPLIT}[split]
-    return order[start:] if split == "pretrain" else order[start:start + CLASSES_PER_SPLIT]
+    return order[start:] if split == "pretrain" else order[start : start + CLASSES_PER_SPLIT]
 
 # %% ../../nbs/12_finegrained.ipynb #195c91cf
 def _frame(X, Y, cx, cy, angle, scale):
@@ -46,6 +56,7 @@ def _frame(X, Y, cx, cy, angle, scale):
     dx, dy = X[None] - e(cx), Y[None] - e(cy)
     ca, sa = np.cos(e(angle)), np.sin(e(angle))
     return (ca * dx + sa * dy) / e(scale), (-sa * dx + ca * dy) / e(scale), dx / e(scale), dy / e(scale)
+
 
 def _clutter(img, X, Y, rng, n, count=3):
     "Paint `count` ellipses or bars of random colour, size and angle on every image of `img` (n, S, S, 3)."
@@ -63,16 +74,18 @@ def render_finegrained(class_id: int, n: int, size: int = 32, seed: int = 0) -> 
     "`n` images (n, size, size, 3) uint8 of class `class_id` (a row of `factor_grid`), deterministic given `seed`."
     shape, texture, palette, parts = factor_grid()[class_id]
     rng = np.random.default_rng([seed, int(class_id)])
-    S = 2 * size                                                  # render at 2x, then average 2x2 blocks
+    S = 2 * size  # render at 2x, then average 2x2 blocks
     g = ((np.arange(S) + 0.5) / S * 2 - 1).astype(np.float32)
     Y, X = np.meshgrid(g, g, indexing="ij")
     scale = rng.uniform(0.33, 0.52, n)
-    angle = rng.uniform(-np.pi / 3, np.pi / 3, n)                 # pose: +-60 degrees
+    angle = rng.uniform(-np.pi / 3, np.pi / 3, n)  # pose: +-60 degrees
     cx, cy = rng.uniform(-1, 1, (2, n)) * (0.9 - 1.3 * scale)
     u, v, dx, dy = _frame(X, Y, cx, cy, angle, scale)
     inside = shape_mask(SHAPES[shape], u, v)
     freq = rng.uniform(0.8, 1.25, (n, 1, 1)).astype(np.float32)
-    pattern = texture_pattern(TEXTURES[texture], dx * freq, dy * freq, rng.uniform(0, 2 * np.pi, (n, 1, 1)).astype(np.float32))
+    pattern = texture_pattern(
+        TEXTURES[texture], dx * freq, dy * freq, rng.uniform(0, 2 * np.pi, (n, 1, 1)).astype(np.float32)
+    )
     h1, h2 = list(PALETTES.values())[palette]
     fill = hsv_to_rgb((h1 + rng.normal(0, 0.02, n)) % 1, rng.uniform(0.6, 1, n), rng.uniform(0.7, 1, n))
     second = hsv_to_rgb((h2 + rng.normal(0, 0.02, n)) % 1, rng.uniform(0.6, 1, n), rng.uniform(0.35, 0.7, n))
@@ -83,13 +96,15 @@ def render_finegrained(class_id: int, n: int, size: int = 32, seed: int = 0) -> 
     w = ((np.cos(gd) * X + np.sin(gd) * Y) + 1)[..., None] / 2
     img = _clutter(b0 + (b1 - b0) * w, X, Y, rng, n)
     part = np.zeros_like(inside)
-    for k in range(parts):                                        # discs on the rim, in the shape's frame
+    for k in range(parts):  # discs on the rim, in the shape's frame
         a = np.pi / 2 + 2 * np.pi * k / parts
-        part |= np.square(u - 1.1 * np.cos(a)) + np.square(v - 1.1 * np.sin(a)) < 0.32 ** 2
+        part |= np.square(u - 1.1 * np.cos(a)) + np.square(v - 1.1 * np.sin(a)) < 0.32**2
     img = np.where(part[..., None], second, img)
     img = np.where(inside[..., None], np.where(pattern[..., None], fill, second), img)
     img = img.reshape(n, size, 2, size, 2, 3).mean((2, 4))
-    img = img * rng.uniform(0.8, 1.15, (n, 1, 1, 1)).astype(np.float32) + rng.normal(0, 0.04, img.shape).astype(np.float32)
+    img = img * rng.uniform(0.8, 1.15, (n, 1, 1, 1)).astype(np.float32) + rng.normal(0, 0.04, img.shape).astype(
+        np.float32
+    )
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 # %% ../../nbs/12_finegrained.ipynb #98bfe6ef
@@ -98,36 +113,59 @@ def _rendered(classes: tuple, images_per_class: int, size: int, seed: int) -> np
     "The images of `classes`, rendered once per process: a notebook's many runs on one split share them (callers copy)."
     return np.concatenate([render_finegrained(c, images_per_class, size, seed) for c in classes])
 
-LAYOUTS = {"shared": "finegrained", "novel": "finegrained_novel"}   # layout -> the dataset's name
 
-def make_finegrained(split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0,
-                     num_classes: int | None = None, layout: str = "shared") -> ArrayDataset:
+LAYOUTS = {"shared": "finegrained", "novel": "finegrained_novel"}  # layout -> the dataset's name
+
+
+def make_finegrained(
+    split: str = "train",
+    images_per_class: int = 32,
+    size: int = 32,
+    seed: int = 0,
+    num_classes: int | None = None,
+    layout: str = "shared",
+) -> ArrayDataset:
     """Split `split` of `finegrained` (`layout="shared"`) or of `finegrained_novel` (`"novel"`, below): its first
     `num_classes` classes (default all), `images_per_class` images of `size` px."""
-    if layout not in LAYOUTS: raise unknown_name_error("finegrained layout", layout, LAYOUTS)
+    if layout not in LAYOUTS:
+        raise unknown_name_error("finegrained layout", layout, LAYOUTS)
     name = LAYOUTS[layout]
     classes = finegrained_classes(split) if layout == "shared" else novel_classes(split)
     if num_classes is not None:
         if not 2 <= num_classes <= len(classes):
             raise ValueError(f"num_classes of {name}/{split} must be between 2 and {len(classes)}, got {num_classes}")
         classes = classes[:num_classes]
-    if not 32 <= size <= 64: raise ValueError(f"finegrained size must be between 32 and 64 px, got {size}")
-    if images_per_class < 2: raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
+    if not 32 <= size <= 64:
+        raise ValueError(f"finegrained size must be between 32 and 64 px, got {size}")
+    if images_per_class < 2:
+        raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
     images = _rendered(tuple(int(c) for c in classes), images_per_class, size, seed).copy()
     cls = np.repeat(classes, images_per_class)
     f = factor_grid()[cls]
-    return ArrayDataset(images, cls, name=name, split=split, shape_ids=f[:, 0], texture_ids=f[:, 1],
-                        palette_ids=f[:, 2], part_ids=f[:, 3])
+    return ArrayDataset(
+        images,
+        cls,
+        name=name,
+        split=split,
+        shape_ids=f[:, 0],
+        texture_ids=f[:, 1],
+        palette_ids=f[:, 2],
+        part_ids=f[:, 3],
+    )
+
 
 @EMBEDDED_SETS.register("finegrained")
-def finegrained_set(split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0,
-                    num_classes: int | None = None) -> ArrayDataset:
+def finegrained_set(
+    split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0, num_classes: int | None = None
+) -> ArrayDataset:
     "`load_dataset('finegrained')`: `make_finegrained` with the shared layout."
     return make_finegrained(split, images_per_class, size, seed, num_classes, layout="shared")
 
+
 @EMBEDDED_SETS.register("finegrained_novel")
-def finegrained_novel_set(split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0,
-                          num_classes: int | None = None) -> ArrayDataset:
+def finegrained_novel_set(
+    split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0, num_classes: int | None = None
+) -> ArrayDataset:
     "`load_dataset('finegrained_novel')`: `make_finegrained` with the novel layout."
     return make_finegrained(split, images_per_class, size, seed, num_classes, layout="novel")
 
@@ -135,19 +173,26 @@ def finegrained_novel_set(split: str = "train", images_per_class: int = 32, size
 NOVEL_FAMILY = {"shape": ("crescent", "diamond", "heart", "arrow"), "texture": ("rings", "grid", "waves", "zigzag")}
 _NOVEL_LAYOUT_SEED = 2025
 
+
 def _novel_masks() -> tuple[np.ndarray, np.ndarray]:
     "(in the family: every factor of `NOVEL_FAMILY` takes one of its values, in the pool: none does), one per class id."
     grid = factor_grid()
-    novel = [np.isin(grid[:, i], [values.index(v) for v in NOVEL_FAMILY[f]])
-             for i, (f, values) in enumerate(FACTORS.items()) if f in NOVEL_FAMILY]
+    novel = [
+        np.isin(grid[:, i], [values.index(v) for v in NOVEL_FAMILY[f]])
+        for i, (f, values) in enumerate(FACTORS.items())
+        if f in NOVEL_FAMILY
+    ]
     return np.logical_and.reduce(novel), ~np.logical_or.reduce(novel)
+
 
 def novel_classes(split: str) -> np.ndarray:
     """Class ids of `split` of `finegrained_novel`: one fixed shuffle of all combinations; the family's first 100 train,
     its next 100 test; the pretraining pool is every combination that uses none of the family's values."""
-    if split not in FINEGRAINED_SPLITS: raise unknown_name_error("split of 'finegrained_novel'", split, FINEGRAINED_SPLITS)
+    if split not in FINEGRAINED_SPLITS:
+        raise unknown_name_error("split of 'finegrained_novel'", split, FINEGRAINED_SPLITS)
     family, pool = _novel_masks()
     order = np.random.default_rng(_NOVEL_LAYOUT_SEED).permutation(len(family))
-    if split == "pretrain": return order[pool[order]]
+    if split == "pretrain":
+        return order[pool[order]]
     start = {"train": 0, "test": CLASSES_PER_SPLIT}[split]
-    return order[family[order]][start:start + CLASSES_PER_SPLIT]
+    return order[family[order]][start : start + CLASSES_PER_SPLIT]

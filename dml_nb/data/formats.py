@@ -4,7 +4,10 @@
 
 # %% ../../nbs/10_formats.ipynb #93580808
 from __future__ import annotations
-import hashlib, os, re, warnings
+import hashlib
+import os
+import re
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -18,77 +21,113 @@ __all__ = ['DATASETS', 'REAL_DATASETS', 'SPLITS', 'EXPECTED_FILES', 'RELEASES', 
            'read_inshop', 'inshop_test_classes', 'read_vehicleid', 'read_index']
 
 # %% ../../nbs/10_formats.ipynb #b4624a2f
-DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained",
-            "finegrained_novel")
+DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained", "finegrained_novel")
 REAL_DATASETS = DATASETS[:5]
-SPLITS = {"cub200": ("train", "test"), "cars196": ("train", "test"), "sop": ("train", "test"),
-          "inshop": ("train", "test", "query", "gallery"),
-          "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
-          "shapes": ("train", "test"), "digits": ("train", "test"), "finegrained": ("train", "test"),
-          "finegrained_novel": ("train", "test")}
+SPLITS = {
+    "cub200": ("train", "test"),
+    "cars196": ("train", "test"),
+    "sop": ("train", "test"),
+    "inshop": ("train", "test", "query", "gallery"),
+    "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
+    "shapes": ("train", "test"),
+    "digits": ("train", "test"),
+    "finegrained": ("train", "test"),
+    "finegrained_novel": ("train", "test"),
+}
 # what a dataset root holds, as its authors distribute it (for the error when it is missing)
-EXPECTED_FILES = {"cub200": ["CUB_200_2011/images.txt", "CUB_200_2011/classes.txt",
-                             "CUB_200_2011/image_class_labels.txt", "CUB_200_2011/images/"],
-                  "cars196": ["cars_annos.mat", "car_ims/"], "sop": ["Ebay_train.txt", "Ebay_test.txt"],
-                  "inshop": ["Eval/list_eval_partition.txt", "img/"],
-                  "vehicleid": ["train_test_split/train_list.txt", "train_test_split/test_list_800.txt",
-                                "train_test_split/test_list_1600.txt", "train_test_split/test_list_2400.txt",
-                                "image/"]}
+EXPECTED_FILES = {
+    "cub200": [
+        "CUB_200_2011/images.txt",
+        "CUB_200_2011/classes.txt",
+        "CUB_200_2011/image_class_labels.txt",
+        "CUB_200_2011/images/",
+    ],
+    "cars196": ["cars_annos.mat", "car_ims/"],
+    "sop": ["Ebay_train.txt", "Ebay_test.txt"],
+    "inshop": ["Eval/list_eval_partition.txt", "img/"],
+    "vehicleid": [
+        "train_test_split/train_list.txt",
+        "train_test_split/test_list_800.txt",
+        "train_test_split/test_list_1600.txt",
+        "train_test_split/test_list_2400.txt",
+        "image/",
+    ],
+}
+
 
 class DatasetFormatError(ValueError):
     "An index file does not have the format its authors distribute, or contradicts another index file."
 
+
 class DatasetSizeWarning(UserWarning):
     "A full release whose counts differ from the official ones (a file may be cut short)."
 
+
 class DatasetNotFoundError(FileNotFoundError):
     "A dataset root, or a file it must hold, is missing; `how` says how to point at it."
+
     def __init__(self, name: str, root: Path, missing: Sequence[str], how: str | None = None):
         self.name, self.root, self.missing = name, Path(root), list(missing)
         self.how = how or f"pass root=... to load_dataset, or put it in $DML_DATA/{name}"
-        super().__init__(f"dataset {name!r} not found at {root}: missing {', '.join(self.missing)}. Expected, as "
-                         f"distributed by its authors: {', '.join(EXPECTED_FILES[name])} under the dataset root "
-                         f"({self.how})")
+        super().__init__(
+            f"dataset {name!r} not found at {root}: missing {', '.join(self.missing)}. Expected, as "
+            f"distributed by its authors: {', '.join(EXPECTED_FILES[name])} under the dataset root "
+            f"({self.how})"
+        )
+
 
 def _expect(root: Path, name: str, files: Sequence[str]) -> None:
     "A `DatasetNotFoundError` naming the missing files when one of `files` is not under `root`."
     missing = [f for f in files if not (root / f.rstrip("/")).exists()]
-    if missing: raise DatasetNotFoundError(name, root, missing)
+    if missing:
+        raise DatasetNotFoundError(name, root, missing)
 
 # %% ../../nbs/10_formats.ipynb #98649e7a
 def _text(path: Path, what: str) -> list[str]:
-    try: text = path.read_text()
+    try:
+        text = path.read_text()
     except UnicodeDecodeError as e:
         raise DatasetFormatError(f"{path} is not a text file ({e}); expected {what}") from None
-    except OSError as e:      # a folder, or a file that cannot be opened
+    except OSError as e:  # a folder, or a file that cannot be opened
         why = "is a folder, not a file" if path.is_dir() else f"cannot be read ({e.strerror or e})"
         raise DatasetFormatError(f"{path} {why}; expected {what}") from None
-    if not text.strip(): raise DatasetFormatError(f"{path} is empty; expected {what}")
+    if not text.strip():
+        raise DatasetFormatError(f"{path} is empty; expected {what}")
     return text.splitlines()
 
-def _rows(path: Path, fields: Sequence[tuple[str, type]], lines: list[str] | None = None, skip: int = 0
-          ) -> list[tuple[int, list]]:
+
+def _rows(
+    path: Path, fields: Sequence[tuple[str, type]], lines: list[str] | None = None, skip: int = 0
+) -> list[tuple[int, list]]:
     "(line number, values) of every non-empty line of `path` after the first `skip` lines, typed as `fields`."
     what = "'" + " ".join(f"<{n}>" for n, _ in fields) + "' on every line"
     lines = _text(path, what) if lines is None else lines
     out = []
     for n, line in enumerate(lines, 1):
-        if n <= skip or not line.strip(): continue
+        if n <= skip or not line.strip():
+            continue
         parts = line.split()
         if len(parts) != len(fields):
-            raise DatasetFormatError(f"{path}, line {n}: expected {len(fields)} fields "
-                                     f"'{' '.join(f'<{f}>' for f, _ in fields)}', got {line.strip()!r}")
+            raise DatasetFormatError(
+                f"{path}, line {n}: expected {len(fields)} fields "
+                f"'{' '.join(f'<{f}>' for f, _ in fields)}', got {line.strip()!r}"
+            )
         values = []
         for (fname, tp), tok in zip(fields, parts):
             if tp is int:
-                try: tok = int(tok)
+                try:
+                    tok = int(tok)
                 except ValueError:
-                    raise DatasetFormatError(f"{path}, line {n}: expected an integer <{fname}> in "
-                                             f"'{' '.join(f'<{f}>' for f, _ in fields)}', got {line.strip()!r}") from None
+                    raise DatasetFormatError(
+                        f"{path}, line {n}: expected an integer <{fname}> in "
+                        f"'{' '.join(f'<{f}>' for f, _ in fields)}', got {line.strip()!r}"
+                    ) from None
             values.append(tok)
         out.append((n, values))
-    if not out: raise DatasetFormatError(f"{path} lists nothing; expected {what}")
+    if not out:
+        raise DatasetFormatError(f"{path} lists nothing; expected {what}")
     return out
+
 
 def _inside(root: Path, rel: str, where: str) -> Path:
     """`root / rel`, or a `DatasetFormatError` naming `where` (the file and line) when `rel` leads outside `root` (an
@@ -96,48 +135,81 @@ def _inside(root: Path, rel: str, where: str) -> Path:
     p = Path(root) / rel
     norm, base = os.path.normpath(p), os.path.normpath(root)
     if os.path.isabs(rel) or os.path.commonpath([norm, base]) != base:
-        raise DatasetFormatError(f"{where}: image path {rel!r} leads outside the dataset root {root} (to {norm}); "
-                                 "every image must lie under the root: correct or remove that line")
+        raise DatasetFormatError(
+            f"{where}: image path {rel!r} leads outside the dataset root {root} (to {norm}); "
+            "every image must lie under the root: correct or remove that line"
+        )
     return p
+
 
 def _unique(path: Path, rows, key: int, what: str) -> dict:
     "{value of field `key`: line number}; a value on two lines is an error naming both."
     seen = {}
     for n, v in rows:
         if v[key] in seen:
-            raise DatasetFormatError(f"{path}, line {n}: {what} {v[key]!r} appears again (first on line {seen[v[key]]}); "
-                                     f"every {what} must be listed once")
+            raise DatasetFormatError(
+                f"{path}, line {n}: {what} {v[key]!r} appears again (first on line {seen[v[key]]}); "
+                f"every {what} must be listed once"
+            )
         seen[v[key]] = n
     return seen
 
+
 def _size_warning(dataset: str, root: Path, what: str, got: int, official: int, source: str) -> None:
     if got != official:
-        warnings.warn(f"{dataset} at {root}: {what} is {got:,} but the official release has {official:,} ({source}); "
-                      "a file may be cut short or edited. A deliberate subset is fine; otherwise restore the files "
-                      "from the original archive.", DatasetSizeWarning, stacklevel=3)
+        warnings.warn(
+            f"{dataset} at {root}: {what} is {got:,} but the official release has {official:,} ({source}); "
+            "a file may be cut short or edited. A deliberate subset is fine; otherwise restore the files "
+            "from the original archive.",
+            DatasetSizeWarning,
+            stacklevel=3,
+        )
 
 # %% ../../nbs/10_formats.ipynb #e0a07828
 RELEASES = {
     "cub200": {"images": 11_788, "classes": 200, "train": 5_864, "test": 5_924, "source": "DiVA Sec. 4, D&C Sec. 4"},
     "cars196": {"images": 16_185, "classes": 196, "train": 8_054, "test": 8_131, "source": "DiVA Sec. 4, D&C Sec. 4"},
-    "sop": {"train": 59_551, "train_classes": 11_318, "test": 60_502, "test_classes": 11_316, "super_classes": 12,
-            "source": "DiVA Sec. 4; Sharing Matters Sec. 5 (120,053 images)"},
-    "inshop": {"images": 52_712, "train": 25_882, "query": 14_218, "gallery": 12_612, "train_classes": 3_997,
-               "source": "D&C Sec. 4"},
-    "vehicleid": {"test800": 800, "test1600": 1_600, "test2400": 2_400, "train_classes_at_least": 13_000,
-                  "source": "the test lists' file names; D&C Sec. 4 after Liu et al. 2016"},
+    "sop": {
+        "train": 59_551,
+        "train_classes": 11_318,
+        "test": 60_502,
+        "test_classes": 11_316,
+        "super_classes": 12,
+        "source": "DiVA Sec. 4; Sharing Matters Sec. 5 (120,053 images)",
+    },
+    "inshop": {
+        "images": 52_712,
+        "train": 25_882,
+        "query": 14_218,
+        "gallery": 12_612,
+        "train_classes": 3_997,
+        "source": "D&C Sec. 4",
+    },
+    "vehicleid": {
+        "test800": 800,
+        "test1600": 1_600,
+        "test2400": 2_400,
+        "train_classes_at_least": 13_000,
+        "source": "the test lists' file names; D&C Sec. 4 after Liu et al. 2016",
+    },
 }
+
 
 def _first_half(class_ids: Sequence[int], split: str) -> set:
     "The class ids of `split`: the first half of the sorted class list for 'train', the rest for 'test'."
     ids = sorted(class_ids)
-    return set(ids[: len(ids) // 2]) if split == "train" else set(ids[len(ids) // 2:])
+    return set(ids[: len(ids) // 2]) if split == "train" else set(ids[len(ids) // 2 :])
 
 # %% ../../nbs/10_formats.ipynb #8fa64228
 def cub_root(root: Path) -> Path:
     "The `CUB_200_2011` folder: `root` itself or its child of that name."
     root = Path(root)
-    return root / "CUB_200_2011" if not (root / "images.txt").exists() and (root / "CUB_200_2011" / "images.txt").exists() else root
+    return (
+        root / "CUB_200_2011"
+        if not (root / "images.txt").exists() and (root / "CUB_200_2011" / "images.txt").exists()
+        else root
+    )
+
 
 def read_cub200(root: Path, split: str):
     "CUB-200-2011 (`root`: the `CUB_200_2011` folder or its parent): (image paths, raw class ids) of `split`."
@@ -147,7 +219,8 @@ def read_cub200(root: Path, split: str):
     images = _rows(f_img, [("image_id", int), ("image_name", str)])
     img_line = _unique(f_img, images, 0, "image id")
     classes = _rows(f_cls, [("class_id", int), ("class_name", str)])
-    _unique(f_cls, classes, 0, "class id"); _unique(f_cls, classes, 1, "class name")
+    _unique(f_cls, classes, 0, "class id")
+    _unique(f_cls, classes, 1, "class name")
     folder = {cid: name for _, (cid, name) in classes}
     of_folder = {name: cid for cid, name in folder.items()}
     name_of = {i: rel for _, (i, rel) in images}
@@ -157,37 +230,55 @@ def read_cub200(root: Path, split: str):
         only_img, only_lab = sorted(set(img_line) - set(lab_line)), sorted(set(lab_line) - set(img_line))
         if only_img or only_lab:
             parts = []
-            if only_img: parts.append(f"{len(only_img)} id(s) of images.txt have no line in image_class_labels.txt "
-                                      f"(first: image {only_img[0]}, images.txt line {img_line[only_img[0]]})")
-            if only_lab: parts.append(f"{len(only_lab)} id(s) of image_class_labels.txt are not in images.txt "
-                                      f"(first: image {only_lab[0]}, image_class_labels.txt line {lab_line[only_lab[0]]})")
-            raise DatasetFormatError(f"{f_img} and {f_lab} must list the same image ids: {'; '.join(parts)}. One of "
-                                     "them was probably cut short or edited: restore both from the CUB_200_2011 archive")
+            if only_img:
+                parts.append(
+                    f"{len(only_img)} id(s) of images.txt have no line in image_class_labels.txt "
+                    f"(first: image {only_img[0]}, images.txt line {img_line[only_img[0]]})"
+                )
+            if only_lab:
+                parts.append(
+                    f"{len(only_lab)} id(s) of image_class_labels.txt are not in images.txt "
+                    f"(first: image {only_lab[0]}, image_class_labels.txt line {lab_line[only_lab[0]]})"
+                )
+            raise DatasetFormatError(
+                f"{f_img} and {f_lab} must list the same image ids: {'; '.join(parts)}. One of "
+                "them was probably cut short or edited: restore both from the CUB_200_2011 archive"
+            )
         cls = {i: c for _, (i, c) in labels}
         for i, c in cls.items():
             if c not in folder:
-                raise DatasetFormatError(f"{f_lab}, line {lab_line[i]}: class {c} of image {i} is not in {f_cls} "
-                                         f"(which lists {len(folder)} classes)")
+                raise DatasetFormatError(
+                    f"{f_lab}, line {lab_line[i]}: class {c} of image {i} is not in {f_cls} "
+                    f"(which lists {len(folder)} classes)"
+                )
             top = name_of[i].split("/")[0]
             if top != folder[c]:
-                raise DatasetFormatError(f"{f_img}, line {img_line[i]}: image {i} lies in folder {top!r}, but "
-                                         f"{f_lab.name} (line {lab_line[i]}) gives class {c}, whose folder in "
-                                         f"{f_cls.name} is {folder[c]!r}")
+                raise DatasetFormatError(
+                    f"{f_img}, line {img_line[i]}: image {i} lies in folder {top!r}, but "
+                    f"{f_lab.name} (line {lab_line[i]}) gives class {c}, whose folder in "
+                    f"{f_cls.name} is {folder[c]!r}"
+                )
     else:  # the class is the image's folder, listed in classes.txt
         cls = {}
         for i, rel in name_of.items():
             top = rel.split("/")[0]
             if top not in of_folder:
-                raise DatasetFormatError(f"{f_img}, line {img_line[i]}: folder {top!r} of image {i} is not a class of "
-                                         f"{f_cls} (expected '<NNN.Class_name>/<file>.jpg')")
+                raise DatasetFormatError(
+                    f"{f_img}, line {img_line[i]}: folder {top!r} of image {i} is not a class of "
+                    f"{f_cls} (expected '<NNN.Class_name>/<file>.jpg')"
+                )
             cls[i] = of_folder[top]
     rel = RELEASES["cub200"]
     if len(folder) == rel["classes"]:
-        _size_warning("CUB-200-2011", root, "the number of images in images.txt", len(images), rel["images"], rel["source"])
+        _size_warning(
+            "CUB-200-2011", root, "the number of images in images.txt", len(images), rel["images"], rel["source"]
+        )
     keep = _first_half(folder, split)
     ids = sorted(i for i in name_of if cls[i] in keep)
-    return ([_inside(root, f"images/{name_of[i]}", f"{f_img}, line {img_line[i]}") for i in ids],
-            np.array([cls[i] for i in ids], dtype=np.int64))
+    return (
+        [_inside(root, f"images/{name_of[i]}", f"{f_img}, line {img_line[i]}") for i in ids],
+        np.array([cls[i] for i in ids], dtype=np.int64),
+    )
 
 # %% ../../nbs/10_formats.ipynb #c9bcff55
 def read_cars196(root: Path, split: str):
@@ -196,34 +287,46 @@ def read_cars196(root: Path, split: str):
     _expect(root, "cars196", ["cars_annos.mat", "car_ims/"])
     f = root / "cars_annos.mat"
     from scipy.io import loadmat
-    try: mat = loadmat(f, squeeze_me=True)
+
+    try:
+        mat = loadmat(f, squeeze_me=True)
     except Exception as e:
-        raise DatasetFormatError(f"{f} cannot be read as a MATLAB file ({type(e).__name__}: {e}); expected the "
-                                 "cars_annos.mat of the Stanford Cars release") from None
+        raise DatasetFormatError(
+            f"{f} cannot be read as a MATLAB file ({type(e).__name__}: {e}); expected the "
+            "cars_annos.mat of the Stanford Cars release"
+        ) from None
     ann = mat.get("annotations")
     fields = getattr(getattr(ann, "dtype", None), "names", None) or ()
     if ann is None or not {"relative_im_path", "class"} <= set(fields):
-        raise DatasetFormatError(f"{f}: expected a struct array 'annotations' with the fields relative_im_path and "
-                                 f"class; found variables {sorted(k for k in mat if not k.startswith('__'))}"
-                                 f"{' and fields ' + ', '.join(fields) if fields else ''}")
+        raise DatasetFormatError(
+            f"{f}: expected a struct array 'annotations' with the fields relative_im_path and "
+            f"class; found variables {sorted(k for k in mat if not k.startswith('__'))}"
+            f"{' and fields ' + ', '.join(fields) if fields else ''}"
+        )
     paths = [str(p) for p in np.atleast_1d(ann["relative_im_path"])]
-    try: raw = np.atleast_1d(ann["class"]).astype(np.int64)
+    try:
+        raw = np.atleast_1d(ann["class"]).astype(np.int64)
     except (TypeError, ValueError) as e:
         raise DatasetFormatError(f"{f}: annotations.class must hold integer class ids ({e})") from None
     seen = {}
     for j, p in enumerate(paths):
-        if p in seen: raise DatasetFormatError(f"{f}: annotation {j + 1} repeats image {p!r} (first: annotation {seen[p] + 1})")
+        if p in seen:
+            raise DatasetFormatError(f"{f}: annotation {j + 1} repeats image {p!r} (first: annotation {seen[p] + 1})")
         seen[p] = j
     names = mat.get("class_names")
     n_classes = len(np.atleast_1d(names)) if names is not None else None
     if n_classes is not None:
         bad = np.flatnonzero((raw < 1) | (raw > n_classes))
         if len(bad):
-            raise DatasetFormatError(f"{f}: annotation {bad[0] + 1} ({paths[bad[0]]}) has class {raw[bad[0]]}, outside "
-                                     f"1..{n_classes} (the number of class_names)")
+            raise DatasetFormatError(
+                f"{f}: annotation {bad[0] + 1} ({paths[bad[0]]}) has class {raw[bad[0]]}, outside "
+                f"1..{n_classes} (the number of class_names)"
+            )
         rel = RELEASES["cars196"]
         if n_classes == rel["classes"]:
-            _size_warning("CARS196", root, "the number of annotations in cars_annos.mat", len(paths), rel["images"], rel["source"])
+            _size_warning(
+                "CARS196", root, "the number of annotations in cars_annos.mat", len(paths), rel["images"], rel["source"]
+            )
         keep = _first_half(range(1, n_classes + 1), split)
     else:
         warnings.warn(f"{f} has no class_names: the class list is taken from the classes present", DatasetSizeWarning)
@@ -234,16 +337,23 @@ def read_cars196(root: Path, split: str):
 # %% ../../nbs/10_formats.ipynb #2c926ec2
 _SOP_HEADER = ["image_id", "class_id", "super_class_id", "path"]
 
+
 def _sop_file(path: Path) -> list:
     lines = _text(path, f"the header '{' '.join(_SOP_HEADER)}', then one image per line")
     first = next(n for n, l in enumerate(lines, 1) if l.strip())
     if lines[first - 1].split() != _SOP_HEADER:
-        raise DatasetFormatError(f"{path}, line {first}: expected the header '{' '.join(_SOP_HEADER)}', "
-                                 f"got {lines[first - 1].strip()!r}")
+        raise DatasetFormatError(
+            f"{path}, line {first}: expected the header '{' '.join(_SOP_HEADER)}', got {lines[first - 1].strip()!r}"
+        )
     if not any(l.strip() for l in lines[first:]):
-        raise DatasetFormatError(f"{path} has a header but no images; expected one line per image "
-                                 "'<image_id> <class_id> <super_class_id> <path>'")
-    return _rows(path, [("image_id", int), ("class_id", int), ("super_class_id", int), ("path", str)], lines, skip=first)
+        raise DatasetFormatError(
+            f"{path} has a header but no images; expected one line per image "
+            "'<image_id> <class_id> <super_class_id> <path>'"
+        )
+    return _rows(
+        path, [("image_id", int), ("class_id", int), ("super_class_id", int), ("path", str)], lines, skip=first
+    )
+
 
 def read_sop(root: Path, split: str):
     "Stanford Online Products (`Ebay_train.txt`, `Ebay_test.txt`): (image paths, raw class ids) of `split`."
@@ -252,29 +362,44 @@ def read_sop(root: Path, split: str):
     files = {s: root / f"Ebay_{s}.txt" for s in ("train", "test")}
     rows = {s: _sop_file(f) for s, f in files.items()}
     lines = {s: _unique(files[s], rows[s], 0, "image id") for s in rows}
-    for s in rows: _unique(files[s], rows[s], 3, "image path")
+    for s in rows:
+        _unique(files[s], rows[s], 3, "image path")
     both = set(lines["train"]) & set(lines["test"])
     if both:
         i = min(both)
-        raise DatasetFormatError(f"image id {i} is in both {files['train']} (line {lines['train'][i]}) and "
-                                 f"{files['test']} (line {lines['test'][i]}); the two files must not share images")
+        raise DatasetFormatError(
+            f"image id {i} is in both {files['train']} (line {lines['train'][i]}) and "
+            f"{files['test']} (line {lines['test'][i]}); the two files must not share images"
+        )
     cls = {s: {v[1]: n for n, v in rows[s]} for s in rows}
     shared = set(cls["train"]) & set(cls["test"])
     if shared:
         c = min(shared)
-        raise DatasetFormatError(f"class {c} is in both {files['train']} (line {cls['train'][c]}) and {files['test']} "
-                                 f"(line {cls['test'][c]}); the train and test classes must be disjoint")
+        raise DatasetFormatError(
+            f"class {c} is in both {files['train']} (line {cls['train'][c]}) and {files['test']} "
+            f"(line {cls['test'][c]}); the train and test classes must be disjoint"
+        )
     rel = RELEASES["sop"]
     if len({v[2] for s in rows for _, v in rows[s]}) == rel["super_classes"]:
         for s in rows:
             _size_warning("SOP", root, f"the number of images in {files[s].name}", len(rows[s]), rel[s], rel["source"])
-            _size_warning("SOP", root, f"the number of classes in {files[s].name}", len(cls[s]), rel[f"{s}_classes"], rel["source"])
-    return ([_inside(root, v[3], f"{files[split]}, line {n}") for n, v in rows[split]],
-            np.array([v[1] for _, v in rows[split]], dtype=np.int64))
+            _size_warning(
+                "SOP",
+                root,
+                f"the number of classes in {files[s].name}",
+                len(cls[s]),
+                rel[f"{s}_classes"],
+                rel["source"],
+            )
+    return (
+        [_inside(root, v[3], f"{files[split]}, line {n}") for n, v in rows[split]],
+        np.array([v[1] for _, v in rows[split]], dtype=np.int64),
+    )
 
 # %% ../../nbs/10_formats.ipynb #d392d5a2
 _INSHOP = "Eval/list_eval_partition.txt"
 _INSHOP_STATUS = ("train", "query", "gallery")
+
 
 def _inshop_rows(root: Path) -> list:
     "(line, [image_name, item number, status]) of every image of In-Shop's partition file, checked."
@@ -282,39 +407,55 @@ def _inshop_rows(root: Path) -> list:
     lines = _text(f, "the number of images, the header 'image_name item_id evaluation_status', then one image per line")
     body = [(n, l) for n, l in enumerate(lines, 1) if l.strip()]
     if len(body) < 3:
-        raise DatasetFormatError(f"{f} has {len(body)} non-empty line(s); expected the number of images, the header "
-                                 "'image_name item_id evaluation_status', then one line per image")
+        raise DatasetFormatError(
+            f"{f} has {len(body)} non-empty line(s); expected the number of images, the header "
+            "'image_name item_id evaluation_status', then one line per image"
+        )
     (n0, count), (n1, header) = body[0], body[1]
     if not count.strip().isdigit():
         raise DatasetFormatError(f"{f}, line {n0}: expected the number of images (an integer), got {count.strip()!r}")
     if header.split() != ["image_name", "item_id", "evaluation_status"]:
-        raise DatasetFormatError(f"{f}, line {n1}: expected the header 'image_name item_id evaluation_status', "
-                                 f"got {header.strip()!r}")
+        raise DatasetFormatError(
+            f"{f}, line {n1}: expected the header 'image_name item_id evaluation_status', got {header.strip()!r}"
+        )
     rows = _rows(f, [("image_name", str), ("item_id", str), ("evaluation_status", str)], lines, skip=n1)
     for n, v in rows:
         m = re.fullmatch(r"id_(\d+)", v[1])
-        if not m: raise DatasetFormatError(f"{f}, line {n}: expected an item id 'id_<number>', got {v[1]!r}")
+        if not m:
+            raise DatasetFormatError(f"{f}, line {n}: expected an item id 'id_<number>', got {v[1]!r}")
         if v[2] not in _INSHOP_STATUS:
             raise DatasetFormatError(f"{f}, line {n}: expected the status train, query or gallery, got {v[2]!r}")
         v[1] = int(m.group(1))
     _unique(f, rows, 0, "image name")
     if int(count) != len(rows):
-        warnings.warn(f"{f}: line {n0} declares {int(count):,} images but {len(rows):,} are listed; the file may be "
-                      "cut short or edited", DatasetSizeWarning, stacklevel=3)
+        warnings.warn(
+            f"{f}: line {n0} declares {int(count):,} images but {len(rows):,} are listed; the file may be "
+            "cut short or edited",
+            DatasetSizeWarning,
+            stacklevel=3,
+        )
     items = {s: {} for s in _INSHOP_STATUS}
-    for n, v in rows: items[v[2]].setdefault(v[1], n)
+    for n, v in rows:
+        items[v[2]].setdefault(v[1], n)
     for s in ("query", "gallery"):
         both = set(items["train"]) & set(items[s])
         if both:
             i = min(both)
-            raise DatasetFormatError(f"{f}: item id_{i:08d} is a training item (line {items['train'][i]}) and a {s} "
-                                     f"item (line {items[s][i]}); training and test items must be disjoint")
+            raise DatasetFormatError(
+                f"{f}: item id_{i:08d} is a training item (line {items['train'][i]}) and a {s} "
+                f"item (line {items[s][i]}); training and test items must be disjoint"
+            )
     rel = RELEASES["inshop"]
     if int(count) == rel["images"]:
         for s in _INSHOP_STATUS:
-            _size_warning("In-Shop", root, f"the number of {s} images", sum(v[2] == s for _, v in rows), rel[s], rel["source"])
-        _size_warning("In-Shop", root, "the number of training items", len(items["train"]), rel["train_classes"], rel["source"])
+            _size_warning(
+                "In-Shop", root, f"the number of {s} images", sum(v[2] == s for _, v in rows), rel[s], rel["source"]
+            )
+        _size_warning(
+            "In-Shop", root, "the number of training items", len(items["train"]), rel["train_classes"], rel["source"]
+        )
     return rows
+
 
 def read_inshop(root: Path, split: str):
     "In-Shop (`Eval/list_eval_partition.txt` + `img/`): (image paths, raw item ids) of `split` ('test' = query + gallery)."
@@ -322,21 +463,31 @@ def read_inshop(root: Path, split: str):
     _expect(root, "inshop", [_INSHOP, "img/"])
     status = {"train": {"train"}, "query": {"query"}, "gallery": {"gallery"}, "test": {"query", "gallery"}}[split]
     sel = [(n, v) for n, v in _inshop_rows(root) if v[2] in status]
-    return ([_inside(root, v[0], f"{root / _INSHOP}, line {n}") for n, v in sel],
-            np.array([v[1] for _, v in sel], dtype=np.int64))
+    return (
+        [_inside(root, v[0], f"{root / _INSHOP}, line {n}") for n, v in sel],
+        np.array([v[1] for _, v in sel], dtype=np.int64),
+    )
+
 
 def inshop_test_classes(root: Path) -> np.ndarray:
     "Item ids of query and gallery together, so that both splits number their classes the same way."
     return np.unique([v[1] for _, v in _inshop_rows(Path(root)) if v[2] in ("query", "gallery")]).astype(np.int64)
 
 # %% ../../nbs/10_formats.ipynb #c23722b4
-_VEHICLEID_FILES = {"train": "train_list.txt", "test": "test_list_800.txt", "test800": "test_list_800.txt",
-                    "test1600": "test_list_1600.txt", "test2400": "test_list_2400.txt"}
+_VEHICLEID_FILES = {
+    "train": "train_list.txt",
+    "test": "test_list_800.txt",
+    "test800": "test_list_800.txt",
+    "test1600": "test_list_1600.txt",
+    "test2400": "test_list_2400.txt",
+}
+
 
 def _vehicleid_rows(f: Path) -> list:
     rows = _rows(f, [("image_name", str), ("vehicle_id", int)])
     _unique(f, rows, 0, "image name")
     return rows
+
 
 def read_vehicleid(root: Path, split: str):
     "PKU VehicleID (`train_test_split/*.txt` + `image/`): (image paths, raw vehicle ids) of `split` ('test' = test800)."
@@ -351,31 +502,57 @@ def read_vehicleid(root: Path, split: str):
             clash = [(n, v[1]) for n, v in rows if v[1] in train_ids]
             if clash:
                 n, vid = clash[0]
-                raise DatasetFormatError(f"{f}, line {n}: vehicle {vid} is also in {ft.name} (line {train_ids[vid]}); "
-                                         "training and test vehicles must be disjoint")
+                raise DatasetFormatError(
+                    f"{f}, line {n}: vehicle {vid} is also in {ft.name} (line {train_ids[vid]}); "
+                    "training and test vehicles must be disjoint"
+                )
             rel = RELEASES["vehicleid"]
             if len(train_ids) >= rel["train_classes_at_least"]:
-                _size_warning("PKU VehicleID", root, f"the number of vehicles in {f.name}", len({v[1] for _, v in rows}),
-                              rel["test" + f.stem.rsplit("_", 1)[1]], rel["source"])
-    return ([_inside(root, f"image/{v[0]}.jpg", f"{f}, line {n}") for n, v in rows],
-            np.array([v[1] for _, v in rows], dtype=np.int64))
+                _size_warning(
+                    "PKU VehicleID",
+                    root,
+                    f"the number of vehicles in {f.name}",
+                    len({v[1] for _, v in rows}),
+                    rel["test" + f.stem.rsplit("_", 1)[1]],
+                    rel["source"],
+                )
+    return (
+        [_inside(root, f"image/{v[0]}.jpg", f"{f}, line {n}") for n, v in rows],
+        np.array([v[1] for _, v in rows], dtype=np.int64),
+    )
 
-READERS = {"cub200": read_cub200, "cars196": read_cars196, "sop": read_sop, "inshop": read_inshop,
-           "vehicleid": read_vehicleid}
 
-_INDEX_FILES = {"cub200": ["images.txt", "classes.txt", "image_class_labels.txt"], "cars196": ["cars_annos.mat"],
-                "sop": ["Ebay_train.txt", "Ebay_test.txt"], "inshop": [_INSHOP],
-                "vehicleid": [f"train_test_split/{f}" for f in sorted(set(_VEHICLEID_FILES.values()))]}
-_READ = {}   # (name, root, split) -> (hashes of the index files, result): a run reads each split several times
+READERS = {
+    "cub200": read_cub200,
+    "cars196": read_cars196,
+    "sop": read_sop,
+    "inshop": read_inshop,
+    "vehicleid": read_vehicleid,
+}
+
+_INDEX_FILES = {
+    "cub200": ["images.txt", "classes.txt", "image_class_labels.txt"],
+    "cars196": ["cars_annos.mat"],
+    "sop": ["Ebay_train.txt", "Ebay_test.txt"],
+    "inshop": [_INSHOP],
+    "vehicleid": [f"train_test_split/{f}" for f in sorted(set(_VEHICLEID_FILES.values()))],
+}
+_READ = {}  # (name, root, split) -> (hashes of the index files, result): a run reads each split several times
+
 
 def read_index(name: str, root: str | Path, split: str):
     "(image paths, raw class ids) of `split` of the real dataset `name` at `root`, every index file checked."
-    if name not in READERS: raise unknown_name_error("real dataset", name, READERS)
-    if split not in SPLITS[name]: raise unknown_name_error(f"split of {name!r}", split, SPLITS[name])
+    if name not in READERS:
+        raise unknown_name_error("real dataset", name, READERS)
+    if split not in SPLITS[name]:
+        raise unknown_name_error(f"split of {name!r}", split, SPLITS[name])
     root = Path(root)
-    if not root.exists(): raise DatasetNotFoundError(name, root, [str(root)])
+    if not root.exists():
+        raise DatasetNotFoundError(name, root, [str(root)])
     base = cub_root(root) if name == "cub200" else root
-    state = tuple((f, hashlib.sha1((base / f).read_bytes()).hexdigest()) for f in _INDEX_FILES[name] if (base / f).is_file())
+    state = tuple(
+        (f, hashlib.sha1((base / f).read_bytes()).hexdigest()) for f in _INDEX_FILES[name] if (base / f).is_file()
+    )
     key = (name, str(root.resolve()), split)
     if key in _READ and _READ[key][0] == state:
         paths, raw = _READ[key][1]

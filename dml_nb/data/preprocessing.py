@@ -18,20 +18,25 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CAFFE_BGR_MEAN = (0.502, 0.4588, 0.4078)  # RGB order; applied before the flip to BGR
 CAFFE_BGR_STD = (1 / 255, 1 / 255, 1 / 255)
 
+
 class ToBGR(nn.Module):
     "Reverse the channel order of a CHW tensor (RGB -> BGR), as BN-Inception's Caffe weights expect."
-    def forward(self, x): return x.flip(-3)
+
+    def forward(self, x):
+        return x.flip(-3)
+
 
 @dataclass(frozen=True)
 class Preprocessing:
     """What a backbone expects: crop size, test resize size, per-channel mean/std (RGB order), channel order, and
     the training crop's scale and aspect-ratio ranges."""
+
     input_size: int
     resize_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
     channel_order: str = "RGB"
-    train_scale: tuple[float, float] = (0.08, 1.0)      # torchvision's RandomResizedCrop defaults
+    train_scale: tuple[float, float] = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
     train_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
     def __post_init__(self):
@@ -39,9 +44,13 @@ class Preprocessing:
             raise ValueError(f"channel_order must be 'RGB' or 'BGR', got {self.channel_order!r}")
         if len(self.mean) != len(self.std):
             raise ValueError(f"mean {self.mean} and std {self.std} must have one value per channel")
-        if not (0 < self.train_scale[0] <= self.train_scale[1] <= 1) or not (0 < self.train_ratio[0] <= self.train_ratio[1]):
-            raise ValueError(f"train_scale must be (lo, hi) with 0 < lo <= hi <= 1 and train_ratio (lo, hi) with "
-                             f"0 < lo <= hi; got {self.train_scale}, {self.train_ratio}")
+        if not (0 < self.train_scale[0] <= self.train_scale[1] <= 1) or not (
+            0 < self.train_ratio[0] <= self.train_ratio[1]
+        ):
+            raise ValueError(
+                f"train_scale must be (lo, hi) with 0 < lo <= hi <= 1 and train_ratio (lo, hi) with "
+                f"0 < lo <= hi; got {self.train_scale}, {self.train_ratio}"
+            )
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         "Map RGB floats in [0, 1], shape (C, H, W) or (B, C, H, W), to what the backbone expects."
@@ -51,21 +60,30 @@ class Preprocessing:
         std = torch.as_tensor(self.std, dtype=x.dtype, device=x.device)[:, None, None]
         x = (x - mean) / std
         return x.flip(-3) if self.channel_order == "BGR" else x
+
     __call__ = normalize
 
     def transform(self, train: bool = False, flip: bool = True):
         """The torchvision pipeline for PIL images or uint8 tensors: train = `RandomResizedCrop` (+ a horizontal flip
         with `flip`), test = `Resize` + `CenterCrop`; then `normalize`'s mapping. It carries this record as `.preprocessing`."""
         from torchvision.transforms import v2
-        geo = ([v2.RandomResizedCrop(self.input_size, scale=self.train_scale, ratio=self.train_ratio, antialias=True)]
-               + ([v2.RandomHorizontalFlip()] if flip else []) if train
-               else [v2.Resize(self.resize_size, antialias=True), v2.CenterCrop(self.input_size)])
-        t = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), *geo, v2.Normalize(self.mean, self.std)]
-                       + ([ToBGR()] if self.channel_order == "BGR" else []))
+
+        geo = (
+            [v2.RandomResizedCrop(self.input_size, scale=self.train_scale, ratio=self.train_ratio, antialias=True)]
+            + ([v2.RandomHorizontalFlip()] if flip else [])
+            if train
+            else [v2.Resize(self.resize_size, antialias=True), v2.CenterCrop(self.input_size)]
+        )
+        t = v2.Compose(
+            [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), *geo, v2.Normalize(self.mean, self.std)]
+            + ([ToBGR()] if self.channel_order == "BGR" else [])
+        )
         t.preprocessing = self
         return t
 
-    def as_dict(self) -> dict: return asdict(self)
+    def as_dict(self) -> dict:
+        return asdict(self)
+
 
 def imagenet_preprocessing(size: int = 224) -> Preprocessing:
     "ImageNet mean/std, crop `size`, test resize `size` * 256 / 224 (rounded): 256 for the usual 224."

@@ -17,10 +17,17 @@ __all__ = ['SAMPLER_DRAWS', 'MIC_WORKERS', 'CLUSTER_SCHEDULES', 'mic_blocks', 'C
 
 # %% ../../nbs/16_samplers.ipynb #24db63e9
 SAMPLER_DRAWS = ("balanced", "class_random", "reshuffle", "mic")
-MIC_WORKERS = 8   # MIC's `--kernels` default: its DataLoader's worker processes, each drawing its own chain of classes
+MIC_WORKERS = 8  # MIC's `--kernels` default: its DataLoader's worker processes, each drawing its own chain of classes
 
-def mic_blocks(order: Sequence[int], pools: Sequence[np.ndarray], samples_per_class: int, batch_size: int,
-               workers: int = MIC_WORKERS, first_visited: int = 0) -> list[list[int]]:
+
+def mic_blocks(
+    order: Sequence[int],
+    pools: Sequence[np.ndarray],
+    samples_per_class: int,
+    batch_size: int,
+    workers: int = MIC_WORKERS,
+    first_visited: int = 0,
+) -> list[list[int]]:
     """One epoch of MIC's class stream (`BaseTripletDataset.__getitem__`, `datasets.py:352-377`), replayed exactly.
     `order`: the positions its shuffled DataLoader hands out, in batches of `batch_size` (drop_last); batch `b` goes to
     worker `b % workers`, and every worker starts the epoch from the dataset as built (a new process per epoch):
@@ -29,26 +36,31 @@ def mic_blocks(order: Sequence[int], pools: Sequence[np.ndarray], samples_per_cl
     the image is `pool[i % len(pool)]`. With one sample per class (ProxyNCA) it returns `image_list[i]`, the images in
     class order, as the code does. Returns batches of pool entries (dataset indices)."""
     order, K, C = np.asarray(order, dtype=np.int64), samples_per_class, len(pools)
-    if workers < 1: raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
+    if workers < 1:
+        raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
     if K == 1:
         images = np.concatenate(pools)
-        return [images[order[b * batch_size:(b + 1) * batch_size]].tolist() for b in range(len(order) // batch_size)]
+        return [images[order[b * batch_size : (b + 1) * batch_size]].tolist() for b in range(len(order) // batch_size)]
     chains = [{"first": True, "visited": [first_visited] * 2, "cls": first_visited, "drawn": 0} for _ in range(workers)]
     out = []
     for b in range(len(order) // batch_size):
         w = chains[b % len(chains)]
         batch = []
-        for i in order[b * batch_size:(b + 1) * batch_size].tolist():
-            if w["first"]: w["cls"], w["first"] = i % C, False
+        for i in order[b * batch_size : (b + 1) * batch_size].tolist():
+            if w["first"]:
+                w["cls"], w["first"] = i % C, False
             if w["drawn"] == K:
                 skip = sorted(set(w["visited"]))
                 c = i % (C - len(skip))
-                for v in skip: c += c >= v                    # the c-th class of the sorted list without `skip`
+                for v in skip:
+                    c += c >= v  # the c-th class of the sorted list without `skip`
                 w["cls"], w["visited"], w["drawn"] = c, w["visited"][1:] + [c], 0
             pool = pools[w["cls"]]
-            batch.append(int(pool[i % len(pool)])); w["drawn"] += 1
+            batch.append(int(pool[i % len(pool)]))
+            w["drawn"] += 1
         out.append(batch)
     return out
+
 
 class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     """Batches of `batch_size // samples_per_class` classes x `samples_per_class` samples; deterministic per epoch.
@@ -57,40 +69,61 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
     `draw='reshuffle'`: D&C's sampler, distinct classes (drawn with replacement where there are fewer than a batch
     needs), a class's next `K` of a pool reshuffled once fewer than `K` remain;
     `draw='mic'`: MIC's class stream (`mic_blocks`, `workers` worker chains)."""
-    def __init__(self, labels: Sequence[int], batch_size: int = 112, samples_per_class: int = 2,
-                 indices: Sequence[int] | None = None, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, min_samples_per_class: int = 1, draw: str = "balanced",
-                 workers: int = MIC_WORKERS):
-        if draw not in SAMPLER_DRAWS: raise unknown_name_error("sampler draw", draw, SAMPLER_DRAWS)
-        if workers < 1: raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
+
+    def __init__(
+        self,
+        labels: Sequence[int],
+        batch_size: int = 112,
+        samples_per_class: int = 2,
+        indices: Sequence[int] | None = None,
+        batches_per_epoch: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        min_samples_per_class: int = 1,
+        draw: str = "balanced",
+        workers: int = MIC_WORKERS,
+    ):
+        if draw not in SAMPLER_DRAWS:
+            raise unknown_name_error("sampler draw", draw, SAMPLER_DRAWS)
+        if workers < 1:
+            raise ValueError(f"workers counts MIC's DataLoader worker processes (at least 1), got {workers}")
         self.draw, self.workers = draw, int(workers)
         labels = np.asarray(labels)
         indices = np.arange(len(labels)) if indices is None else np.asarray(indices, dtype=np.int64)
         if batch_size % samples_per_class:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of samples_per_class ({samples_per_class})")
-        if not 0 <= rank < world_size: raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         classes, inverse, counts = np.unique(labels[indices], return_inverse=True, return_counts=True)
-        keep = counts >= min_samples_per_class   # e.g. D&C drops classes with one sample inside a cluster
+        keep = counts >= min_samples_per_class  # e.g. D&C drops classes with one sample inside a cluster
         self.pools = [indices[inverse == c] for c in np.flatnonzero(keep)]
         self.classes = classes[keep]
         self.num_per_batch = batch_size // samples_per_class
         if draw == "mic" and samples_per_class > 1 and len(self.pools) < 3:
-            raise ValueError(f"MIC's draw takes each block's class from the classes other than the last two, so it needs "
-                             f"at least 3 classes; only {len(self.pools)} have at least {min_samples_per_class} sample(s)")
+            raise ValueError(
+                f"MIC's draw takes each block's class from the classes other than the last two, so it needs "
+                f"at least 3 classes; only {len(self.pools)} have at least {min_samples_per_class} sample(s)"
+            )
         # MIC's blocks may repeat a class in a batch; D&C's sampler draws the classes with replacement when there are
         # fewer than a batch needs (lib/data/loader/sampler.py:38-45, a small cluster)
         if draw not in ("mic", "reshuffle") and len(self.pools) < self.num_per_batch:
-            raise ValueError(f"a batch of {batch_size} with samples_per_class={samples_per_class} needs "
-                             f"{self.num_per_batch} classes but only {len(self.pools)} have at least "
-                             f"{min_samples_per_class} sample(s); lower batch_size or raise samples_per_class")
+            raise ValueError(
+                f"a batch of {batch_size} with samples_per_class={samples_per_class} needs "
+                f"{self.num_per_batch} classes but only {len(self.pools)} have at least "
+                f"{min_samples_per_class} sample(s); lower batch_size or raise samples_per_class"
+            )
         self.labels, self.indices = labels, indices
         self.batch_size, self.samples_per_class, self.seed = batch_size, samples_per_class, seed
         self.rank, self.world_size, self.epoch = rank, world_size, 0
         total = batches_per_epoch * world_size if batches_per_epoch else len(indices) // batch_size
         self.batches_per_epoch = max(1, total // world_size)
 
-    def set_epoch(self, epoch: int) -> None: self.epoch = epoch
-    def __len__(self) -> int: return self.batches_per_epoch
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
 
     def batches(self, epoch: int | None = None, num_batches: int | None = None) -> list[list[int]]:
         "This rank's batches of `epoch` (default: the current one): `num_batches` of them (default: the epoch length)."
@@ -98,16 +131,24 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
         num_batches = self.batches_per_epoch if num_batches is None else int(num_batches)
         rng = np.random.default_rng([self.seed, epoch])
         K = self.samples_per_class
-        if self.draw == "class_random":     # datasampler/class_random_sampler.py: random.choice for every slot
-            out = [[int(i) for c in rng.integers(len(self.pools), size=self.num_per_batch)
-                    for i in rng.choice(self.pools[c], K, replace=True)] for _ in range(num_batches * self.world_size)]
-            return out[self.rank::self.world_size]
-        if self.draw == "mic":              # its DataLoader's shuffled positions, one permutation per pass (drop_last)
+        if self.draw == "class_random":  # datasampler/class_random_sampler.py: random.choice for every slot
+            out = [
+                [
+                    int(i)
+                    for c in rng.integers(len(self.pools), size=self.num_per_batch)
+                    for i in rng.choice(self.pools[c], K, replace=True)
+                ]
+                for _ in range(num_batches * self.world_size)
+            ]
+            return out[self.rank :: self.world_size]
+        if self.draw == "mic":  # its DataLoader's shuffled positions, one permutation per pass (drop_last)
             n, total = len(self.indices), num_batches * self.world_size * self.batch_size
             order = np.concatenate([rng.permutation(n) for _ in range(-(-total // n))])[:total]
-            first = int(np.random.default_rng([self.seed, 2**32 - 1]).integers(len(self.pools)))  # drawn at construction
+            first = int(
+                np.random.default_rng([self.seed, 2**32 - 1]).integers(len(self.pools))
+            )  # drawn at construction
             out = mic_blocks(order, self.pools, K, self.batch_size, self.workers, first)
-            return out[self.rank::self.world_size]
+            return out[self.rank :: self.world_size]
         pools = [rng.permutation(p) for p in self.pools]
         ptr = np.zeros(len(pools), dtype=np.int64)
         out = []
@@ -116,23 +157,35 @@ class ClassBalancedBatchSampler(torch.utils.data.Sampler):
             for c in rng.choice(len(pools), self.num_per_batch, replace=len(pools) < self.num_per_batch):
                 pool = pools[c]
                 if len(pool) < K:
-                    batch.extend(rng.choice(pool, K, replace=True).tolist()); continue
-                if self.draw == "reshuffle":    # lib/data/loader/sampler.py:52-66: the rest of the pass is dropped
-                    batch.extend(pool[ptr[c]:ptr[c] + K].tolist()); ptr[c] += K
-                    if ptr[c] + K > len(pool): pools[c] = rng.permutation(pool); ptr[c] = 0
+                    batch.extend(rng.choice(pool, K, replace=True).tolist())
+                    continue
+                if self.draw == "reshuffle":  # lib/data/loader/sampler.py:52-66: the rest of the pass is dropped
+                    batch.extend(pool[ptr[c] : ptr[c] + K].tolist())
+                    ptr[c] += K
+                    if ptr[c] + K > len(pool):
+                        pools[c] = rng.permutation(pool)
+                        ptr[c] = 0
                     continue
                 if ptr[c] + K > len(pool):
-                    pools[c] = pool = np.concatenate([pool[ptr[c]:], rng.permutation(pool)]); ptr[c] = 0
-                batch.extend(pool[ptr[c]:ptr[c] + K].tolist()); ptr[c] += K
+                    pools[c] = pool = np.concatenate([pool[ptr[c] :], rng.permutation(pool)])
+                    ptr[c] = 0
+                batch.extend(pool[ptr[c] : ptr[c] + K].tolist())
+                ptr[c] += K
             out.append(batch)
-        return out[self.rank::self.world_size]
+        return out[self.rank :: self.world_size]
 
-    def __iter__(self) -> Iterator[list[int]]: return iter(self.batches())
-    def state_dict(self) -> dict: return {"seed": self.seed, "epoch": self.epoch}
-    def load_state_dict(self, state: dict) -> None: self.seed, self.epoch = state["seed"], state["epoch"]
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch = state["seed"], state["epoch"]
 
 # %% ../../nbs/16_samplers.ipynb #cf700e29
 CLUSTER_SCHEDULES = ("round_robin", "uniform", "proportional")
+
 
 def usable_members(labels: Sequence[int], members: Sequence[int], min_samples_per_class: int = 2) -> np.ndarray:
     "The `members` (dataset indices) whose class has at least `min_samples_per_class` of them (the others cannot form positives)."
@@ -140,34 +193,67 @@ def usable_members(labels: Sequence[int], members: Sequence[int], min_samples_pe
     cls, inverse, counts = np.unique(labels[members], return_inverse=True, return_counts=True)
     return members[counts[inverse] >= min_samples_per_class]
 
+
 class RoundRobinBatchSampler(torch.utils.data.Sampler):
     "One epoch of batches from several samplers (one per cluster); `batches(e)` yields `(sampler_index, batch)` pairs."
-    def __init__(self, samplers: Sequence[ClassBalancedBatchSampler], schedule: str = "round_robin",
-                 batches_per_sampler: int | None = None, seed: int = 0):
-        if not samplers: raise ValueError("RoundRobinBatchSampler needs at least one sampler")
+
+    def __init__(
+        self,
+        samplers: Sequence[ClassBalancedBatchSampler],
+        schedule: str = "round_robin",
+        batches_per_sampler: int | None = None,
+        seed: int = 0,
+    ):
+        if not samplers:
+            raise ValueError("RoundRobinBatchSampler needs at least one sampler")
         if schedule not in CLUSTER_SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}. Valid schedules: {', '.join(CLUSTER_SCHEDULES)}")
         if batches_per_sampler is not None and (schedule != "round_robin" or batches_per_sampler < 1):
-            raise ValueError(f"batches_per_sampler (got {batches_per_sampler}) is a positive count, used by "
-                             f"schedule='round_robin' only (this one: {schedule!r})")
+            raise ValueError(
+                f"batches_per_sampler (got {batches_per_sampler}) is a positive count, used by "
+                f"schedule='round_robin' only (this one: {schedule!r})"
+            )
         self.samplers, self.schedule, self.batches_per_sampler = list(samplers), schedule, batches_per_sampler
         self.seed, self.epoch = seed, 0
 
     @classmethod
-    def from_clusters(cls, labels, clusters, batch_size: int = 80, samples_per_class: int = 4, seed: int = 0,
-                      rank: int = 0, world_size: int = 1, schedule: str = "round_robin") -> "RoundRobinBatchSampler":
+    def from_clusters(
+        cls,
+        labels,
+        clusters,
+        batch_size: int = 80,
+        samples_per_class: int = 4,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        schedule: str = "round_robin",
+    ) -> "RoundRobinBatchSampler":
         "One class-balanced sampler per cluster id in `clusters` (same length as `labels`), on its usable members."
         clusters = np.asarray(clusters)
-        if len(clusters) != len(labels): raise ValueError(f"{len(clusters)} cluster ids for {len(labels)} labels")
-        return cls([ClassBalancedBatchSampler(labels, batch_size, samples_per_class,
-                                              indices=usable_members(labels, np.flatnonzero(clusters == k)),
-                                              seed=seed * 1000 + int(k), rank=rank, world_size=world_size,
-                                              min_samples_per_class=2)
-                    for k in np.unique(clusters)], schedule=schedule, seed=seed)
+        if len(clusters) != len(labels):
+            raise ValueError(f"{len(clusters)} cluster ids for {len(labels)} labels")
+        return cls(
+            [
+                ClassBalancedBatchSampler(
+                    labels,
+                    batch_size,
+                    samples_per_class,
+                    indices=usable_members(labels, np.flatnonzero(clusters == k)),
+                    seed=seed * 1000 + int(k),
+                    rank=rank,
+                    world_size=world_size,
+                    min_samples_per_class=2,
+                )
+                for k in np.unique(clusters)
+            ],
+            schedule=schedule,
+            seed=seed,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        for s in self.samplers: s.set_epoch(epoch)
+        for s in self.samplers:
+            s.set_epoch(epoch)
 
     def _draws(self, epoch: int) -> np.ndarray:
         "The sampler picked at each step of `epoch` (`uniform`): the same on every rank."
@@ -179,11 +265,13 @@ class RoundRobinBatchSampler(torch.utils.data.Sampler):
         epoch = self.epoch if epoch is None else epoch
         if self.schedule == "round_robin":
             return [self.batches_per_sampler or max(len(s) for s in self.samplers)] * len(self.samplers)
-        if self.schedule == "proportional": return [len(s) for s in self.samplers]
+        if self.schedule == "proportional":
+            return [len(s) for s in self.samplers]
         return np.bincount(self._draws(epoch), minlength=len(self.samplers)).tolist()
 
     def __len__(self) -> int:
-        if self.schedule == "round_robin": return sum(self.counts())
+        if self.schedule == "round_robin":
+            return sum(self.counts())
         return sum(len(s) for s in self.samplers)
 
     def batches(self, epoch: int | None = None) -> list[tuple[int, list[int]]]:
@@ -191,16 +279,25 @@ class RoundRobinBatchSampler(torch.utils.data.Sampler):
         epoch = self.epoch if epoch is None else epoch
         lists = [s.batches(epoch, num_batches=c) if c else [] for s, c in zip(self.samplers, self.counts(epoch))]
         if self.schedule == "uniform":
-            ptr = [0] * len(lists); out = []
-            for k in self._draws(epoch).tolist(): out.append((k, lists[k][ptr[k]])); ptr[k] += 1
+            ptr = [0] * len(lists)
+            out = []
+            for k in self._draws(epoch).tolist():
+                out.append((k, lists[k][ptr[k]]))
+                ptr[k] += 1
             return out
         out, i = [], 0
         while any(i < len(l) for l in lists):
-            out.extend((k, l[i]) for k, l in enumerate(lists) if i < len(l)); i += 1
+            out.extend((k, l[i]) for k, l in enumerate(lists) if i < len(l))
+            i += 1
         return out
 
-    def __iter__(self): return (b for _, b in self.batches())
-    def state_dict(self) -> dict: return {"epoch": self.epoch, "seeds": [s.seed for s in self.samplers]}
+    def __iter__(self):
+        return (b for _, b in self.batches())
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "seeds": [s.seed for s in self.samplers]}
+
     def load_state_dict(self, state: dict) -> None:
         self.set_epoch(state["epoch"])
-        for s, seed in zip(self.samplers, state["seeds"]): s.seed = seed
+        for s, seed in zip(self.samplers, state["seeds"]):
+            s.seed = seed

@@ -23,8 +23,10 @@ __all__ = ['NMI_AVERAGES', 'NMI_KMEANS', 'REMATCH_RULES', 'kmeans', 'kmeans_assi
 def _column_tiles(k: int, n_runs: int, width: int) -> list[tuple[int, int, int, int]]:
     """(first run, runs, first column within the run, columns per run) of each tile of at most `width` centroid
     columns: whole runs side by side where a run fits (k <= width), else each run cut into pieces."""
-    if k <= width: return [(r, min(width // k, n_runs - r), 0, k) for r in range(0, n_runs, width // k)]
+    if k <= width:
+        return [(r, min(width // k, n_runs - r), 0, k) for r in range(0, n_runs, width // k)]
     return [(r, 1, t, min(width, k - t)) for r in range(n_runs) for t in range(0, k, width)]
+
 
 def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs: int = 1, block: int | None = None):
     """Nearest centroid of every row of `x` (squared norms `x_sq`) within each of `n_runs` stacked centroid sets,
@@ -35,25 +37,29 @@ def _assign(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor, n_runs
     the product runs at 162 GFLOP/s in square tiles and at 121-141 GFLOP/s in 370-2,965 x 11,316 chunks."""
     n, k = len(x), len(centroids) // n_runs
     B = block or block_rows(max(n, len(centroids)), x.device)
-    with single_thread(): c_sq = centroids.pow(2).sum(1)
+    with single_thread():
+        c_sq = centroids.pow(2).sum(1)
     labels = torch.empty(n, n_runs, dtype=torch.long, device=x.device)
     best = torch.empty(n, n_runs, dtype=x.dtype, device=x.device)
     tiles = _column_tiles(k, n_runs, B)
     buf = torch.empty(min(B, n) * max(m * w for _, m, _, w in tiles), dtype=x.dtype, device=x.device)
     for s in range(0, n, B):
-        xs = x[s:s + B]
+        xs = x[s : s + B]
         b = len(xs)
         for r, m, t, w in tiles:
             cols = slice(r * k + t, r * k + t + m * w)
-            P = torch.addmm(c_sq[cols], xs, centroids[cols].T, beta=-1, alpha=2, out=buf[:b * m * w].view(b, m * w))
+            P = torch.addmm(c_sq[cols], xs, centroids[cols].T, beta=-1, alpha=2, out=buf[: b * m * w].view(b, m * w))
             v, i = P.view(b, m, w).max(2)
-            if t == 0: best[s:s + b, r:r + m], labels[s:s + b, r:r + m] = v, i
-            else:                                    # a later piece of run r: only a strictly nearer centroid wins
+            if t == 0:
+                best[s : s + b, r : r + m], labels[s : s + b, r : r + m] = v, i
+            else:  # a later piece of run r: only a strictly nearer centroid wins
                 with single_thread():
-                    better = v[:, 0] > best[s:s + b, r]
-                    best[s:s + b, r] = torch.where(better, v[:, 0], best[s:s + b, r])
-                    labels[s:s + b, r] = torch.where(better, i[:, 0] + t, labels[s:s + b, r])
-    with single_thread(): return labels, (x_sq[:, None] - best).clamp_min_(0)
+                    better = v[:, 0] > best[s : s + b, r]
+                    best[s : s + b, r] = torch.where(better, v[:, 0], best[s : s + b, r])
+                    labels[s : s + b, r] = torch.where(better, i[:, 0] + t, labels[s : s + b, r])
+    with single_thread():
+        return labels, (x_sq[:, None] - best).clamp_min_(0)
+
 
 def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-cluster sums of the rows of `x` and cluster sizes, for (n, n_runs) `labels`: (n_runs * k, d), (n_runs * k,).
@@ -65,16 +71,19 @@ def _cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.
     counts = torch.bincount(ids, minlength=n_runs * k)
     if n < 16 * k:
         sums = torch.zeros(n_runs * k, x.shape[1], dtype=x.dtype, device=x.device)
-        for r in range(n_runs): sums.index_add_(0, ids[r * n:(r + 1) * n], x)
+        for r in range(n_runs):
+            sums.index_add_(0, ids[r * n : (r + 1) * n], x)
         return sums, counts
     crow = torch.zeros(n_runs * k + 1, dtype=torch.long, device=x.device)
     crow[1:] = counts.cumsum(0)
     order = torch.argsort(ids, stable=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-        onehot = torch.sparse_csr_tensor(crow, order % n, torch.ones(len(ids), dtype=x.dtype, device=x.device),
-                                         size=(n_runs * k, n))
+        onehot = torch.sparse_csr_tensor(
+            crow, order % n, torch.ones(len(ids), dtype=x.dtype, device=x.device), size=(n_runs * k, n)
+        )
     return onehot @ x, counts
+
 
 def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
     """The next `_assign` after the centroids moved from `old`, computing only what can have changed: a point whose
@@ -83,18 +92,20 @@ def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
     than half of a full pass (early rounds: most centroids move) the plain stacked `_assign` runs. Equal
     distances go to the smaller index, as in `_assign`."""
     n, n_runs = labels.shape
-    with single_thread():                           # small bookkeeping on one thread (see `single_thread`)
+    with single_thread():  # small bookkeeping on one thread (see `single_thread`)
         moved = (centroids != old).any(1).view(n_runs, k)
-        own = moved.gather(1, labels.T).T            # (n, n_runs): the point's own centroid moved
+        own = moved.gather(1, labels.T).T  # (n, n_runs): the point's own centroid moved
         work = int((own.sum(0) * k + (~own).sum(0) * moved.sum(1)).sum())
-    if 2 * work > n * k * n_runs: return _assign(x, x_sq, centroids, n_runs)
+    if 2 * work > n * k * n_runs:
+        return _assign(x, x_sq, centroids, n_runs)
     labels, dist = labels.clone(), dist.clone()
     for r in range(n_runs):
-        cr, m = centroids[r * k:(r + 1) * k], moved[r].nonzero().flatten()
-        if len(m) == 0: continue
+        cr, m = centroids[r * k : (r + 1) * k], moved[r].nonzero().flatten()
+        if len(m) == 0:
+            continue
         rows = own[:, r].nonzero().flatten()
         if len(rows):
-            labels[rows, r:r + 1], dist[rows, r:r + 1] = _assign(x[rows], x_sq[rows], cr)
+            labels[rows, r : r + 1], dist[rows, r : r + 1] = _assign(x[rows], x_sq[rows], cr)
         rows = (~own[:, r]).nonzero().flatten()
         if len(rows):
             lab, d = _assign(x[rows], x_sq[rows], cr[m])
@@ -103,6 +114,7 @@ def _reassign(x, x_sq, centroids, old, labels, dist, k: int):
             switch = (d < dcur) | ((d == dcur) & (lab < cur))
             labels[rows[switch], r], dist[rows[switch], r] = lab[switch], d[switch]
     return labels, dist
+
 
 def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Generator, reassign: bool = True):
     """`n_runs` independent Lloyd runs advanced together (one matrix product per round for all of them); the run
@@ -114,117 +126,191 @@ def _lloyd(x: torch.Tensor, k: int, niter: int, n_runs: int, generator: torch.Ge
     x_sq = x.pow(2).sum(1)
     labels, dist = _assign(x, x_sq, centroids, n_runs)
     for _ in range(niter):
-        with single_thread():                       # the sums and re-seeding are small: one thread (`single_thread`)
+        with single_thread():  # the sums and re-seeding are small: one thread (`single_thread`)
             sums, counts = _cluster_sums(x, labels, k)
             old, centroids = centroids, sums / counts.clamp_min(1)[:, None].to(x.dtype)
             if (counts == 0).any():  # re-seed empty clusters at the points farthest from their centroids
                 for r in range(n_runs):
-                    empty = (counts[r * k:(r + 1) * k] == 0).nonzero().flatten()
-                    if len(empty): centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
-        if reassign: new_labels, dist = _reassign(x, x_sq, centroids, old, labels, dist, k)
-        else: new_labels, dist = _assign(x, x_sq, centroids, n_runs)
+                    empty = (counts[r * k : (r + 1) * k] == 0).nonzero().flatten()
+                    if len(empty):
+                        centroids[r * k + empty] = x[dist[:, r].topk(len(empty)).indices]
+        if reassign:
+            new_labels, dist = _reassign(x, x_sq, centroids, old, labels, dist, k)
+        else:
+            new_labels, dist = _assign(x, x_sq, centroids, n_runs)
         converged = torch.equal(new_labels, labels)  # every run repeats its assignment: nothing would change
         labels = new_labels
-        if converged: break
+        if converged:
+            break
     objective = dist.double().sum(0)
     best = int(objective.argmin())
-    return labels[:, best].clone(), centroids[best * k:(best + 1) * k].clone(), objective[best].item()
+    return labels[:, best].clone(), centroids[best * k : (best + 1) * k].clone(), objective[best].item()
+
 
 def _kmeans_faiss(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, gpu: bool | None = None):
     "faiss k-means: on a GPU when faiss has GPU support (`gpu=None`), always (`gpu=True`) or never (`gpu=False`)."
-    faiss = import_faiss("the k-means back end 'faiss' (DiVA's, D&C's and MIC's clustering as their code runs it, "
-                         "and NMI's eval.nmi_kmeans: faiss / faiss_100)")
+    faiss = import_faiss(
+        "the k-means back end 'faiss' (DiVA's, D&C's and MIC's clustering as their code runs it, "
+        "and NMI's eval.nmi_kmeans: faiss / faiss_100)"
+    )
     faiss.omp_set_num_threads(torch.get_num_threads())
     xn = x.cpu().numpy()
     dev = None if gpu is False else faiss_gpu_device(x, required=bool(gpu))
-    km = faiss.Kmeans(xn.shape[1], k, niter=niter, nredo=nredo, seed=int(seed) % 2**31, verbose=False,
-                      max_points_per_centroid=len(xn), min_points_per_centroid=1,   # every point, no subsampling
-                      **({} if dev is None else {"gpu": 1}))
+    km = faiss.Kmeans(
+        xn.shape[1],
+        k,
+        niter=niter,
+        nredo=nredo,
+        seed=int(seed) % 2**31,
+        verbose=False,
+        max_points_per_centroid=len(xn),
+        min_points_per_centroid=1,  # every point, no subsampling
+        **({} if dev is None else {"gpu": 1}),
+    )
     km.train(xn)
     dist, labels = km.index.search(xn, 1)
-    return (torch.from_numpy(labels[:, 0]).to(device=x.device, dtype=torch.long),
-            torch.from_numpy(km.centroids).to(x.device), float(dist.astype(np.float64).sum()))
+    return (
+        torch.from_numpy(labels[:, 0]).to(device=x.device, dtype=torch.long),
+        torch.from_numpy(km.centroids).to(x.device),
+        float(dist.astype(np.float64).sum()),
+    )
 
-def _auto_nredo(n: int, k: int) -> int: return 3 if n * k <= 10**8 else 1
 
-def kmeans(emb, n_clusters: int, niter: int = 20, nredo: int | None = None, seed: int = 0, backend: str = "torch",
-           normalize: bool = False):
+def _auto_nredo(n: int, k: int) -> int:
+    return 3 if n * k <= 10**8 else 1
+
+
+def kmeans(
+    emb,
+    n_clusters: int,
+    niter: int = 20,
+    nredo: int | None = None,
+    seed: int = 0,
+    backend: str = "torch",
+    normalize: bool = False,
+):
     """Lloyd k-means: (cluster labels, centroids, objective) of the best of `nredo` restarts (None: 3 where cheap,
     else 1); `normalize`: of the L2-normalised rows."""
     x = as_embeddings(emb, "emb")
-    if normalize: x = torch.nn.functional.normalize(x, dim=1)
+    if normalize:
+        x = torch.nn.functional.normalize(x, dim=1)
     if not (isinstance(n_clusters, (int, np.integer)) and 1 <= n_clusters <= len(x)):
-        raise ValueError(f"cannot cluster {len(x)} points into {n_clusters!r} clusters: n_clusters must be an integer "
-                         f"in [1, {len(x)}] (the number of samples)")
-    if niter < 0: raise ValueError(f"niter must be >= 0; got {niter}")
+        raise ValueError(
+            f"cannot cluster {len(x)} points into {n_clusters!r} clusters: n_clusters must be an integer "
+            f"in [1, {len(x)}] (the number of samples)"
+        )
+    if niter < 0:
+        raise ValueError(f"niter must be >= 0; got {niter}")
     nredo = _auto_nredo(len(x), int(n_clusters)) if nredo is None else nredo
-    if nredo < 1: raise ValueError(f"nredo must be >= 1; got {nredo}")
+    if nredo < 1:
+        raise ValueError(f"nredo must be >= 1; got {nredo}")
     gpu = {"faiss": None, "faiss_gpu": True, "faiss_cpu": False}
-    if backend in gpu: return _kmeans_faiss(x, int(n_clusters), niter, nredo, seed, gpu[backend])
-    if backend != "torch": raise unknown_name_error("k-means backend", backend, ("torch", *gpu))
+    if backend in gpu:
+        return _kmeans_faiss(x, int(n_clusters), niter, nredo, seed, gpu[backend])
+    if backend != "torch":
+        raise unknown_name_error("k-means backend", backend, ("torch", *gpu))
     return _lloyd(x, int(n_clusters), niter, nredo, torch.Generator().manual_seed(seed))
+
 
 def kmeans_assign(x, k: int, niter: int = 100, nredo: int = 1, seed: int = 1234, normalize: bool = True) -> np.ndarray:
     "Each row's cluster id (NumPy) by faiss `kmeans` on the CPU of the L2-normalised rows: D&C's and Sharing's clustering."
     return kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend="faiss_cpu", normalize=normalize)[0].cpu().numpy()
 
-NMI_AVERAGES = choices(EvalConfig, "nmi_average")   # ("arithmetic", "geometric")
 
-def nmi(emb, labels, n_clusters: int | None = None, seed: int = 0, niter: int = 20, nredo: int | None = None,
-        backend: str = "torch", average: str = EvalConfig.nmi_average) -> float:
+NMI_AVERAGES = choices(EvalConfig, "nmi_average")  # ("arithmetic", "geometric")
+
+
+def nmi(
+    emb,
+    labels,
+    n_clusters: int | None = None,
+    seed: int = 0,
+    niter: int = 20,
+    nredo: int | None = None,
+    backend: str = "torch",
+    average: str = EvalConfig.nmi_average,
+) -> float:
     """NMI between k-means clusters of `emb` (k = number of classes by default) and `labels`, normalised by the
     `average` of the two entropies (`NMI_AVERAGES`)."""
     check_nmi_reading(average=average)
     x = as_embeddings(emb, "emb")
     y = as_labels(labels, len(x), "labels", x.device)
     n_classes = len(torch.unique(y))
-    if n_classes < 2: raise ValueError(f"NMI needs at least 2 classes in labels; got {n_classes}")
+    if n_classes < 2:
+        raise ValueError(f"NMI needs at least 2 classes in labels; got {n_classes}")
     k = n_classes if n_clusters is None else n_clusters
     clusters, _, _ = kmeans(x, k, niter=niter, nredo=nredo, seed=seed, backend=backend)
     return float(normalized_mutual_info_score(y.cpu().numpy(), clusters.cpu().numpy(), average_method=average))
 
+
 # NMI's k-means as each codebase runs it: dml_nb's default keeps `nmi`'s arguments; the authors' code runs faiss once
 # from faiss's seed, with no subsampling (max_points_per_centroid = n) and min_points_per_centroid = 1
 NMI_KMEANS = {
-    "dml_nb": None,                                                            # torch Lloyd, 20 rounds, 3 restarts where cheap
-    "faiss": {"backend": "faiss", "niter": 20, "nredo": 1, "seed": 1234},      # DiVA metrics/__init__.py, MIC auxiliaries.py
-    "faiss_100": {"backend": "faiss", "niter": 100, "nredo": 1, "seed": 1234}, # D&C lib/faissext.py train_kmeans's defaults
+    "dml_nb": None,  # torch Lloyd, 20 rounds, 3 restarts where cheap
+    "faiss": {
+        "backend": "faiss",
+        "niter": 20,
+        "nredo": 1,
+        "seed": 1234,
+    },  # DiVA metrics/__init__.py, MIC auxiliaries.py
+    "faiss_100": {
+        "backend": "faiss",
+        "niter": 100,
+        "nredo": 1,
+        "seed": 1234,
+    },  # D&C lib/faissext.py train_kmeans's defaults
 }
+
 
 def check_nmi_reading(kmeans: str = EvalConfig.nmi_kmeans, average: str = EvalConfig.nmi_average) -> None:
     "An NMI k-means reading not in `NMI_KMEANS` or an average not in `NMI_AVERAGES` is an error naming the valid ones."
-    if kmeans not in NMI_KMEANS: raise unknown_name_error("NMI k-means reading", kmeans, tuple(NMI_KMEANS))
-    if average not in NMI_AVERAGES: raise unknown_name_error("NMI average", average, NMI_AVERAGES)
+    if kmeans not in NMI_KMEANS:
+        raise unknown_name_error("NMI k-means reading", kmeans, tuple(NMI_KMEANS))
+    if average not in NMI_AVERAGES:
+        raise unknown_name_error("NMI average", average, NMI_AVERAGES)
 
-def nmi_kmeans_args(reading: str, run: int = 0, seed: int = 0, niter: int = 20, nredo: int | None = None,
-                    backend: str = "torch") -> dict:
+
+def nmi_kmeans_args(
+    reading: str, run: int = 0, seed: int = 0, niter: int = 20, nredo: int | None = None, backend: str = "torch"
+) -> dict:
     """`nmi`'s k-means arguments for the `run`-th of several NMI runs under a `NMI_KMEANS` reading: `dml_nb` takes the
     given ones with seed `seed + run`; a code reading fixes them (seed 1234 + run) and refuses others."""
     check_nmi_reading(reading)
     fixed = NMI_KMEANS[reading]
-    if fixed is None: return {"seed": seed + run, "niter": niter, "nredo": nredo, "backend": backend}
+    if fixed is None:
+        return {"seed": seed + run, "niter": niter, "nredo": nredo, "backend": backend}
     if (niter, nredo, backend) != (20, None, "torch"):
-        raise ValueError(f"NMI k-means reading {reading!r} fixes the k-means (faiss, {fixed['niter']} rounds, one run): "
-                         f"leave niter/nredo/backend at their defaults, or use the 'dml_nb' reading to set them")
+        raise ValueError(
+            f"NMI k-means reading {reading!r} fixes the k-means (faiss, {fixed['niter']} rounds, one run): "
+            f"leave niter/nredo/backend at their defaults, or use the 'dml_nb' reading to set them"
+        )
     return {**fixed, "seed": fixed["seed"] + run}
 
 # %% ../../nbs/41_clustering.ipynb #b3e8f017
 REMATCH_RULES = ("hungarian", "official")
 
+
 def match_clusters(previous: np.ndarray, current: np.ndarray, k: int, rule: str = "hungarian") -> np.ndarray:
     "Rename the ids of `current` (0..k-1) to maximise the overlap with `previous`; `rule='official'`: the code's inverse."
     from scipy.optimize import linear_sum_assignment
-    if rule not in REMATCH_RULES: raise unknown_name_error("rematch rule", rule, REMATCH_RULES)
+
+    if rule not in REMATCH_RULES:
+        raise unknown_name_error("rematch rule", rule, REMATCH_RULES)
     previous, current = np.asarray(previous, dtype=np.int64), np.asarray(current, dtype=np.int64)
-    if previous.shape != current.shape: raise ValueError(f"assignments differ in length: {previous.shape} vs {current.shape}")
+    if previous.shape != current.shape:
+        raise ValueError(f"assignments differ in length: {previous.shape} vs {current.shape}")
     for name, a in (("previous", previous), ("current", current)):
-        if len(a) and (a.min() < 0 or a.max() >= k): raise ValueError(f"{name} cluster ids must lie in 0..{k - 1}")
-    overlap = np.bincount(current * k + previous, minlength=k * k).reshape(k, k)   # [new, old]
+        if len(a) and (a.min() < 0 or a.max() >= k):
+            raise ValueError(f"{name} cluster ids must lie in 0..{k - 1}")
+    overlap = np.bincount(current * k + previous, minlength=k * k).reshape(k, k)  # [new, old]
     new, old = linear_sum_assignment(overlap, maximize=True)
     rename = np.empty(k, dtype=np.int64)
-    if rule == "hungarian": rename[new] = old
-    else: rename[old] = new          # lib/data/loader/reassignment.py: samples of new cluster pi(i) get id i
+    if rule == "hungarian":
+        rename[new] = old
+    else:
+        rename[old] = new  # lib/data/loader/reassignment.py: samples of new cluster pi(i) get id i
     return rename[current]
+
 
 def cluster_statistics(assignments: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     "(size of each cluster, number of distinct classes in each cluster), both of length `k`."
@@ -232,4 +318,3 @@ def cluster_statistics(assignments: np.ndarray, labels: np.ndarray, k: int) -> t
     sizes = np.bincount(assignments, minlength=k)
     pairs = np.unique(assignments * (int(labels.max()) + 1) + labels)
     return sizes, np.bincount(pairs // (int(labels.max()) + 1), minlength=k)
-

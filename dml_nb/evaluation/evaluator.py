@@ -21,7 +21,8 @@ __all__ = ['Evaluator', 'EvaluationMixin']
 # %% ../../nbs/43_evaluator.ipynb #e7a1c0d2
 class Evaluator:
     "The eval section (`EvalConfig`) that evaluation reads: metrics, their readings, batch size, frequency, report."
-    READINGS = ("nmi_seeds", "nmi_kmeans", "nmi_average", "nmi_on", "self_match")   # the options `evaluate` takes
+
+    READINGS = ("nmi_seeds", "nmi_kmeans", "nmi_average", "nmi_on", "self_match")  # the options `evaluate` takes
 
     def __init__(self, config: EvalConfig | Mapping | None = None, **fields):
         self.config = make_section("eval", config, **fields)
@@ -40,37 +41,53 @@ class Evaluator:
         "`metrics.evaluate` of one embedding under this section (`metrics`: its own by default; `pair`: a gallery)."
         return evaluate(emb, labels, self.metrics if metrics is None else metrics, seed=seed, **pair, **self.readings)
 
-    def __repr__(self): return f"Evaluator({self.config})"
+    def __repr__(self):
+        return f"Evaluator({self.config})"
 
 # %% ../../nbs/43_evaluator.ipynb #122f590f
 class EvaluationMixin:
     "Feature passes and metrics of a `Learner` (reads its method, device, seed, eval sets, history and `evaluator`)."
+
     @torch.no_grad()
-    def embed(self, dataset, fn: Callable | None = None, indices: Sequence[int] | None = None,
-              seeds: Sequence[int] | None = None, batch_size: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def embed(
+        self,
+        dataset,
+        fn: Callable | None = None,
+        indices: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        batch_size: int | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Embed items `indices` of `dataset` (default all, in order) with `fn` (default `method.embed`), the method in
         eval mode: ({name: (N, D) float32}, labels). Item `indices[j]` loads with seed `seeds[j]` (default: stream 'eval')."""
         self.prepare_fit()
         keys = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
         seeds = [stream_seed(self.seed, "eval", i) for i in keys] if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != len(keys): raise ValueError(f"embed got {len(seeds)} seeds for {len(keys)} items: give one per item")
+        if len(seeds) != len(keys):
+            raise ValueError(f"embed got {len(seeds)} seeds for {len(keys)} items: give one per item")
         items, n = list(zip(keys, seeds)), len(keys)
         per = -(-n // self.world_size)
         if self.world_size > 1 and (self.world_size - 1) * per < n:
             # data-parallel: each process embeds one contiguous block, then all processes gather every block
-            emb, y = self._embed_items(dataset, items[self.rank * per:(self.rank + 1) * per], fn, batch_size)
+            emb, y = self._embed_items(dataset, items[self.rank * per : (self.rank + 1) * per], fn, batch_size)
             return {k: gather_rows(v, per, n) for k, v in emb.items()}, gather_rows(y, per, n)
         return self._embed_items(dataset, items, fn, batch_size)
 
-    def _embed_items(self, dataset, items: list, fn=None, batch_size=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        transform = getattr(dataset, "batch_transform", None)   # a cached set: resize and crop on the device
+    def _embed_items(
+        self, dataset, items: list, fn=None, batch_size=None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        transform = getattr(dataset, "batch_transform", None)  # a cached set: resize and crop on the device
         bs, fn = batch_size or self.evaluator.batch_size, fn or self.method.embed
-        batches = [items[a:a + bs] for a in range(0, len(items), bs)]
+        batches = [items[a : a + bs] for a in range(0, len(items), bs)]
         data, collate = (SeededViews(dataset), None) if transform is None else (RawItems(dataset), pad_collate)
-        if hasattr(dataset, "loader_items"): data, collate = dataset.loader_items(1, self.device)   # the JPEG path
+        if hasattr(dataset, "loader_items"):
+            data, collate = dataset.loader_items(1, self.device)  # the JPEG path
         loader = torch.utils.data.DataLoader(
-            data, collate_fn=collate,
-            num_workers=self.train_config.num_workers, pin_memory=self.device.type == "cuda", batch_sampler=batches)
+            data,
+            collate_fn=collate,
+            num_workers=self.train_config.num_workers,
+            pin_memory=self.device.type == "cuda",
+            batch_sampler=batches,
+        )
         was_training = self.method.training
         self.method.eval()
         outs, labels = {}, []
@@ -78,38 +95,46 @@ class EvaluationMixin:
             for keys, batch in zip(batches, loader):
                 gen = None if transform is None else torch.Generator().manual_seed(keys[0][1])
                 batch = to_device(batch, self.device, self.channels_last, transform, 1, gen)
-                with self.autocast(): emb = fn(batch["x"])
+                with self.autocast():
+                    emb = fn(batch["x"])
                 if not isinstance(emb, Mapping) or not emb:
                     raise TypeError(f"{getattr(fn, '__qualname__', fn)} must return a non-empty dict name -> embedding")
-                for k, v in emb.items(): outs.setdefault(k, []).append(v.float())
+                for k, v in emb.items():
+                    outs.setdefault(k, []).append(v.float())
                 labels.append(batch["y"])
-        finally: self.method.train(was_training)
+        finally:
+            self.method.train(was_training)
         return {k: torch.cat(v) for k, v in outs.items()}, torch.cat(labels)
 
     def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
         "Metrics of every set (a dataset, or a (query, gallery) pair) and every embedding of `method.embed`."
         sets = self.eval_sets if sets is None else sets
         out, embedded = {}, {}
-        for name, ds in sets.items():     # each set's metrics right after its feature pass (the RNG order of every run)
+        for name, ds in sets.items():  # each set's metrics right after its feature pass (the RNG order of every run)
             embedded.update(self._embed_sets({name: ds}))
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
-                res = {k: self.evaluator.scores(q[k], ql, self.seed, metrics, gallery_emb=g[k], gallery_labels=gl)
-                       for k in q}
+                res = {
+                    k: self.evaluator.scores(q[k], ql, self.seed, metrics, gallery_emb=g[k], gallery_labels=gl)
+                    for k in q
+                }
             else:
                 emb, y = embedded[name]
                 res = {k: self.evaluator.scores(v, y, self.seed, metrics) for k, v in emb.items()}
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
-        if sets is self.eval_sets: self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
+        if sets is self.eval_sets:
+            self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
         return out
 
     def _embed_sets(self, sets: Mapping[str, Any]) -> dict[str, tuple[dict, torch.Tensor]]:
         "{name (a pair: name_query, name_gallery): (embeddings, labels)} of every set."
         embedded = {}
         for name, ds in sets.items():
-            if isinstance(ds, (tuple, list)): embedded.update({f"{name}_{p}": self.embed(d) for p, d in zip(("query", "gallery"), ds)})
-            else: embedded[name] = self.embed(ds)
+            if isinstance(ds, (tuple, list)):
+                embedded.update({f"{name}_{p}": self.embed(d) for p, d in zip(("query", "gallery"), ds)})
+            else:
+                embedded[name] = self.embed(ds)
         return embedded
 
     def _weights_stamp(self) -> tuple:
@@ -124,7 +149,8 @@ class EvaluationMixin:
         under the current weights: the last `evaluate()`'s feature pass when the weights have not changed since (the
         tensors its metrics came from, not recomputed), else a new pass."""
         stamp, embedded = self._eval_pass
-        if stamp != self._weights_stamp(): embedded = self._embed_sets(self.eval_sets)
+        if stamp != self._weights_stamp():
+            embedded = self._embed_sets(self.eval_sets)
         return {k: {"labels": y.cpu(), **{n: v.cpu() for n, v in emb.items()}} for k, (emb, y) in embedded.items()}
 
     def reported_metrics(self) -> dict:
@@ -135,18 +161,23 @@ class EvaluationMixin:
         last = dict(self.latest_metrics)
         key = f"{next(iter(self.eval_sets))}/recall@1" if self.eval_sets else None
         evaluated = [r for r in self.history if key is not None and key in r and r[key] == r[key]]
-        best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None     # ties: the earliest epoch
+        best_row = max(evaluated, key=lambda r: r[key]) if evaluated else None  # ties: the earliest epoch
         best = {k: float(v) for k, v in best_row.items() if k in last} if best_row else last
-        each = {k: max((float(r[k]) for r in self.history if k in r and r[k] == r[k]), default=v)
-                for k, v in last.items()}
+        each = {
+            k: max((float(r[k]) for r in self.history if k in r and r[k] == r[k]), default=v) for k, v in last.items()
+        }
         reported = {"last": "last epoch", "best": f"best epoch by {key}", "best_each": "each metric's best epoch"}
-        out = {"reported": reported[self.evaluator.report],
-               "metrics": {"last": last, "best": best, "best_each": each}[self.evaluator.report],
-               "last_epoch": self.epoch, "best_epoch": None if best_row is None else int(best_row["epoch"]),
-               "best_metrics": best}
+        out = {
+            "reported": reported[self.evaluator.report],
+            "metrics": {"last": last, "best": best, "best_each": each}[self.evaluator.report],
+            "last_epoch": self.epoch,
+            "best_epoch": None if best_row is None else int(best_row["epoch"]),
+            "best_metrics": best,
+        }
         return out
 
     def headline_recall(self) -> float | None:
         "The latest Recall@1 of the first evaluation set's headline embedding, if evaluated yet."
-        if not self.eval_sets: return None
+        if not self.eval_sets:
+            return None
         return self.latest_metrics.get(f"{next(iter(self.eval_sets))}/recall@1")

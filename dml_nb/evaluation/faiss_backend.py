@@ -13,40 +13,58 @@ __all__ = ['FAISS_GPU_MAX_K', 'FAISS_INSTALL', 'FaissMissingError', 'import_fais
            'set_num_threads']
 
 # %% ../../nbs/44_faiss_backend.ipynb #64f029b0
-FAISS_GPU_MAX_K = 2048   # faiss-gpu's flat index returns at most this many neighbours
+FAISS_GPU_MAX_K = 2048  # faiss-gpu's flat index returns at most this many neighbours
 _faiss_gpu_resources = {}
-FAISS_INSTALL = ("pip install 'dml_nb[faiss-cpu]' (CPU) or 'dml_nb[faiss-gpu]' (CUDA GPUs), one of the two: "
-                 "both ship the same 'faiss' module")
+FAISS_INSTALL = (
+    "pip install 'dml_nb[faiss-cpu]' (CPU) or 'dml_nb[faiss-gpu]' (CUDA GPUs), one of the two: "
+    "both ship the same 'faiss' module"
+)
+
 
 class FaissMissingError(ImportError):
     "A faiss back end was asked for where faiss is not installed."
 
+
 def import_faiss(purpose: str = "a faiss back end"):
     """The `faiss` module; where it is not installed, a `FaissMissingError` naming `purpose`, the extras that
     install it and the torch back end that needs none. Warns once where faiss-cpu and faiss-gpu are both installed."""
-    try: import faiss
+    try:
+        import faiss
     except ImportError as e:
-        raise FaissMissingError(f"{purpose} needs faiss, which is not installed here: {FAISS_INSTALL}; or use "
-                                "the torch back end (backend='torch', dml_nb's default), which needs no faiss") from e
+        raise FaissMissingError(
+            f"{purpose} needs faiss, which is not installed here: {FAISS_INSTALL}; or use "
+            "the torch back end (backend='torch', dml_nb's default), which needs no faiss"
+        ) from e
     _warn_two_faiss()
     return faiss
 
+
 _faiss_checked = []
+
+
 def _warn_two_faiss():
     "faiss-cpu and faiss-gpu (or faiss-gpu-cu12) both installed overwrite each other's files: say so once."
-    if _faiss_checked: return
+    if _faiss_checked:
+        return
     _faiss_checked.append(True)
     from importlib.metadata import PackageNotFoundError, version
+
     found = []
     for dist in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11"):
-        try: found.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError: pass
+        try:
+            found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            pass
     if len(found) > 1:
         import warnings
-        warnings.warn(f"{' and '.join(found)} are installed together: they ship the same 'faiss' module, so the last "
-                      "one installed wins and removing either breaks the other. Keep one: pip uninstall -y "
-                      + " ".join(f.split()[0] for f in found) + f", then {FAISS_INSTALL}", stacklevel=3)
 
+        warnings.warn(
+            f"{' and '.join(found)} are installed together: they ship the same 'faiss' module, so the last "
+            "one installed wins and removing either breaks the other. Keep one: pip uninstall -y "
+            + " ".join(f.split()[0] for f in found)
+            + f", then {FAISS_INSTALL}",
+            stacklevel=3,
+        )
 
 # %% ../../nbs/44_faiss_backend.ipynb #b1a192c7
 def faiss_gpus() -> int:
@@ -54,28 +72,37 @@ def faiss_gpus() -> int:
     faiss = import_faiss("the 'faiss' back ends")
     return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
 
+
 def faiss_gpu_device(x: torch.Tensor, required: bool) -> int | None:
     "The GPU for a faiss call on `x` (its own CUDA device, else GPU 0), or None for the CPU; `required` makes no GPU an error."
-    if faiss_gpus() > 0: return (x.device.index or 0) if x.device.type == "cuda" else 0
+    if faiss_gpus() > 0:
+        return (x.device.index or 0) if x.device.type == "cuda" else 0
     if required:
-        raise RuntimeError("the 'faiss_gpu' back end needs faiss with GPU support (faiss.get_num_gpus() is 0 here): "
-                           "install faiss-gpu in place of faiss-cpu (pip uninstall -y faiss-cpu; pip install 'dml_nb[faiss-gpu]') "
-                           "or use backend='faiss' (CPU) or 'torch'")
+        raise RuntimeError(
+            "the 'faiss_gpu' back end needs faiss with GPU support (faiss.get_num_gpus() is 0 here): "
+            "install faiss-gpu in place of faiss-cpu (pip uninstall -y faiss-cpu; pip install 'dml_nb[faiss-gpu]') "
+            "or use backend='faiss' (CPU) or 'torch'"
+        )
     return None
+
 
 def knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, gpu: bool | None = None):
     """Exact k-NN with faiss's flat L2 index: on a GPU when faiss has GPU support (faiss-gpu) and k fits its limit
     (`gpu=None`), always (`gpu=True`, an error without it) or never (`gpu=False`)."""
     faiss = import_faiss("the k-NN back end 'faiss'")
-    faiss.omp_set_num_threads(torch.get_num_threads())   # faiss's OpenMP pool follows torch's thread setting
+    faiss.omp_set_num_threads(torch.get_num_threads())  # faiss's OpenMP pool follows torch's thread setting
     q, r = query.cpu().numpy(), reference.cpu().numpy()
     index = faiss.IndexFlatL2(r.shape[1])
     dev = None if gpu is False else faiss_gpu_device(query, required=bool(gpu))
     if dev is not None and k + int(exclude_self) > FAISS_GPU_MAX_K:
-        if gpu: raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours, k={k} asked for: use backend='torch'")
-        dev = None                                     # beyond faiss-gpu's limit: the CPU index
+        if gpu:
+            raise ValueError(
+                f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours, k={k} asked for: use backend='torch'"
+            )
+        dev = None  # beyond faiss-gpu's limit: the CPU index
     if dev is not None:
-        if dev not in _faiss_gpu_resources: _faiss_gpu_resources[dev] = faiss.StandardGpuResources()
+        if dev not in _faiss_gpu_resources:
+            _faiss_gpu_resources[dev] = faiss.StandardGpuResources()
         index = faiss.index_cpu_to_gpu(_faiss_gpu_resources[dev], dev, index)
     index.add(r)
     dist, idx = index.search(q, k + int(exclude_self))
@@ -86,11 +113,13 @@ def knn_faiss(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self
         dist, idx = dist[keep].reshape(len(q), k), idx[keep].reshape(len(q), k)
     return (torch.from_numpy(dist).to(query.device), torch.from_numpy(idx).to(device=query.device, dtype=torch.long))
 
+
 def set_num_threads(n: int):
     "Set torch's and faiss's (its own OpenMP runtime) thread counts together; the faiss back ends also follow torch's."
     torch.set_num_threads(n)
     try:
         import faiss
-        faiss.omp_set_num_threads(n)
-    except ImportError: pass
 
+        faiss.omp_set_num_threads(n)
+    except ImportError:
+        pass

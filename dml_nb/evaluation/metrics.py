@@ -4,7 +4,8 @@
 
 # %% ../../nbs/42_metrics.ipynb #7ed29a60
 from __future__ import annotations
-import math, warnings
+import math
+import warnings
 
 import numpy as np
 import torch
@@ -24,21 +25,27 @@ def _neighbour_hits(q, ql, r, rl, k, exclude_self, backend="torch", self_match=E
     read. `self_match='first'` (query set = reference set): k + 1 neighbours with the first dropped, as DiVA's and MIC's
     code do; with ties by index that is the query itself or an earlier exact duplicate of it."""
     q, r = _scaled(q, r)
-    if exclude_self and self_match == "first": idx = knn(q, r, k + 1, False, backend)[1][:, 1:]
-    else: _, idx = knn(q, r, k, exclude_self, backend)
+    if exclude_self and self_match == "first":
+        idx = knn(q, r, k + 1, False, backend)[1][:, 1:]
+    else:
+        _, idx = knn(q, r, k, exclude_self, backend)
     return rl[idx] == ql[:, None]
+
 
 def _scaled(q: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`q` and `r` times one power of two that brings their largest |value| into [0.5, 1) when it lies outside
     [2**-20, 2**20]: squared distances of embeddings of magnitude 1e18 or more overflow float32 (1e20 in 8 dimensions
     already changed Recall@1), tiny ones underflow. A power of two is exact, so the neighbour order is the same."""
     peak = max(float(q.abs().max()), float(r.abs().max()))
-    if peak == 0 or 2.0 ** -20 <= peak <= 2.0 ** 20: return q, r
+    if peak == 0 or 2.0**-20 <= peak <= 2.0**20:
+        return q, r
     s = 2.0 ** -math.frexp(peak)[1]
     return (q * s, q * s if r is q else r * s)
 
+
 def _recall_from_hits(hits: torch.Tensor, k: int) -> float:
     return hits[:, :k].any(1).double().mean().item()
+
 
 def _check_ks(ks) -> tuple[int, ...]:
     ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
@@ -46,8 +53,10 @@ def _check_ks(ks) -> tuple[int, ...]:
         raise ValueError(f"ks must be positive integers, e.g. (1, 2, 4, 8); got {ks!r}")
     return tuple(int(k) for k in ks)
 
-def recall_at_k(emb, labels, ks=(1, 2, 4, 8), gallery_emb=None, gallery_labels=None,
-                backend: str = "torch") -> dict[int, float]:
+
+def recall_at_k(
+    emb, labels, ks=(1, 2, 4, 8), gallery_emb=None, gallery_labels=None, backend: str = "torch"
+) -> dict[int, float]:
     """Recall@k for each k in `ks`: {k: fraction of queries with a same-label neighbour among the k nearest}.
     Without a gallery each sample queries all others (itself excluded by index); with one, `emb` queries the gallery."""
     ks = _check_ks(ks)
@@ -59,34 +68,42 @@ def recall_at_k(emb, labels, ks=(1, 2, 4, 8), gallery_emb=None, gallery_labels=N
 def _relevant_counts(ql, rl, exclude_self: bool) -> torch.Tensor:
     "R per query: the number of references sharing its label, itself excluded."
     _, inv = torch.unique(torch.cat([ql, rl]), return_inverse=True)
-    counts = torch.bincount(inv[len(ql):], minlength=int(inv.max()) + 1)
-    return counts[inv[:len(ql)]] - int(exclude_self)
+    counts = torch.bincount(inv[len(ql) :], minlength=int(inv.max()) + 1)
+    return counts[inv[: len(ql)]] - int(exclude_self)
+
 
 def _cap_r(R: torch.Tensor, max_r: int | None) -> int:
     "The number of neighbours MAP@R needs, with a warning if `max_r` truncates some queries."
     r_max = int(R.max())
     if max_r is not None and r_max > max_r:
-        warnings.warn(f"MAP@R: {int((R > max_r).sum())} queries have R > max_r={max_r} relevant references; "
-                      f"they are scored over their top {max_r} neighbours. Pass max_r=None for the exact value.")
+        warnings.warn(
+            f"MAP@R: {int((R > max_r).sum())} queries have R > max_r={max_r} relevant references; "
+            f"they are scored over their top {max_r} neighbours. Pass max_r=None for the exact value."
+        )
         return max_r
     return r_max
+
 
 def _map_at_r_from_hits(hits: torch.Tensor, R: torch.Tensor) -> tuple[float, float]:
     "(MAP@R, R-precision) from sorted neighbour hits; queries with R = 0 are left out; R is capped at hits' width."
     valid = R > 0
-    if not valid.any(): raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
+    if not valid.any():
+        raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
     hits, R = hits[valid], R[valid].clamp(max=hits.shape[1])
     rank = torch.arange(1, hits.shape[1] + 1, device=hits.device)
     rel = (hits & (rank <= R[:, None])).double()
     precision = rel.cumsum(1) / rank
     return ((precision * rel).sum(1) / R).mean().item(), (rel.sum(1) / R).mean().item()
 
-def map_at_r(emb, labels, gallery_emb=None, gallery_labels=None, max_r: int | None = 1024,
-             backend: str = "torch") -> float:
+
+def map_at_r(
+    emb, labels, gallery_emb=None, gallery_labels=None, max_r: int | None = 1024, backend: str = "torch"
+) -> float:
     "MAP@R (Musgrave et al. 2020) over the queries that have at least one relevant reference."
     q, ql, r, rl, self_ = query_reference(emb, labels, gallery_emb, gallery_labels)
     R = _relevant_counts(ql, rl, self_)
-    if not (R > 0).any(): raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
+    if not (R > 0).any():
+        raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
     hits = _neighbour_hits(q, ql, r, rl, _cap_r(R, max_r), self_, backend)
     return _map_at_r_from_hits(hits, R)[0]
 
@@ -95,6 +112,7 @@ def singular_value_spectrum(emb) -> np.ndarray:
     "Singular values of the uncentred embedding matrix, largest first, normalised to sum to 1 (full SVD, float64)."
     s = torch.linalg.svdvals(as_embeddings(emb, "emb", dtype=torch.float64))
     return (s / s.sum()).cpu().numpy()
+
 
 def spectral_decay(emb) -> float:
     "rho = KL(uniform || normalised singular value spectrum) (Roth et al. 2020; DiVA Fig. 5). Lower: less compressed."
@@ -106,41 +124,73 @@ def spectral_decay(emb) -> float:
 def maw_sdaw(weights, labels) -> tuple[float, float]:
     "(MAW, SDAW) of BSPML eq. 14: mean and population std over classes of each class's mean sample weight."
     w = weights.detach() if isinstance(weights, torch.Tensor) else torch.as_tensor(np.asarray(weights))
-    if w.ndim != 1 or len(w) == 0: raise ValueError(f"weights must be a non-empty 1-D array (one per sample); got shape {tuple(w.shape)}")
+    if w.ndim != 1 or len(w) == 0:
+        raise ValueError(f"weights must be a non-empty 1-D array (one per sample); got shape {tuple(w.shape)}")
     w = w.to(torch.float64)
-    if not torch.isfinite(w).all(): raise ValueError("weights contain NaN or infinite values")
+    if not torch.isfinite(w).all():
+        raise ValueError("weights contain NaN or infinite values")
     y = as_labels(labels, len(w), "labels", w.device)
     _, inv = torch.unique(y, return_inverse=True)
-    class_mean = torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=w.device).index_add_(0, inv, w) \
-        / torch.bincount(inv).to(torch.float64)
+    class_mean = torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=w.device).index_add_(
+        0, inv, w
+    ) / torch.bincount(inv).to(torch.float64)
     maw = class_mean.mean()
     return maw.item(), (class_mean - maw).pow(2).mean().sqrt().item()
 
 # %% ../../nbs/42_metrics.ipynb #c811aefe
 def generalization_gap(train_metrics, test_metrics, key="recall@1") -> float:
     "test - train of metric `key` (Sharing Matters Table 5 sign: negative = better on the training classes)."
+
     def get(m, which):
-        if not isinstance(m, dict): return float(m)
-        if key not in m: raise KeyError(f"{which} has no metric {key!r}; it has: {', '.join(map(str, m))}")
+        if not isinstance(m, dict):
+            return float(m)
+        if key not in m:
+            raise KeyError(f"{which} has no metric {key!r}; it has: {', '.join(map(str, m))}")
         return float(m[key])
+
     return get(test_metrics, "test_metrics") - get(train_metrics, "train_metrics")
 
 # %% ../../nbs/42_metrics.ipynb #27b18a62
-SELF_MATCH = choices(EvalConfig, "self_match")   # ("index", "first"): dml_nb (and D&C's code): the query's own row by index; DiVA's, MIC's: the first neighbour
-NMI_ON = choices(EvalConfig, "nmi_on")           # ("query", "query_gallery"): NMI of a query/gallery pair: the queries, or both sets (D&C's In-Shop code)
+SELF_MATCH = choices(
+    EvalConfig, "self_match"
+)  # ("index", "first"): dml_nb (and D&C's code): the query's own row by index; DiVA's, MIC's: the first neighbour
+NMI_ON = choices(
+    EvalConfig, "nmi_on"
+)  # ("query", "query_gallery"): NMI of a query/gallery pair: the queries, or both sets (D&C's In-Shop code)
 
-def check_eval_readings(nmi_kmeans: str = EvalConfig.nmi_kmeans, nmi_average: str = EvalConfig.nmi_average,
-                        nmi_on: str = EvalConfig.nmi_on, self_match: str = EvalConfig.self_match) -> None:
+
+def check_eval_readings(
+    nmi_kmeans: str = EvalConfig.nmi_kmeans,
+    nmi_average: str = EvalConfig.nmi_average,
+    nmi_on: str = EvalConfig.nmi_on,
+    self_match: str = EvalConfig.self_match,
+) -> None:
     "An evaluation reading that is not one of its named values is an error naming the valid ones."
     check_nmi_reading(nmi_kmeans, nmi_average)
-    if nmi_on not in NMI_ON: raise unknown_name_error("NMI point set (nmi_on)", nmi_on, NMI_ON)
-    if self_match not in SELF_MATCH: raise unknown_name_error("self-match rule", self_match, SELF_MATCH)
+    if nmi_on not in NMI_ON:
+        raise unknown_name_error("NMI point set (nmi_on)", nmi_on, NMI_ON)
+    if self_match not in SELF_MATCH:
+        raise unknown_name_error("self-match rule", self_match, SELF_MATCH)
 
-def evaluate(emb, labels, metrics=None, gallery_emb=None, gallery_labels=None, seed: int = 0, max_r: int | None = 1024,
-             knn_backend: str = "torch", kmeans_backend: str = "torch", nmi_niter: int = 20, nmi_nredo: int | None = None,
-             nmi_seeds: int = EvalConfig.nmi_seeds, nmi_kmeans: str = EvalConfig.nmi_kmeans,
-             nmi_average: str = EvalConfig.nmi_average, nmi_on: str = EvalConfig.nmi_on,
-             self_match: str = EvalConfig.self_match) -> dict[str, float]:
+
+def evaluate(
+    emb,
+    labels,
+    metrics=None,
+    gallery_emb=None,
+    gallery_labels=None,
+    seed: int = 0,
+    max_r: int | None = 1024,
+    knn_backend: str = "torch",
+    kmeans_backend: str = "torch",
+    nmi_niter: int = 20,
+    nmi_nredo: int | None = None,
+    nmi_seeds: int = EvalConfig.nmi_seeds,
+    nmi_kmeans: str = EvalConfig.nmi_kmeans,
+    nmi_average: str = EvalConfig.nmi_average,
+    nmi_on: str = EvalConfig.nmi_on,
+    self_match: str = EvalConfig.self_match,
+) -> dict[str, float]:
     """Compute the named `metrics` (see `METRICS`; None: the eval section's default, `EvalConfig().metrics`) with one
     shared neighbour search; {name: value}. Every default is the eval section's (`EvalConfig`). NMI is the mean
     over `nmi_seeds` k-means runs (seeds `seed`, `seed + 1`, ...): its k-means start alone moves it by several points.
@@ -148,11 +198,14 @@ def evaluate(emb, labels, metrics=None, gallery_emb=None, gallery_labels=None, s
     or a single faiss run), `nmi_average` the normalisation (`NMI_AVERAGES`), `nmi_on` whether a query/gallery pair
     clusters the queries or both sets (`NMI_ON`), `self_match` how a query leaves its own neighbour list (`SELF_MATCH`:
     by index, or the first of k + 1 neighbours)."""
-    if nmi_seeds < 1: raise ValueError(f"nmi_seeds must be at least 1 (the k-means runs NMI is averaged over), got {nmi_seeds}")
+    if nmi_seeds < 1:
+        raise ValueError(f"nmi_seeds must be at least 1 (the k-means runs NMI is averaged over), got {nmi_seeds}")
     check_eval_readings(nmi_kmeans, nmi_average, nmi_on, self_match)
     runs = [nmi_kmeans_args(nmi_kmeans, i, seed, nmi_niter, nmi_nredo, kmeans_backend) for i in range(nmi_seeds)]
-    if metrics is None: metrics = EvalConfig().metrics
-    if isinstance(metrics, str): metrics = (metrics,)
+    if metrics is None:
+        metrics = EvalConfig().metrics
+    if isinstance(metrics, str):
+        metrics = (metrics,)
     parsed = {name: parse_metric(name) for name in metrics}
     q, ql, r, rl, self_ = query_reference(emb, labels, gallery_emb, gallery_labels)
     out = {}
@@ -162,15 +215,21 @@ def evaluate(emb, labels, metrics=None, gallery_emb=None, gallery_labels=None, s
         R = _relevant_counts(ql, rl, self_)
         if needs_r and not (R > 0).any():
             raise ValueError("MAP@R is undefined: no query has another sample of its class in the reference set")
-        hits = _neighbour_hits(q, ql, r, rl, max(ks + ([_cap_r(R, max_r)] if needs_r else [])), self_, knn_backend,
-                               self_match)
-        if needs_r: map_r, r_prec = _map_at_r_from_hits(hits, R)
+        hits = _neighbour_hits(
+            q, ql, r, rl, max(ks + ([_cap_r(R, max_r)] if needs_r else [])), self_, knn_backend, self_match
+        )
+        if needs_r:
+            map_r, r_prec = _map_at_r_from_hits(hits, R)
     for name, p in parsed.items():
-        if isinstance(p, int): out[name] = _recall_from_hits(hits, p)
-        elif p == "map@r": out[name] = map_r
-        elif p == "r_precision": out[name] = r_prec
+        if isinstance(p, int):
+            out[name] = _recall_from_hits(hits, p)
+        elif p == "map@r":
+            out[name] = map_r
+        elif p == "r_precision":
+            out[name] = r_prec
         elif p == "nmi":
             x, y = (q, ql) if self_ or nmi_on == "query" else (torch.cat([q, r]), torch.cat([ql, rl]))
             out[name] = float(np.mean([nmi(x, y, average=nmi_average, **args) for args in runs]))
-        elif p == "spectral_decay": out[name] = spectral_decay(q)
+        elif p == "spectral_decay":
+            out[name] = spectral_decay(q)
     return out

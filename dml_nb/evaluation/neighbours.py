@@ -4,7 +4,12 @@
 
 # %% ../../nbs/40_neighbours.ipynb #4d84b4c0
 from __future__ import annotations
-import contextlib, glob, math, os, re, time
+import contextlib
+import glob
+import math
+import os
+import re
+import time
 from typing import Callable
 
 import numpy as np
@@ -23,7 +28,8 @@ def as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> tor
     t = x.detach() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
     if t.ndim != 2:
         raise ValueError(f"{name} must be a 2-D array of shape (n_samples, dim); got shape {tuple(t.shape)}")
-    if t.shape[0] == 0 or t.shape[1] == 0: raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
     if not t.is_floating_point():
         raise TypeError(f"{name} must hold floating-point embeddings; got dtype {t.dtype}")
     t = t.to(device=t.device if device is None else device, dtype=dtype)
@@ -32,27 +38,36 @@ def as_embeddings(x, name: str = "emb", device=None, dtype=torch.float32) -> tor
     if not torch.isfinite(t.sum()):
         bad = (~torch.isfinite(t).all(1)).nonzero().flatten()
         if len(bad):
-            raise ValueError(f"{name} has {len(bad)} row(s) with NaN or infinite values (first: row {int(bad[0])}); "
-                             "embeddings must be finite (check the model output, e.g. for a diverged loss)")
+            raise ValueError(
+                f"{name} has {len(bad)} row(s) with NaN or infinite values (first: row {int(bad[0])}); "
+                "embeddings must be finite (check the model output, e.g. for a diverged loss)"
+            )
     return t.contiguous()
+
 
 def as_labels(y, n: int, name: str = "labels", device=None) -> torch.Tensor:
     "`y` as a 1-D int64 tensor of length `n`."
     t = y.detach() if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
-    if t.ndim != 1: raise ValueError(f"{name} must be 1-D (one integer class label per sample); got shape {tuple(t.shape)}")
+    if t.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one integer class label per sample); got shape {tuple(t.shape)}")
     if t.is_floating_point():
-        if not torch.equal(t, t.round()): raise ValueError(f"{name} must be integer class labels; got non-integer values")
+        if not torch.equal(t, t.round()):
+            raise ValueError(f"{name} must be integer class labels; got non-integer values")
     if len(t) != n:
         raise ValueError(f"{name} has {len(t)} entries but the embeddings have {n} rows; they must match one to one")
     return t.to(device=t.device if device is None else device, dtype=torch.long)
+
 
 def query_reference(emb, labels, gallery_emb=None, gallery_labels=None):
     "(query, query labels, reference, reference labels, exclude_self): the query set is its own reference unless a gallery is given."
     q = as_embeddings(emb, "emb")
     ql = as_labels(labels, len(q), "labels", q.device)
     if (gallery_emb is None) != (gallery_labels is None):
-        raise ValueError("pass both gallery_emb and gallery_labels (query-vs-gallery retrieval, e.g. In-Shop) or neither")
-    if gallery_emb is None: return q, ql, q, ql, True
+        raise ValueError(
+            "pass both gallery_emb and gallery_labels (query-vs-gallery retrieval, e.g. In-Shop) or neither"
+        )
+    if gallery_emb is None:
+        return q, ql, q, ql, True
     r = as_embeddings(gallery_emb, "gallery_emb", q.device)
     if r.shape[1] != q.shape[1]:
         raise ValueError(f"emb has dimension {q.shape[1]} but gallery_emb has dimension {r.shape[1]}; they must match")
@@ -64,26 +79,38 @@ def _cache_bytes() -> int:
     best = 0
     for p in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            with open(p) as f: s = f.read().strip()
+            with open(p) as f:
+                s = f.read().strip()
             best = max(best, int(s.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1))
-        except (OSError, ValueError): pass
+        except (OSError, ValueError):
+            pass
     return best or 32 << 20
+
 
 def block_rows(n: int, device: torch.device) -> int:
     """Rows per distance block: on the CPU a B x B float32 block takes an eighth of the largest cache (B = 2048 for
     32 MiB: the block, its two operands and the screening passes stay in cache); on a GPU 8192 (256 MiB blocks)."""
-    if device.type != "cpu": return min(n, 8192)
+    if device.type != "cpu":
+        return min(n, 8192)
     return max(256, min(n, math.isqrt(_cache_bytes() // 8) // 256 * 256))
+
 
 class single_thread:
     """Run small ops on one thread, always: on a shared machine a 2-thread OpenMP region waits for a descheduled
     thread at every op (measured: 3x slower whole search at load 3-4 on 2 cores). The k-means (`dml_nb.evaluation.clustering`)
     runs its cluster sums and bookkeeping under it, so that their floating-point sums never depend on the load; the
     search's blocks use `_bookkeeping_threads`, which takes all threads when the cores are idle."""
-    def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
-    def __exit__(self, *a): torch.set_num_threads(self.n)
 
-_idle_reading = [float("-inf"), 0]   # (time.monotonic() of the last `_idle_cores` reading, its value)
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *a):
+        torch.set_num_threads(self.n)
+
+
+_idle_reading = [float("-inf"), 0]  # (time.monotonic() of the last `_idle_cores` reading, its value)
+
 
 def _idle_cores(max_age: float = 1.0) -> int:
     """Usable cores that no other process is running on right now: this process's usable cores less the other
@@ -92,33 +119,44 @@ def _idle_cores(max_age: float = 1.0) -> int:
     reused: reading every thread's state costs about 20 us a thread (measured: 0.08 ms in a one-thread process,
     1.4 ms with 61 threads, 6.9 ms with 301), too much to pay before each of SOP's 435 blocks."""
     now = time.monotonic()
-    if now - _idle_reading[0] < max_age: return _idle_reading[1]
+    if now - _idle_reading[0] < max_age:
+        return _idle_reading[1]
     try:
-        with open("/proc/loadavg") as f: running = int(f.read().split()[3].split("/")[0])
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
         own = 0
         for p in glob.glob("/proc/self/task/*/stat"):
             try:
-                with open(p) as f: s = f.read()
-            except OSError: continue                 # a thread that ended meanwhile
+                with open(p) as f:
+                    s = f.read()
+            except OSError:
+                continue  # a thread that ended meanwhile
             own += s[s.rindex(")") + 2] == "R"
         idle = len(os.sched_getaffinity(0)) - max(0, running - own)
-    except (OSError, ValueError, IndexError, AttributeError): idle = 0
+    except (OSError, ValueError, IndexError, AttributeError):
+        idle = 0
     _idle_reading[:] = [now, idle]
     return idle
+
 
 class _bookkeeping_threads(single_thread):
     """A block's screening and merging on all of torch's threads when as many cores are idle (`_idle_cores`), else
     on one (`single_thread`). The ops are exact (comparisons, gathers, top-k), so the result is the same either way;
     only the time differs (measured in `nbs/40_neighbours.ipynb` and `benchmarks/README.md`)."""
+
     def __enter__(self):
         self.n = torch.get_num_threads()
-        if self.n > 1 and _idle_cores() < self.n: torch.set_num_threads(1)
+        if self.n > 1 and _idle_cores() < self.n:
+            torch.set_num_threads(1)
 
-_G = 16   # entries screened together by their minimum
+
+_G = 16  # entries screened together by their minimum
+
 
 def _slack(t: torch.Tensor) -> torch.Tensor:
     "A few float32 ulps of `t`: screening with thresholds loosened by this never drops an entry the exact test keeps."
     return t.abs() * 2.0**-20 + 2.0**-60
+
 
 def _row_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
     """(rows, cols, distances) of the block's entries below their row's threshold `tau`, where the block is
@@ -131,12 +169,16 @@ def _row_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin
     r, c = (gmin < (lim + _slack(lim) + _slack(sq_r))[:, None]).nonzero(as_tuple=True)
     c = c[:, None] + torch.arange(_G, device=P.device) * (C0 // _G)
     r = r[:, None].expand_as(c)
-    if C0 < C:                                       # the last columns, fewer than _G: read them all
+    if C0 < C:  # the last columns, fewer than _G: read them all
         rt = torch.arange(B, device=P.device)[:, None].expand(B, C - C0)
-        r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), torch.arange(C0, C, device=P.device).expand(B, C - C0).reshape(-1)])
+        r, c = (
+            torch.cat([r.reshape(-1), rt.reshape(-1)]),
+            torch.cat([c.reshape(-1), torch.arange(C0, C, device=P.device).expand(B, C - C0).reshape(-1)]),
+        )
     v = P[r, c] + sq_r[r]
     keep = v < tau[r]
     return r[keep], c[keep], v[keep]
+
 
 def _col_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin: torch.Tensor):
     """`_row_candidates` for the columns (thresholds `tau` per column), `gmin` the minima of P over row groups of
@@ -148,7 +190,7 @@ def _col_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin
     gr, c = (gmin < lim + _slack(lim) + _slack(lo)[:, None]).nonzero(as_tuple=True)
     r = (gr * _G)[:, None] + torch.arange(_G, device=P.device)
     c = c[:, None].expand_as(r)
-    if B0 < B:                                       # the last rows, fewer than _G: read them all
+    if B0 < B:  # the last rows, fewer than _G: read them all
         rt = torch.arange(B0, B, device=P.device)[:, None].expand(B - B0, C)
         ct = torch.arange(C, device=P.device).expand(B - B0, C)
         r, c = torch.cat([r.reshape(-1), rt.reshape(-1)]), torch.cat([c.reshape(-1), ct.reshape(-1)])
@@ -156,9 +198,11 @@ def _col_candidates(P: torch.Tensor, sq_r: torch.Tensor, tau: torch.Tensor, gmin
     keep = v < tau[c]
     return r[keep], c[keep], v[keep]
 
+
 def _merge_top(vals: torch.Tensor, idx: torch.Tensor, owner, other, v):
     "Merge (row `owner`, neighbour `other`, distance `v`) triples into each row's running k smallest (vals, idx)."
-    if len(owner) == 0: return
+    if len(owner) == 0:
+        return
     k = vals.shape[1]
     o = torch.argsort(owner)
     owner, other, v = owner[o], other[o], v[o]
@@ -173,6 +217,7 @@ def _merge_top(vals: torch.Tensor, idx: torch.Tensor, owner, other, v):
     dv, o = dv.topk(k, dim=1, largest=False)
     vals[rows], idx[rows] = dv, di.gather(1, o)
 
+
 def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = None):
     """The `k` smallest squared distances from each row of `x` to all rows of `x` (itself included) and their
     indices, ascending; each distance block (i, j), j >= i, is computed once and serves rows i and columns j.
@@ -184,18 +229,22 @@ def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = N
     vals = torch.full((n, k), float("inf"), device=dev)
     idx = torch.full((n, k), -1, dtype=torch.long, device=dev)
     starts = range(0, n, B)
-    def part(s, e, t, f):                            # |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
-        if lowp: return torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
+
+    def part(s, e, t, f):  # |x_j|^2 - 2 x_i.x_j for i in s:e, j in t:f
+        if lowp:
+            return torch.mm(xm[s:e], xm[t:f].T).float().mul_(-2).add_(sq[t:f])
         return torch.addmm(sq[t:f], x[s:e], x[t:f].T, alpha=-2)
-    for s in starts:                                 # diagonal blocks: top-k per row
+
+    for s in starts:  # diagonal blocks: top-k per row
         e = min(n, s + B)
         kk = min(k, e - s)
         vals[s:e, :kk], i = part(s, e, s, e).add_(sq[s:e, None]).topk(kk, dim=1, largest=False)
         idx[s:e, :kk] = i + s
-    for s in starts:                                 # off-diagonal blocks: entries below a row's or a column's k-th
+    for s in starts:  # off-diagonal blocks: entries below a row's or a column's k-th
         e = min(n, s + B)
         for t in starts:
-            if t <= s: continue
+            if t <= s:
+                continue
             f = min(n, t + B)
             P = part(s, e, t, f)
             C0, B0 = (f - t) // _G * _G, (e - s) // _G * _G
@@ -208,18 +257,22 @@ def _knn_self(x: torch.Tensor, k: int, lowp: bool = False, block: int | None = N
     vals, o = vals.sort(1)
     return vals.clamp_min_(0), idx.gather(1, o)
 
-
 # %% ../../nbs/40_neighbours.ipynb #7cf98ea3
 def lowp_supported(device) -> bool:
     """Whether a bfloat16 matrix product is fast on `device`: a CUDA GPU with bf16 tensor cores (compute capability
     >= 8.0), or a CPU whose torch build dispatches AVX-512 and that has AMX-BF16 or AVX512-BF16 units."""
     device = torch.device(device)
-    if device.type == "cuda": return torch.cuda.get_device_capability(device) >= (8, 0)
-    if device.type != "cpu" or "AVX512" not in torch.backends.cpu.get_cpu_capability(): return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cpu" or "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
     try:
-        with open("/proc/cpuinfo") as f: flags = set(re.search(r"^flags\s*:(.*)$", f.read(), re.M).group(1).split())
-    except (OSError, AttributeError): return False
+        with open("/proc/cpuinfo") as f:
+            flags = set(re.search(r"^flags\s*:(.*)$", f.read(), re.M).group(1).split())
+    except (OSError, AttributeError):
+        return False
     return bool(flags & {"amx_bf16", "avx512_bf16"})
+
 
 def _lowp_margin(x: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
     """Per row, a bound on |approximate - exact| squared distance to any row: bfloat16 inputs (relative error
@@ -229,6 +282,7 @@ def _lowp_margin(x: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
     top = sq.max()
     return 2 * c * (sq * top).sqrt() + 2.0**-20 * (sq + top)
 
+
 def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None, stats: dict | None = None):
     """`_knn_self(x, k)` with the candidate search in bfloat16 and exact float32 re-ranking. The bf16 search keeps
     k2 = 2k + 8 candidates and the (k2+1)-th; a row is certified when its (k2+1)-th approximate distance minus the
@@ -237,11 +291,13 @@ def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None, stats: dic
     receives the number of rows and of certified rows."""
     n = len(x)
     k2 = 2 * k + 8 if extra is None else k + extra
-    if k2 + 1 > n: return _knn_self(x, k)
+    if k2 + 1 > n:
+        return _knn_self(x, k)
     ctx = contextlib.nullcontext()
-    if x.device.type == "cuda":                      # full-precision accumulation for the bound above
+    if x.device.type == "cuda":  # full-precision accumulation for the bound above
         ctx = _cuda_bf16_full_reduction()
-    with ctx: dv, di = _knn_self(x, k2 + 1, lowp=True)
+    with ctx:
+        dv, di = _knn_self(x, k2 + 1, lowp=True)
     sq = x.pow(2).sum(1)
     m = _lowp_margin(x, sq)
     ok = dv[:, k2] - m > dv[:, k - 1] + m
@@ -249,26 +305,30 @@ def _knn_self_lowp(x: torch.Tensor, k: int, extra: int | None = None, stats: dic
     vals = torch.empty(n, k, device=x.device)
     idx = torch.empty(n, k, dtype=torch.long, device=x.device)
     step = max(1, 2**22 // (k2 * x.shape[1]))
-    for s in range(0, n, step):                      # exact float32 distances of the candidates
-        c = cand[s:s + step]
-        d = (sq[s:s + step, None] + sq[c] - 2 * torch.bmm(x[c], x[s:s + step, :, None])[..., 0]).clamp_min_(0)
+    for s in range(0, n, step):  # exact float32 distances of the candidates
+        c = cand[s : s + step]
+        d = (sq[s : s + step, None] + sq[c] - 2 * torch.bmm(x[c], x[s : s + step, :, None])[..., 0]).clamp_min_(0)
         v, o = d.topk(k, dim=1, largest=False)
-        vals[s:s + step], idx[s:s + step] = v, c.gather(1, o)
-    if stats is not None: stats.update(rows=n, certified=int(ok.sum()))
+        vals[s : s + step], idx[s : s + step] = v, c.gather(1, o)
+    if stats is not None:
+        stats.update(rows=n, certified=int(ok.sum()))
     bad = (~ok).nonzero().flatten()
     if len(bad):
         v, i = _knn_torch(x[bad], x, k, False)
         vals[bad], idx[bad] = v, i
     return vals, idx
 
+
 class _cuda_bf16_full_reduction:
     "Turn off cuBLAS's reduced-precision reductions for bf16 products for the duration (the margin assumes fp32 sums)."
+
     def __enter__(self):
         m = torch.backends.cuda.matmul
         self.old = m.allow_bf16_reduced_precision_reduction
         m.allow_bf16_reduced_precision_reduction = False
-    def __exit__(self, *a): torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.old
 
+    def __exit__(self, *a):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.old
 
 # %% ../../nbs/40_neighbours.ipynb #506c12f1
 def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_self: bool, max_chunk: int = 2**25):
@@ -279,38 +339,44 @@ def _knn_torch(query: torch.Tensor, reference: torch.Tensor, k: int, exclude_sel
     dist = query.new_empty(n, k)
     idx = torch.empty(n, k, dtype=torch.long, device=query.device)
     for s in range(0, n, rows):
-        q = query[s:s + rows]
+        q = query[s : s + rows]
         b = len(q)
         score = torch.addmm(ref_sq, q, reference.T, beta=-1, alpha=2)  # 2 q.r - |r|^2
         if exclude_self:
             i = torch.arange(b, device=q.device)
             score[i, i + s] = float("-inf")
         val, nn = score.topk(k, dim=1)
-        dist[s:s + b] = (q.pow(2).sum(1, keepdim=True) - val).clamp_min_(0)
-        idx[s:s + b] = nn
+        dist[s : s + b] = (q.pow(2).sum(1, keepdim=True) - val).clamp_min_(0)
+        idx[s : s + b] = nn
     return dist, idx
 
-KNN_BACKENDS: dict[str, Callable] = {
-    "torch": _knn_torch,                                                           # on the embeddings' device
-    "torch_fp32": _knn_torch,                   # the same as "torch" (its self-search is float32 blocks)
-    "torch_bf16": _knn_torch,                   # self-retrieval: bf16 candidates + float32 re-ranking (opt-in)
-    "faiss": knn_faiss,                                                           # faiss-gpu if present, else CPU
-    "faiss_gpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=True),
-    "faiss_cpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=False)}
 
-_SELF_LOWP = {"torch": False, "torch_fp32": False, "torch_bf16": True}   # bf16 candidates only when asked for (below)
+KNN_BACKENDS: dict[str, Callable] = {
+    "torch": _knn_torch,  # on the embeddings' device
+    "torch_fp32": _knn_torch,  # the same as "torch" (its self-search is float32 blocks)
+    "torch_bf16": _knn_torch,  # self-retrieval: bf16 candidates + float32 re-ranking (opt-in)
+    "faiss": knn_faiss,  # faiss-gpu if present, else CPU
+    "faiss_gpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=True),
+    "faiss_cpu": lambda q, r, k, exclude_self: knn_faiss(q, r, k, exclude_self, gpu=False),
+}
+
+_SELF_LOWP = {"torch": False, "torch_fp32": False, "torch_bf16": True}  # bf16 candidates only when asked for (below)
+
 
 def _distinct_rows(r: torch.Tensor):
     """The distinct rows of `r` in order of first occurrence, and for each distinct row its rows of `r`:
     (distinct (u, d), counts (u,), members (m,) grouped by distinct row in ascending index, start (u,) into members)."""
     u, inv, counts = torch.unique(r, dim=0, return_inverse=True, return_counts=True)
     first = torch.full((len(u),), len(r), dtype=torch.long, device=r.device).scatter_reduce_(
-        0, inv, torch.arange(len(r), device=r.device), "amin")
-    order = first.argsort()                                   # distinct rows by their first occurrence
-    rank = torch.empty_like(order); rank[order] = torch.arange(len(order), device=r.device)
+        0, inv, torch.arange(len(r), device=r.device), "amin"
+    )
+    order = first.argsort()  # distinct rows by their first occurrence
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=r.device)
     inv, counts = rank[inv], counts[order]
-    members = torch.argsort(inv, stable=True)                 # rows of distinct row 0, then 1, ... each ascending
+    members = torch.argsort(inv, stable=True)  # rows of distinct row 0, then 1, ... each ascending
     return r[first[order]], counts, members, counts.cumsum(0) - counts, inv
+
 
 def _by_distance_then_index(dist: torch.Tensor, idx: torch.Tensor):
     "Sort each row of (distances, indices) by distance, equal distances by the smaller index."
@@ -319,68 +385,82 @@ def _by_distance_then_index(dist: torch.Tensor, idx: torch.Tensor):
     o = torch.sort(dist, dim=1, stable=True).indices
     return dist.gather(1, o), idx.gather(1, o)
 
+
 def _exact_rows(q: torch.Tensor, r: torch.Tensor, k: int, self_index: torch.Tensor | None):
     "k-NN of a few queries by a stable sort of their whole row of distances (ties by index); `self_index` excluded."
     u, counts, members, start, inv = _distinct_rows(r)
-    score = torch.addmm(u.pow(2).sum(1), q, u.T, beta=-1, alpha=2)[:, inv]   # identical rows: identical scores
-    if self_index is not None: score[torch.arange(len(q), device=q.device), self_index] = float("-inf")
+    score = torch.addmm(u.pow(2).sum(1), q, u.T, beta=-1, alpha=2)[:, inv]  # identical rows: identical scores
+    if self_index is not None:
+        score[torch.arange(len(q), device=q.device), self_index] = float("-inf")
     val, idx = torch.sort(score, dim=1, descending=True, stable=True)
     return (q.pow(2).sum(1, keepdim=True) - val[:, :k]).clamp_min_(0), idx[:, :k]
+
 
 def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "torch"):
     """Exact Euclidean `k` nearest neighbours of each `query` row among `reference` rows: (squared distances,
     indices), both (n_query, k), nearest first, equal distances by the smaller index (the same for every k and
     back end). `exclude_self=True` (reference is the query set) removes each query's own row by index."""
-    if backend not in KNN_BACKENDS: raise unknown_name_error("knn backend", backend, KNN_BACKENDS)
+    if backend not in KNN_BACKENDS:
+        raise unknown_name_error("knn backend", backend, KNN_BACKENDS)
     q = as_embeddings(query, "query")
     r = as_embeddings(reference, "reference", q.device)
-    if r.shape[1] != q.shape[1]: raise ValueError(f"query has dimension {q.shape[1]} but reference has {r.shape[1]}")
+    if r.shape[1] != q.shape[1]:
+        raise ValueError(f"query has dimension {q.shape[1]} but reference has {r.shape[1]}")
     if exclude_self and len(q) != len(r):
-        raise ValueError(f"exclude_self=True needs the query set to be the reference set, but they have "
-                         f"{len(q)} and {len(r)} rows")
+        raise ValueError(
+            f"exclude_self=True needs the query set to be the reference set, but they have {len(q)} and {len(r)} rows"
+        )
     available = len(r) - int(exclude_self)
-    if not (isinstance(k, (int, np.integer)) and k >= 1): raise ValueError(f"k must be a positive integer; got {k!r}")
+    if not (isinstance(k, (int, np.integer)) and k >= 1):
+        raise ValueError(f"k must be a positive integer; got {k!r}")
     if k > available:
-        raise ValueError(f"k={k} is larger than the reference set ({available} items"
-                         f"{', excluding the query itself' if exclude_self else ''}); use a smaller k")
+        raise ValueError(
+            f"k={k} is larger than the reference set ({available} items"
+            f"{', excluding the query itself' if exclude_self else ''}); use a smaller k"
+        )
     k, n = int(k), len(q)
-    L = k + int(exclude_self)                        # rows to take before removing the query's own
+    L = k + int(exclude_self)  # rows to take before removing the query's own
     u, counts, members, start, inv = _distinct_rows(r)
-    K = min(len(u), L + 1)                           # distinct rows to search: each has >= 1 row; +1 shows ties at the cut
+    K = min(len(u), L + 1)  # distinct rows to search: each has >= 1 row; +1 shows ties at the cut
     if backend == "faiss_gpu" and K > FAISS_GPU_MAX_K:
-        raise ValueError(f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
-                         f"itself, +1 to see ties at the cut): use backend='torch'")
+        raise ValueError(
+            f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
+            f"itself, +1 to see ties at the cut): use backend='torch'"
+        )
     if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
         # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
-        if backend in _SELF_LOWP: du, iu = (_knn_self_lowp if _SELF_LOWP[backend] else _knn_self)(u, K)
-        else: du, iu = KNN_BACKENDS[backend](u, u, K, False)
+        if backend in _SELF_LOWP:
+            du, iu = (_knn_self_lowp if _SELF_LOWP[backend] else _knn_self)(u, K)
+        else:
+            du, iu = KNN_BACKENDS[backend](u, u, K, False)
         du, iu = du.to(q.device)[inv], iu.to(q.device)[inv]
     else:
         du, iu = KNN_BACKENDS[backend](q, u, K, False)
         du, iu = du.to(q.device), iu.to(q.device)
-    if len(u) == len(r):                             # no duplicates: the distinct rows are the rows
+    if len(u) == len(r):  # no duplicates: the distinct rows are the rows
         dist, idx, last = du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=q.device)
-    else:                                            # expand each distinct row into its rows, ascending index; keep L
+    else:  # expand each distinct row into its rows, ascending index; keep L
         cnt = counts[iu]
         cum = cnt.cumsum(1)
         pos = torch.arange(L, device=q.device).expand(n, L)
-        g = torch.searchsorted(cum, pos.contiguous(), right=True)        # which found distinct row position p is in
+        g = torch.searchsorted(cum, pos.contiguous(), right=True)  # which found distinct row position p is in
         idx = members[start[iu.gather(1, g)] + pos - (cum.gather(1, g) - cnt.gather(1, g))]
         dist, last = du.gather(1, g), g[:, -1:]
     # equal distances of different distinct rows: among fully used ones, sort by index; where the last one used (which
     # may be cut) ties with another, rows outside the first L may belong in it: rank those queries exactly
-    same = du[:, 1:] == du[:, :-1]                   # same[:, j]: distinct rows j and j + 1 tie
+    same = du[:, 1:] == du[:, :-1]  # same[:, j]: distinct rows j and j + 1 tie
     j = torch.arange(K - 1, device=q.device)
     redo = (same & ((j == last) | (j == last - 1))).any(1)
     tidy = ((same & (j < last)).any(1) & ~redo).nonzero().flatten()
-    if len(tidy): dist[tidy], idx[tidy] = _by_distance_then_index(dist[tidy], idx[tidy])
+    if len(tidy):
+        dist[tidy], idx[tidy] = _by_distance_then_index(dist[tidy], idx[tidy])
     redo = redo.nonzero().flatten()
     if exclude_self:
         is_self = idx == torch.arange(n, device=q.device)[:, None]
-        is_self[~is_self.any(1), -1] = True          # the query is not among them: drop the last
+        is_self[~is_self.any(1), -1] = True  # the query is not among them: drop the last
         dist, idx = dist[~is_self].view(n, k), idx[~is_self].view(n, k)
     if len(redo):
         for s in range(0, len(redo), max(1, 2**25 // len(r))):
-            rows = redo[s:s + max(1, 2**25 // len(r))]
+            rows = redo[s : s + max(1, 2**25 // len(r))]
             dist[rows], idx[rows] = _exact_rows(q[rows], r, k, rows if exclude_self else None)
     return dist, idx

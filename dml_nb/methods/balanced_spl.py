@@ -21,24 +21,32 @@ __all__ = ['XI_SCOPES', 'SOLVERS', 'class_index', 'spl_objective', 'spl_gradient
 def class_index(labels: Tensor) -> tuple[Tensor, Tensor]:
     "(class id 0..C-1 of every sample, class sizes); at least two classes are needed."
     labels = torch.as_tensor(labels)
-    if labels.dim() != 1 or len(labels) == 0: raise ValueError(f"labels must be a non-empty 1-d tensor, got shape {tuple(labels.shape)}")
+    if labels.dim() != 1 or len(labels) == 0:
+        raise ValueError(f"labels must be a non-empty 1-d tensor, got shape {tuple(labels.shape)}")
     _, inv, counts = torch.unique(labels, return_inverse=True, return_counts=True)
-    if len(counts) < 2: raise ValueError("the BSPML weight problem needs samples of at least two classes")
+    if len(counts) < 2:
+        raise ValueError("the BSPML weight problem needs samples of at least two classes")
     return inv, counts
+
 
 def _at(src: Tensor, index: Tensor) -> Tensor:
     "`src[index]` for a 1-d `src` via index_select (advanced indexing and `take` are much slower on small tensors)."
     return src.index_select(0, index.reshape(-1)).view(index.shape)
 
+
 def _classes(labels, device) -> tuple[Tensor, Tensor]:
     "(class ids, class sizes) from labels or a precomputed `ClassIndex`."
-    if hasattr(labels, "counts"): return labels.inv, labels.counts
+    if hasattr(labels, "counts"):
+        return labels.inv, labels.counts
     return class_index(torch.as_tensor(labels).to(device))
+
 
 def _check_terms(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels) -> None:
     n = len(getattr(labels, "inv", labels))
     for name, t in (("w", w), ("xi_pos", xi_pos), ("xi_neg", xi_neg)):
-        if t.shape != (n,): raise ValueError(f"{name} must hold one value per sample, shape ({n},); got {tuple(t.shape)}")
+        if t.shape != (n,):
+            raise ValueError(f"{name} must hold one value per sample, shape ({n},); got {tuple(t.shape)}")
+
 
 def _class_weights(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels) -> tuple:
     "Checked terms -> (class of each sample, number of classes C, class sizes, weight sums zeta, mean weights m)."
@@ -47,6 +55,7 @@ def _class_weights(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels) -> tuple:
     C, n = len(n), n.to(w.dtype)
     zeta = w.new_zeros(C).index_add(0, inv, w)
     return inv, C, n, zeta, zeta / n
+
 
 def spl_objective(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam: float, mu: float = 0.0) -> Tensor:
     "BSPML's weight objective (eq. 6, negative term with class *mean* weights as eq. 8 implies); differentiable in `w`."
@@ -71,56 +80,80 @@ def spl_gradient(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor, lam:
 # %% ../../nbs/56_balanced_spl.ipynb #b1f10002
 XI_SCOPES = ("class", "batch")
 
+
 def pair_loss_floor(labels, alpha: float = 2.0, rho: float = 1.0, scope: str = "class", K: int = 4) -> Tensor:
     "Per-sample lower bound of the pair loss at $\\mathbf w = \\mathbf 1$: $\\frac2\\alpha\\log(1 + n_a e^{-\\alpha(1-\\rho)})$, $n_a$ = positives."
-    if scope not in XI_SCOPES: raise unknown_name_error("xi_scope", scope, XI_SCOPES)
+    if scope not in XI_SCOPES:
+        raise unknown_name_error("xi_scope", scope, XI_SCOPES)
     inv, counts = _classes(labels, torch.device("cpu"))
     n = (counts - 1).double() if scope == "class" else torch.full(counts.shape, K - 1.0, dtype=torch.float64)
-    n = torch.where(counts > 1, n, torch.zeros_like(n))          # a class of one sample has no positives
+    n = torch.where(counts > 1, n, torch.zeros_like(n))  # a class of one sample has no positives
     return _at(2 / alpha * torch.log1p(n * math.exp(-alpha * (1 - rho))), inv)
+
 
 def _free_memory(device: torch.device) -> int:
     "Bytes free for temporaries: CUDA's free memory, else MemAvailable of /proc/meminfo (2 GiB if unknown)."
-    if device.type == "cuda": return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
-    except OSError: pass
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 2 << 30
+
 
 def terms_chunk_rows(n: int, device, fraction: float = 0.25, cpu_cap: int = 512 << 20) -> int:
     "Rows per chunk of `sample_terms`: three (rows x n) float32 buffers within `fraction` of the free memory (CPU: at most `cpu_cap` bytes)."
     device = torch.device(device)
     budget = fraction * _free_memory(device)
-    if device.type != "cuda": budget = min(budget, cpu_cap)
+    if device.type != "cuda":
+        budget = min(budget, cpu_cap)
     return int(max(1, min(n, budget // (3 * 4 * n))))
+
 
 def _log1p_scaled_sum(z: Tensor, scale: Tensor) -> Tensor:
     "Row-wise $\\log(1 + s\\sum_j e^{z_j})$ ($-\\infty$ entries drop out); consumes `z`; shifted only where a row's max exceeds 0."
     m = z.amax(1).clamp_min(0)
-    if not bool(m.any()): return torch.log1p(scale * z.exp_().sum(1))
+    if not bool(m.any()):
+        return torch.log1p(scale * z.exp_().sum(1))
     return m + torch.log(torch.exp(-m) + scale * z.sub_(m[:, None]).exp_().sum(1))
 
+
 @torch.no_grad()
-def sample_terms(embeddings: Tensor, labels, alpha: float = 2.0, beta: float = 50.0, rho: float = 1.0,
-                 epsilon: float = 0.1, scope: str = "class", batch: Sequence[int] = (16, 4), mine: bool = False,
-                 chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+def sample_terms(
+    embeddings: Tensor,
+    labels,
+    alpha: float = 2.0,
+    beta: float = 50.0,
+    rho: float = 1.0,
+    epsilon: float = 0.1,
+    scope: str = "class",
+    batch: Sequence[int] = (16, 4),
+    mine: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
     "$\\xi^+$, $\\xi^-$ of every sample (eq. 3) against its class / all other classes (`scope='class'`) or scaled to a P x K batch."
-    if scope not in XI_SCOPES: raise unknown_name_error("xi_scope", scope, XI_SCOPES)
+    if scope not in XI_SCOPES:
+        raise unknown_name_error("xi_scope", scope, XI_SCOPES)
     P, K = (int(v) for v in batch)
-    if P < 2 or K < 2: raise ValueError(f"batch = (P, K) needs P >= 2 classes and K >= 2 samples per class, got {tuple(batch)}")
+    if P < 2 or K < 2:
+        raise ValueError(f"batch = (P, K) needs P >= 2 classes and K >= 2 samples per class, got {tuple(batch)}")
     x = F.normalize(embeddings.detach().float(), dim=1)
     inv, counts = class_index(torch.as_tensor(labels).to(x.device))
-    if len(inv) != len(x): raise ValueError(f"{len(x)} embeddings but {len(inv)} labels")
+    if len(inv) != len(x):
+        raise ValueError(f"{len(x)} embeddings but {len(inv)} labels")
     N, dev = len(inv), x.device
-    order = torch.argsort(inv, stable=True)                       # class-sorted: a class is a contiguous block
+    order = torch.argsort(inv, stable=True)  # class-sorted: a class is a contiguous block
     xs, ys = x[order], inv[order]
     start = torch.cumsum(counts, 0) - counts
     cnt = counts.float()
-    if scope == "class": s_pos = s_neg = torch.ones_like(cnt)
-    else:                                                         # expected in-batch sums: K-1 of the N^c-1 positives,
-        s_pos = (K - 1) / (cnt - 1).clamp_min(1)                  # (P-1)K of the N-N^c negatives
+    if scope == "class":
+        s_pos = s_neg = torch.ones_like(cnt)
+    else:  # expected in-batch sums: K-1 of the N^c-1 positives,
+        s_pos = (K - 1) / (cnt - 1).clamp_min(1)  # (P-1)K of the N-N^c negatives
         s_neg = (P - 1) * K / (N - cnt)
     span = torch.arange(int(counts.max()), device=dev)
     rows = int(chunk_rows) if chunk_rows else terms_chunk_rows(N, dev)
@@ -128,14 +161,14 @@ def sample_terms(embeddings: Tensor, labels, alpha: float = 2.0, beta: float = 5
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         yr, me = ys[r0:r1], torch.arange(r0, r1, device=dev)
-        mates = _at(start, yr)[:, None] + span                    # (rows, max class size): the row's class, padded
+        mates = _at(start, yr)[:, None] + span  # (rows, max class size): the row's class, padded
         valid = span < _at(counts, yr)[:, None]
-        mates = torch.where(valid, mates, me[:, None])            # padding points at the row itself
+        mates = torch.where(valid, mates, me[:, None])  # padding points at the row itself
         pos = valid & (mates != me[:, None])
-        z = xs[r0:r1] @ xs.T                                      # (rows, N): no N x N matrix
-        sp = z.gather(1, mates)                                   # similarities to the classmates
-        z.sub_(rho).mul_(beta).scatter_(1, mates, -math.inf)      # beta (S - rho) on the negatives only
-        if mine:                                                  # eqs. 4-5, as MultiSimilarityLoss._informative
+        z = xs[r0:r1] @ xs.T  # (rows, N): no N x N matrix
+        sp = z.gather(1, mates)  # similarities to the classmates
+        z.sub_(rho).mul_(beta).scatter_(1, mates, -math.inf)  # beta (S - rho) on the negatives only
+        if mine:  # eqs. 4-5, as MultiSimilarityLoss._informative
             min_pos = sp.masked_fill(~pos, math.inf).amin(1)
             pos &= sp - epsilon < (z.amax(1) / beta + rho)[:, None]
             z.masked_fill_(z <= (beta * (min_pos - epsilon - rho))[:, None], -math.inf)
@@ -149,6 +182,7 @@ def sample_terms(embeddings: Tensor, labels, alpha: float = 2.0, beta: float = 5
 # %% ../../nbs/56_balanced_spl.ipynb #cee382c8
 class ClassIndex:
     "Class ids, sizes, and positions of every sample in class-sorted order (for sampling class members by index)."
+
     def __init__(self, labels: Tensor):
         self.inv, self.counts = class_index(labels)
         self.num_classes = len(self.counts)
@@ -157,9 +191,19 @@ class ClassIndex:
         self.rank = torch.empty_like(self.inv)
         self.rank[self.order] = torch.arange(len(self.inv), device=self.inv.device) - self.start[self.inv[self.order]]
 
-def spl_stochastic_gradient(w: Tensor, idx: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels: Tensor | ClassIndex,
-                            lam: float, mu: float = 0.0, P: int = 16, K: int = 4,
-                            generator: torch.Generator | None = None) -> Tensor:
+
+def spl_stochastic_gradient(
+    w: Tensor,
+    idx: Tensor,
+    xi_pos: Tensor,
+    xi_neg: Tensor,
+    labels: Tensor | ClassIndex,
+    lam: float,
+    mu: float = 0.0,
+    P: int = 16,
+    K: int = 4,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     "Eq. 8: unbiased estimates of the gradient coordinates `idx` from K class mates and P other classes x K samples."
     ci = labels if isinstance(labels, ClassIndex) else ClassIndex(torch.as_tensor(labels).to(w.device))
     n, C, dev = ci.counts, ci.num_classes, w.device
@@ -167,10 +211,10 @@ def spl_stochastic_gradient(w: Tensor, idx: Tensor, xi_pos: Tensor, xi_neg: Tens
     # gathers go through _at (index_select)
     c, B = _at(ci.inv, idx), len(idx)
     n_c = _at(n, c)[:, None]
-    offset = (rand(B, K) * (n_c - 1)).long().clamp_max((n_c - 2).clamp_min(0)) + 1     # 1..N^c-1: never the anchor
+    offset = (rand(B, K) * (n_c - 1)).long().clamp_max((n_c - 2).clamp_min(0)) + 1  # 1..N^c-1: never the anchor
     p = _at(ci.order, _at(ci.start, c)[:, None] + (_at(ci.rank, idx)[:, None] + offset) % n_c)
     g_p = (_at(w, p) * (_at(xi_pos, p) + _at(xi_pos, idx)[:, None])).mean(1) * (n_c[:, 0] > 1)
-    k = (c[:, None] + 1 + (rand(B, P) * (C - 1)).long().clamp_max(C - 2)) % C         # P classes != c
+    k = (c[:, None] + 1 + (rand(B, P) * (C - 1)).long().clamp_max(C - 2)) % C  # P classes != c
     n_k = _at(n, k)[..., None]
     q = _at(ci.order, _at(ci.start, k)[..., None] + torch.minimum((rand(B, P, K) * n_k).long(), n_k - 1))
     g_n = (_at(w, q) * (_at(xi_neg, q) + _at(xi_neg, idx)[:, None, None])).mean((1, 2))
@@ -182,28 +226,33 @@ def spl_stochastic_gradient(w: Tensor, idx: Tensor, xi_pos: Tensor, xi_neg: Tens
 # %% ../../nbs/56_balanced_spl.ipynb #13ffb73f
 SOLVERS = ("exact", "stochastic")
 
+
 def _projected_step(w: Tensor, g: Tensor, scale: Tensor) -> Tensor:
     "$w - P_{[0,1]}(w - N^c g)$: the projected gradient (eq. 10) with the solver's per-class step scaling."
     return w - (w - scale * g).clamp(0, 1)
 
+
 def _solve_exact(w, xi_pos, xi_neg, ci, lam, mu, iters, tol, sigma=1e-4):
     "Projected gradient with exact gradients, Armijo backtracking on the projection arc; stops when RMS(PG) <= tol."
-    scale = _at(ci.counts.to(w.dtype), ci.inv)                    # N^c: one step moves a weight by ~(G_p+G_n+G_b-lambda)
+    scale = _at(ci.counts.to(w.dtype), ci.inv)  # N^c: one step moves a weight by ~(G_p+G_n+G_b-lambda)
     f = spl_objective(w, xi_pos, xi_neg, ci, lam, mu)
     g = spl_gradient(w, xi_pos, xi_neg, ci, lam, mu)
     t, it = 1.0, 0
     while True:
         pg = float(_projected_step(w, g, scale).pow(2).mean().sqrt())
-        if pg <= tol or it == iters: break
+        if pg <= tol or it == iters:
+            break
         t, d = min(2 * t, 1e6), scale * g
-        while True:                                               # backtracking: sufficient decrease along the arc
+        while True:  # backtracking: sufficient decrease along the arc
             w_new = (w - t * d).clamp(0, 1)
             f_new = spl_objective(w_new, xi_pos, xi_neg, ci, lam, mu)
-            if f_new <= f + sigma * (g * (w_new - w)).sum() or t < 1e-12: break
+            if f_new <= f + sigma * (g * (w_new - w)).sum() or t < 1e-12:
+                break
             t /= 2
         w, f, it = w_new, f_new, it + 1
         g = spl_gradient(w, xi_pos, xi_neg, ci, lam, mu)
     return w, {"iters": it, "pg": pg, "objective": float(f), "converged": pg <= tol}
+
 
 def _solve_stochastic(w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, step_decay, P, K, generator):
     "Algorithm 3 in block form: a random block of coordinates per iteration, each with its eq. 8 estimate."
@@ -216,43 +265,84 @@ def _solve_stochastic(w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, s
     scale = _at(n * torch.minimum(torch.full_like(n, step_size), cap), ci.inv)
     for t in range(iters):
         idx = torch.randperm(N, generator=generator)[:size].to(w.device)
-        if K is None: G = _at(spl_gradient(w, xi_pos, xi_neg, ci, lam, mu), idx)
-        else: G = spl_stochastic_gradient(w, idx, xi_pos, xi_neg, ci, lam, mu, P, K, generator)
+        if K is None:
+            G = _at(spl_gradient(w, xi_pos, xi_neg, ci, lam, mu), idx)
+        else:
+            G = spl_stochastic_gradient(w, idx, xi_pos, xi_neg, ci, lam, mu, P, K, generator)
         decay = 1 / (1 + step_decay * t)
         w.index_copy_(0, idx, (_at(w, idx) - decay * _at(scale, idx) * G).clamp(0, 1))
     pg = projected_gradient_norm(w, xi_pos, xi_neg, ci, lam, mu)
-    return w, {"iters": iters, "pg": pg, "objective": float(spl_objective(w, xi_pos, xi_neg, ci, lam, mu)), "converged": None}
+    return w, {
+        "iters": iters,
+        "pg": pg,
+        "objective": float(spl_objective(w, xi_pos, xi_neg, ci, lam, mu)),
+        "converged": None,
+    }
 
-def solve_spl_weights(xi_pos: Tensor, xi_neg: Tensor, labels, lam: float, mu: float = 0.0,
-                      w0: Tensor | None = None, solver: str = "exact", iters: int | None = None, tol: float = 1e-6,
-                      block: float = 0.1, step_size: float = 0.5, step_decay: float = 0.01, P: int | None = 16,
-                      K: int | None = 4, generator: torch.Generator | None = None, return_info: bool = False):
+
+def solve_spl_weights(
+    xi_pos: Tensor,
+    xi_neg: Tensor,
+    labels,
+    lam: float,
+    mu: float = 0.0,
+    w0: Tensor | None = None,
+    solver: str = "exact",
+    iters: int | None = None,
+    tol: float = 1e-6,
+    block: float = 0.1,
+    step_size: float = 0.5,
+    step_decay: float = 0.01,
+    P: int | None = 16,
+    K: int | None = 4,
+    generator: torch.Generator | None = None,
+    return_info: bool = False,
+):
     "Minimise `spl_objective` over $[0,1]^N$ from `w0` (default 1): exact projected gradient, or Algorithm 3 (`solver='stochastic'`)."
-    if solver not in SOLVERS: raise unknown_name_error("solver", solver, SOLVERS)
+    if solver not in SOLVERS:
+        raise unknown_name_error("solver", solver, SOLVERS)
     xi_pos, xi_neg = torch.as_tensor(xi_pos), torch.as_tensor(xi_neg)
     dtype = xi_pos.dtype if xi_pos.is_floating_point() else torch.float32
     xi_pos, xi_neg = xi_pos.to(dtype), xi_neg.to(dtype=dtype, device=xi_pos.device)
     ci = labels if isinstance(labels, ClassIndex) else ClassIndex(torch.as_tensor(labels).to(xi_pos.device))
     N = len(ci.inv)
-    w = torch.ones(N, dtype=dtype, device=xi_pos.device) if w0 is None else torch.as_tensor(w0).to(xi_pos.device, dtype).clone()
+    w = (
+        torch.ones(N, dtype=dtype, device=xi_pos.device)
+        if w0 is None
+        else torch.as_tensor(w0).to(xi_pos.device, dtype).clone()
+    )
     _check_terms(w, xi_pos, xi_neg, ci)
     if not (torch.isfinite(xi_pos).all() and torch.isfinite(xi_neg).all()):
         raise ValueError("xi_pos / xi_neg contain NaN or infinite values: check the embeddings")
     iters = (10000 if solver == "exact" else 1000) if iters is None else int(iters)
-    if iters < 0: raise ValueError(f"iters must be >= 0, got {iters}")
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
     w = w.clamp(0, 1)
     if solver == "exact":
-        if not tol >= 0: raise ValueError(f"tol (the projected-gradient RMS to stop at) must be >= 0, got {tol}")
+        if not tol >= 0:
+            raise ValueError(f"tol (the projected-gradient RMS to stop at) must be >= 0, got {tol}")
         w, info = _solve_exact(w, xi_pos, xi_neg, ci, lam, mu, iters, tol)
     else:
-        if not 0 < block <= 1: raise ValueError(f"block is the fraction of weights updated per iteration, in (0, 1]; got {block}")
-        if not step_size > 0 or step_decay < 0: raise ValueError(f"need step_size > 0 and step_decay >= 0, got {step_size}, {step_decay}")
-        if (P is None) != (K is None): raise ValueError(f"P and K are both None (exact gradients) or both integers, got P={P}, K={K}")
-        if K is not None and (P < 1 or K < 1): raise ValueError(f"P and K must be >= 1, got P={P}, K={K}")
-        w, info = _solve_stochastic(w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, step_decay, P, K, generator)
+        if not 0 < block <= 1:
+            raise ValueError(f"block is the fraction of weights updated per iteration, in (0, 1]; got {block}")
+        if not step_size > 0 or step_decay < 0:
+            raise ValueError(f"need step_size > 0 and step_decay >= 0, got {step_size}, {step_decay}")
+        if (P is None) != (K is None):
+            raise ValueError(f"P and K are both None (exact gradients) or both integers, got P={P}, K={K}")
+        if K is not None and (P < 1 or K < 1):
+            raise ValueError(f"P and K must be >= 1, got P={P}, K={K}")
+        w, info = _solve_stochastic(
+            w, xi_pos, xi_neg, ci, lam, mu, iters, block, step_size, step_decay, P, K, generator
+        )
     return (w, info) if return_info else w
+
 
 def projected_gradient_norm(w: Tensor, xi_pos: Tensor, xi_neg: Tensor, labels, lam: float, mu: float = 0.0) -> float:
     "RMS of $w - P_{[0,1]}(w - N^c \\nabla\\mathcal L)$ (eq. 10 with the solver's step scaling): 0 at a stationary point."
     inv, n = _classes(labels, w.device)
-    return float(_projected_step(w, spl_gradient(w, xi_pos, xi_neg, labels, lam, mu), _at(n, inv).to(w.dtype)).pow(2).mean().sqrt())
+    return float(
+        _projected_step(w, spl_gradient(w, xi_pos, xi_neg, labels, lam, mu), _at(n, inv).to(w.dtype))
+        .pow(2)
+        .mean()
+        .sqrt()
+    )

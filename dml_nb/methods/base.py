@@ -20,50 +20,80 @@ from ..blocks.decorrelation import Decorrelation
 __all__ = ['build_loss', 'build_miner', 'Task', 'TaskBackbones', 'MultiTaskMethod', 'BaselineMethod', 'task_health']
 
 # %% ../../nbs/50_methods.ipynb #029e2368
-def build_loss(loss: str | nn.Module, options: Mapping | None = None, *, num_classes: int | None = None,
-               embedding_dim: int | None = None) -> nn.Module:
+def build_loss(
+    loss: str | nn.Module,
+    options: Mapping | None = None,
+    *,
+    num_classes: int | None = None,
+    embedding_dim: int | None = None,
+) -> nn.Module:
     "A `LOSSES` name built with `options` (+ `num_classes` / `embedding_dim` where it takes them), or a module as is."
     if isinstance(loss, nn.Module):
-        if options: raise ValueError("loss_options only apply to a loss given by name; configure the module itself")
+        if options:
+            raise ValueError("loss_options only apply to a loss given by name; configure the module itself")
         return loss
     if not isinstance(loss, str):
         raise TypeError(f"loss must be a LOSSES name or an nn.Module, got {type(loss).__name__}")
     opts, valid = dict(options or {}), LOSSES.options(loss)
-    if "num_classes" in valid and "num_classes" not in opts and num_classes is not None: opts["num_classes"] = num_classes
-    if "embedding_dim" in valid and "embedding_dim" not in opts and embedding_dim is not None: opts["embedding_dim"] = embedding_dim
+    if "num_classes" in valid and "num_classes" not in opts and num_classes is not None:
+        opts["num_classes"] = num_classes
+    if "embedding_dim" in valid and "embedding_dim" not in opts and embedding_dim is not None:
+        opts["embedding_dim"] = embedding_dim
     return LOSSES.build(loss, **opts)
+
 
 def build_miner(miner: Any, options: Mapping | None, loss: nn.Module):
     "A `MINERS` name built with `options`, `'auto'` (the loss's `default_miner`), a callable, or None."
-    if miner == "auto": miner = getattr(loss, "default_miner", None)
+    if miner == "auto":
+        miner = getattr(loss, "default_miner", None)
     if miner is None:
-        if options: raise ValueError(f"miner_options {dict(options)} were given but the task has no miner; "
-                                     "name a miner or drop miner_options")
+        if options:
+            raise ValueError(
+                f"miner_options {dict(options)} were given but the task has no miner; "
+                "name a miner or drop miner_options"
+            )
         return None
-    if isinstance(miner, str): return MINERS.build(miner, **dict(options or {}))
+    if isinstance(miner, str):
+        return MINERS.build(miner, **dict(options or {}))
     if callable(miner):
-        if options: raise ValueError("miner_options only apply to a miner given by name")
+        if options:
+            raise ValueError("miner_options only apply to a miner given by name")
         return miner
     raise TypeError(f"miner must be a MINERS name, 'auto', a callable or None, got {type(miner).__name__}")
 
 # %% ../../nbs/50_methods.ipynb #bb7b21fa
 class Task(nn.Module):
     "One learning task: loss (+ miner) on head `head` with batch labels `batch[labels]`, weighted by `weight` (alpha)."
-    def __init__(self, name: str, head: str, loss: str | nn.Module = "margin", loss_options: Mapping | None = None,
-                 miner: Any = "auto", miner_options: Mapping | None = None, weight: float = 1.0, *,
-                 labels: str = "y", num_classes: int | None = None, embedding_dim: int | None = None):
+
+    def __init__(
+        self,
+        name: str,
+        head: str,
+        loss: str | nn.Module = "margin",
+        loss_options: Mapping | None = None,
+        miner: Any = "auto",
+        miner_options: Mapping | None = None,
+        weight: float = 1.0,
+        *,
+        labels: str = "y",
+        num_classes: int | None = None,
+        embedding_dim: int | None = None,
+    ):
         super().__init__()
         if not isinstance(name, str) or not name or "." in name:
             raise ValueError(f"a task name must be a non-empty string without '.', got {name!r}")
-        if not weight >= 0: raise ValueError(f"task {name!r}: weight must be >= 0, got {weight}")
+        if not weight >= 0:
+            raise ValueError(f"task {name!r}: weight must be >= 0, got {weight}")
         self.name, self.head, self.weight, self.labels = name, head, float(weight), labels
         self.loss = build_loss(loss, loss_options, num_classes=num_classes, embedding_dim=embedding_dim)
         self.miner = build_miner(miner, miner_options, self.loss)
 
     def targets(self, batch: Mapping) -> torch.Tensor:
         if self.labels not in batch:
-            raise KeyError(f"task {self.name!r} reads its labels from batch[{self.labels!r}], which this batch lacks "
-                           f"(keys: {sorted(batch)})")
+            raise KeyError(
+                f"task {self.name!r} reads its labels from batch[{self.labels!r}], which this batch lacks "
+                f"(keys: {sorted(batch)})"
+            )
         return batch[self.labels]
 
     def mine(self, embeddings: torch.Tensor, labels: torch.Tensor, batch: Mapping):
@@ -75,88 +105,138 @@ class Task(nn.Module):
         y = self.targets(batch)
         tuples = self.mine(embeddings, y, batch)
         out = {"loss": self.loss(embeddings, y, tuples)}
-        if tuples is not None: out["tuples"] = float(len(tuples[0]))
+        if tuples is not None:
+            out["tuples"] = float(len(tuples[0]))
         return out
 
-    def setup(self, method: "MultiTaskMethod") -> None: "Called once the recipe's model exists (end of its __init__)."
-    def on_fit_start(self, method, ctx) -> None: "Called by the recipe's hook of the same name with its `MethodContext`."
-    def on_epoch_start(self, method, ctx) -> None: pass
-    def after_optimizer_step(self, method, ctx) -> None: pass
-    def on_epoch_end(self, method, ctx) -> None: pass
-    def extra_repr(self) -> str: return f"name={self.name!r}, head={self.head!r}, weight={self.weight}, labels={self.labels!r}"
+    def setup(self, method: "MultiTaskMethod") -> None:
+        "Called once the recipe's model exists (end of its __init__)."
+
+    def on_fit_start(self, method, ctx) -> None:
+        "Called by the recipe's hook of the same name with its `MethodContext`."
+
+    def on_epoch_start(self, method, ctx) -> None:
+        pass
+
+    def after_optimizer_step(self, method, ctx) -> None:
+        pass
+
+    def on_epoch_end(self, method, ctx) -> None:
+        pass
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, head={self.head!r}, weight={self.weight}, labels={self.labels!r}"
 
 # %% ../../nbs/50_methods.ipynb #d5de7ac1
 class TaskBackbones(nn.Module):
     "One copy of `backbone` per head name; `forward(x)` -> {head: features}."
+
     def __init__(self, backbone: nn.Module, names: Sequence[str]):
         super().__init__()
         self.backbones = nn.ModuleDict({n: copy.deepcopy(backbone) for n in names})
         self.feature_dim = backbone.feature_dim
         self.preprocessing = getattr(backbone, "preprocessing", None)
+
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {n: b(x) for n, b in self.backbones.items()}
 
 # %% ../../nbs/50_methods.ipynb #d429f07f
 class MultiTaskMethod(Method):
     "Backbone + named heads; loss = sum of weight * task loss over active tasks + decorrelation terms of head pairs."
-    def __init__(self, backbone: nn.Module, dims: Mapping[str, int], tasks: Sequence[Task],
-                 decorrelations: Sequence[tuple[str, str, float]] = (), *, separate: bool = False,
-                 dropout: float = 0.0, output_noise: float = 0.0, input_noise: float = 0.0,
-                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5,
-                 decorrelation_weight_decay: float = 0.0):
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        dims: Mapping[str, int],
+        tasks: Sequence[Task],
+        decorrelations: Sequence[tuple[str, str, float]] = (),
+        *,
+        separate: bool = False,
+        dropout: float = 0.0,
+        output_noise: float = 0.0,
+        input_noise: float = 0.0,
+        decorrelation_hidden_dim: int = 512,
+        decorrelation_lr: float = 1e-5,
+        decorrelation_weight_decay: float = 0.0,
+    ):
         super().__init__()
         dims = dict(dims)
-        if not dims: raise ValueError("a multi-task recipe needs at least one head, e.g. dims={'discriminative': 128}")
+        if not dims:
+            raise ValueError("a multi-task recipe needs at least one head, e.g. dims={'discriminative': 128}")
         for h, d in dims.items():
-            if not isinstance(h, str) or not h or "." in h: raise ValueError(f"head names must be strings without '.', got {h!r}")
-            if not (isinstance(d, int) and d >= 1): raise ValueError(f"head {h!r}: dimension must be a positive int, got {d!r}")
-        if not 0 <= dropout < 1: raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+            if not isinstance(h, str) or not h or "." in h:
+                raise ValueError(f"head names must be strings without '.', got {h!r}")
+            if not (isinstance(d, int) and d >= 1):
+                raise ValueError(f"head {h!r}: dimension must be a positive int, got {d!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if output_noise < 0 or input_noise < 0:
-            raise ValueError(f"output_noise and input_noise are standard deviations (>= 0), got {output_noise}, {input_noise}")
+            raise ValueError(
+                f"output_noise and input_noise are standard deviations (>= 0), got {output_noise}, {input_noise}"
+            )
         tasks = list(tasks)
-        if not tasks: raise ValueError("a multi-task recipe needs at least one Task")
+        if not tasks:
+            raise ValueError("a multi-task recipe needs at least one Task")
         names = [t.name for t in tasks]
-        if len(set(names)) != len(names): raise ValueError(f"task names must be unique, got {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be unique, got {names}")
         for t in tasks:
-            if not isinstance(t, Task): raise TypeError(f"tasks must be dml_nb.methods.base.Task, got {type(t).__name__}")
-            if t.head not in dims: raise unknown_name_error(f"head (of task {t.name!r})", t.head, dims)
+            if not isinstance(t, Task):
+                raise TypeError(f"tasks must be dml_nb.methods.base.Task, got {type(t).__name__}")
+            if t.head not in dims:
+                raise unknown_name_error(f"head (of task {t.name!r})", t.head, dims)
         self.dims, self.separate = dims, bool(separate)
         self.dropout, self.output_noise, self.input_noise = float(dropout), float(output_noise), float(input_noise)
-        if self.separate: backbone = TaskBackbones(backbone, list(dims))
+        if self.separate:
+            backbone = TaskBackbones(backbone, list(dims))
         self.model = EmbeddingModel(backbone, MultiHead(backbone.feature_dim, dims, dropout=self.dropout))
         self.tasks = nn.ModuleDict({t.name: t for t in tasks})
         self.decorrelations, self.pairs = nn.ModuleDict(), {}
         for spec in decorrelations:
-            if len(spec) != 3: raise ValueError(f"a decorrelation pair is (source_head, target_head, weight), got {spec!r}")
+            if len(spec) != 3:
+                raise ValueError(f"a decorrelation pair is (source_head, target_head, weight), got {spec!r}")
             s, g, w = spec
             for h in (s, g):
-                if h not in dims: raise unknown_name_error("head (of a decorrelation pair)", h, dims)
-            if s == g: raise ValueError(f"cannot decorrelate head {s!r} from itself")
-            if not w >= 0: raise ValueError(f"decorrelation weight of {s!r} -> {g!r} must be >= 0, got {w}")
+                if h not in dims:
+                    raise unknown_name_error("head (of a decorrelation pair)", h, dims)
+            if s == g:
+                raise ValueError(f"cannot decorrelate head {s!r} from itself")
+            if not w >= 0:
+                raise ValueError(f"decorrelation weight of {s!r} -> {g!r} must be >= 0, got {w}")
             key = f"{s}_to_{g}"
-            if key in self.pairs: raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
+            if key in self.pairs:
+                raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
             self.pairs[key] = (s, g)
-            self.decorrelations[key] = Decorrelation(dims[s], dims[g], w, decorrelation_hidden_dim, param_lr=decorrelation_lr,
-                                                     param_weight_decay=decorrelation_weight_decay)
+            self.decorrelations[key] = Decorrelation(
+                dims[s],
+                dims[g],
+                w,
+                decorrelation_hidden_dim,
+                param_lr=decorrelation_lr,
+                param_weight_decay=decorrelation_weight_decay,
+            )
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
         self._steps = 0
-        for t in tasks: t.setup(self)
+        for t in tasks:
+            t.setup(self)
 
     # ---------------------------------------------------------------- forward pieces
     def features(self, x: torch.Tensor, model: nn.Module | None = None):
         "Backbone features of `x` (a dict per head with `separate=True`)."
         return (self.model if model is None else model).backbone(x)
 
-    def head_embeddings(self, features, names: Sequence[str] | None = None, model: nn.Module | None = None,
-                        regularise: bool = True) -> dict[str, torch.Tensor]:
+    def head_embeddings(
+        self, features, names: Sequence[str] | None = None, model: nn.Module | None = None, regularise: bool = True
+    ) -> dict[str, torch.Tensor]:
         "Embeddings of heads `names` (default all) from `features`; dropout / output noise in training when `regularise`."
         heads = (self.model if model is None else model).head
         out = {}
-        for n in (heads.names if names is None else names):
+        for n in heads.names if names is None else names:
             h = heads.heads[n]
             f = features[n] if isinstance(features, Mapping) else features
             z = h.linear(h.dropout(f) if regularise else f).float()
-            if regularise and self.training and self.output_noise > 0: z = z + self.output_noise * torch.randn_like(z)
+            if regularise and self.training and self.output_noise > 0:
+                z = z + self.output_noise * torch.randn_like(z)
             out[n] = F.normalize(z, dim=-1) if h.normalize else z
         return out
 
@@ -184,7 +264,8 @@ class MultiTaskMethod(Method):
     # ---------------------------------------------------------------- training
     def training_step(self, batch: dict) -> dict:
         x = batch["x"]
-        if self.input_noise > 0: x = x + self.input_noise * torch.randn_like(x)
+        if self.input_noise > 0:
+            x = x + self.input_noise * torch.randn_like(x)
         embs = self.head_embeddings(self.features(x))
         total, logs = None, {}
         for task in self.tasks_for_batch(batch):
@@ -192,15 +273,23 @@ class MultiTaskMethod(Method):
             total = task.weight * out["loss"] if total is None else total + task.weight * out["loss"]
             logs[f"loss/{task.name}"] = out["loss"].detach()
             logs[f"grad/{task.name}"] = self._task_gradient(out["loss"], embs[task.head])
-            logs.update({f"{k}/{task.name}": (v.detach() if isinstance(v, torch.Tensor) else v)
-                         for k, v in out.items() if k != "loss"})
+            logs.update(
+                {
+                    f"{k}/{task.name}": (v.detach() if isinstance(v, torch.Tensor) else v)
+                    for k, v in out.items()
+                    if k != "loss"
+                }
+            )
         for key in self.decorrelations_for_batch(batch):
             s, g = self.pairs[key]
             term = self.decorrelations[key](embs[s], embs[g])
             total = term if total is None else total + term
             logs[f"decorrelation/{key}"] = term.detach()
-        if total is None: raise RuntimeError(f"no task and no decorrelation pair is active at step {self._steps}: "
-                                             "tasks_for_step / tasks_for_batch must return at least one task")
+        if total is None:
+            raise RuntimeError(
+                f"no task and no decorrelation pair is active at step {self._steps}: "
+                "tasks_for_step / tasks_for_batch must return at least one task"
+            )
         return {"loss": total, **logs}
 
     @staticmethod
@@ -208,29 +297,39 @@ class MultiTaskMethod(Method):
         """The norm of the gradient of one task's loss with respect to its head's embeddings: 0 for a task that
         cannot move the network (no tuples, weights that vanish, a constant loss). It runs the backward through the
         loss only (not the network) and changes no `.grad`; the training step stays bit-identical."""
-        if not (torch.is_grad_enabled() and loss.requires_grad and embedding.requires_grad): return loss.new_zeros(()).detach()
-        g, = torch.autograd.grad(loss, embedding, retain_graph=True, allow_unused=True)
+        if not (torch.is_grad_enabled() and loss.requires_grad and embedding.requires_grad):
+            return loss.new_zeros(()).detach()
+        (g,) = torch.autograd.grad(loss, embedding, retain_graph=True, allow_unused=True)
         return loss.new_zeros(()).detach() if g is None else g.detach().float().norm()
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "{'concat': re-normalised concatenation of all heads, then each head}; a single head is returned alone."
         embs = self.head_embeddings(self.features(x), regularise=False)
-        if len(embs) == 1: return embs
+        if len(embs) == 1:
+            return embs
         return {"concat": F.normalize(torch.cat(list(embs.values()), dim=-1), dim=-1), **embs}
 
     # ---------------------------------------------------------------- learner hooks, forwarded to the tasks
     def on_fit_start(self, ctx) -> None:
         self._steps = int(self.steps_done)
-        for t in self.tasks.values(): t.on_fit_start(self, ctx)
+        for t in self.tasks.values():
+            t.on_fit_start(self, ctx)
+
     def on_epoch_start(self, ctx) -> None:
-        for t in self.tasks.values(): t.on_epoch_start(self, ctx)
+        for t in self.tasks.values():
+            t.on_epoch_start(self, ctx)
+
     def after_optimizer_step(self, ctx) -> None:
         self._steps += 1
         self.steps_done.fill_(self._steps)
-        for t in self.tasks.values(): t.after_optimizer_step(self, ctx)
+        for t in self.tasks.values():
+            t.after_optimizer_step(self, ctx)
+
     def on_epoch_end(self, ctx) -> None:
-        for t in self.tasks.values(): t.on_epoch_end(self, ctx)
+        for t in self.tasks.values():
+            t.on_epoch_end(self, ctx)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._steps = int(self.steps_done)
@@ -239,17 +338,45 @@ class MultiTaskMethod(Method):
 @METHODS.register("baseline")
 class BaselineMethod(MultiTaskMethod):
     "One head, one loss (+ miner); optional dropout, output noise and input noise (Sharing Matters Table 6)."
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 128,
-                 loss: str | nn.Module = "margin", loss_options: Mapping | None = None, miner: Any = "auto",
-                 miner_options: Mapping | None = None, dropout: float = 0.0, output_noise: float = 0.0,
-                 input_noise: float = 0.0):
-        task = Task("discriminative", "embedding", loss, loss_options, miner, miner_options,
-                    num_classes=num_classes, embedding_dim=embedding_dim)
-        super().__init__(backbone, {"embedding": embedding_dim}, [task], dropout=dropout,
-                         output_noise=output_noise, input_noise=input_noise)
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        train_labels=None,
+        *,
+        embedding_dim: int = 128,
+        loss: str | nn.Module = "margin",
+        loss_options: Mapping | None = None,
+        miner: Any = "auto",
+        miner_options: Mapping | None = None,
+        dropout: float = 0.0,
+        output_noise: float = 0.0,
+        input_noise: float = 0.0,
+    ):
+        task = Task(
+            "discriminative",
+            "embedding",
+            loss,
+            loss_options,
+            miner,
+            miner_options,
+            num_classes=num_classes,
+            embedding_dim=embedding_dim,
+        )
+        super().__init__(
+            backbone,
+            {"embedding": embedding_dim},
+            [task],
+            dropout=dropout,
+            output_noise=output_noise,
+            input_noise=input_noise,
+        )
 
 # %% ../../nbs/50_methods.ipynb #ee71b698
-def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float = 1e-12, rel: float = 1e-3) -> dict[str, dict]:
+def task_health(
+    history: Sequence[Mapping], epoch: int | None = None, eps: float = 1e-12, rel: float = 1e-3
+) -> dict[str, dict]:
     """{task: {'loss', 'grad', 'alive', 'why', + the task's other logs}} of one epoch of a run's `history` (a list of
     rows, as `Learner.fit` returns; default: the last epoch). A task is alive when the epoch's mean loss and mean
     gradient norm (`loss/<task>`, `grad/<task>`) are both above `eps`, and its gradient is at least `rel` times the
@@ -257,29 +384,47 @@ def task_health(history: Sequence[Mapping], epoch: int | None = None, eps: float
     A recipe with one loss and no task columns is judged on `loss` and `grad_norm`; D&C's learners appear as
     `learner<k>`, alive when they got tuples (in the epochs that train them: not in the finetune stage)."""
     rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
-    if not rows: raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
+    if not rows:
+        raise ValueError("task_health needs a history with at least one epoch (Learner.fit's rows, or history.csv)")
     row = rows[-1] if epoch is None else next((r for r in rows if int(r.get("epoch", -1)) == int(epoch)), None)
-    if row is None: raise ValueError(f"epoch {epoch} is not in the history (epochs {[r.get('epoch') for r in rows]})")
-    num = lambda v: float(v) if v is not None and v == v else None          # NaN (a step without this task) -> None
+    if row is None:
+        raise ValueError(f"epoch {epoch} is not in the history (epochs {[r.get('epoch') for r in rows]})")
+    num = lambda v: float(v) if v is not None and v == v else None  # NaN (a step without this task) -> None
     names = [k[5:] for k in row if k.startswith("loss/")]
     out = {}
     for t in names or ["loss"]:
-        loss, grad = (num(row.get("loss")), num(row.get("grad_norm"))) if not names else \
-                     (num(row.get(f"loss/{t}")), num(row.get(f"grad/{t}")))
+        loss, grad = (
+            (num(row.get("loss")), num(row.get("grad_norm")))
+            if not names
+            else (num(row.get(f"loss/{t}")), num(row.get(f"grad/{t}")))
+        )
         why = [w for w, v in (("loss", loss), ("gradient", grad)) if v is not None and abs(v) <= eps]
         missing = [w for w, v in (("loss", loss), ("gradient", grad)) if v is None]
-        extra = {k.rsplit("/", 1)[0]: num(v) for k, v in row.items() if k.endswith(f"/{t}") and not k.startswith(("loss/", "grad/"))
-                 and k.count("/") == 1}
-        out[t] = {"loss": loss, "grad": grad, "alive": not why and not missing,
-                  "why": (f"zero {' and '.join(why)}" if why else f"no {' or '.join(missing)} logged" if missing else ""), **extra}
+        extra = {
+            k.rsplit("/", 1)[0]: num(v)
+            for k, v in row.items()
+            if k.endswith(f"/{t}") and not k.startswith(("loss/", "grad/")) and k.count("/") == 1
+        }
+        out[t] = {
+            "loss": loss,
+            "grad": grad,
+            "alive": not why and not missing,
+            "why": (f"zero {' and '.join(why)}" if why else f"no {' or '.join(missing)} logged" if missing else ""),
+            **extra,
+        }
     top = max([h["grad"] for h in out.values() if h["grad"] is not None] or [0.0])
     for t, h in out.items():
-        if h["grad"] is None or top <= 0: continue
+        if h["grad"] is None or top <= 0:
+            continue
         h["relative_grad"] = h["grad"] / top
         if h["alive"] and h["relative_grad"] < rel:
             h["alive"], h["why"] = False, f"gradient {h['relative_grad']:.1e} of the largest task's"
-    for k, v in row.items():   # a learner not logged in this epoch (NaN: D&C's finetune stage trains the full embedding) is left out
+    for (
+        k,
+        v,
+    ) in (
+        row.items()
+    ):  # a learner not logged in this epoch (NaN: D&C's finetune stage trains the full embedding) is left out
         if k.startswith("tuples/learner") and (n := num(v)) is not None:
             out[k[7:]] = {"tuples": n, "alive": bool(n), "why": "" if n else "no tuples"}
     return out
-

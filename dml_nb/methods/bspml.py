@@ -24,63 +24,122 @@ __all__ = ['TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'BSPML_DML_NB', 'BSPML_PAPER_TEXT
 TERMS_TRANSFORMS = ("test", "train")
 LAMBDA_UNITS = ("floor", "absolute")
 
+
 @METHODS.register("bspml")
 class BSPML(Method):
     "Balanced self-paced metric learning: weighted multi-similarity loss + SPL weights from eq. 6 (Algorithm 1)."
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 512,
-                 alpha: float = 2.0, beta: float = 50.0, rho: float = 1.0, epsilon: float = 0.1,
-                 spl: bool = True, balance: bool = True, xi_scope: str = "class", xi_batch: Sequence[int] = (16, 4),
-                 lambda_unit: str = "floor", lambda_init: float = 0.5, c: float = 1.2,
-                 lambda_inf: float = 1.0, mu: float | None = None, update_every: int = 1,
-                 solver: str = "exact", solver_iters: int | None = None, solver_tol: float = 1e-6,
-                 solver_block: float = 0.1, step_size: float = 0.5, step_decay: float = 0.01,
-                 solver_P: int | None = 16, solver_K: int | None = 4, mine_terms: bool = False,
-                 terms_transform: str = "test", flipped: Sequence[bool] | None = None):
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        train_labels=None,
+        *,
+        embedding_dim: int = 512,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        rho: float = 1.0,
+        epsilon: float = 0.1,
+        spl: bool = True,
+        balance: bool = True,
+        xi_scope: str = "class",
+        xi_batch: Sequence[int] = (16, 4),
+        lambda_unit: str = "floor",
+        lambda_init: float = 0.5,
+        c: float = 1.2,
+        lambda_inf: float = 1.0,
+        mu: float | None = None,
+        update_every: int = 1,
+        solver: str = "exact",
+        solver_iters: int | None = None,
+        solver_tol: float = 1e-6,
+        solver_block: float = 0.1,
+        step_size: float = 0.5,
+        step_decay: float = 0.01,
+        solver_P: int | None = 16,
+        solver_K: int | None = 4,
+        mine_terms: bool = False,
+        terms_transform: str = "test",
+        flipped: Sequence[bool] | None = None,
+    ):
         super().__init__()
-        if not hasattr(backbone, "feature_dim"): raise TypeError("backbone must be a dml_nb.blocks.models backbone (with .feature_dim)")
-        if embedding_dim < 1: raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        if not hasattr(backbone, "feature_dim"):
+            raise TypeError("backbone must be a dml_nb.blocks.models backbone (with .feature_dim)")
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
         if not 0 < lambda_init <= lambda_inf:
-            raise ValueError(f"need 0 < lambda_init <= lambda_inf, got lambda_init={lambda_init}, lambda_inf={lambda_inf}")
-        if c < 1: raise ValueError(f"c (the age multiplier) must be >= 1, got {c}")
-        if update_every < 1: raise ValueError(f"update_every (epochs between weight updates) must be >= 1, got {update_every}")
+            raise ValueError(
+                f"need 0 < lambda_init <= lambda_inf, got lambda_init={lambda_init}, lambda_inf={lambda_inf}"
+            )
+        if c < 1:
+            raise ValueError(f"c (the age multiplier) must be >= 1, got {c}")
+        if update_every < 1:
+            raise ValueError(f"update_every (epochs between weight updates) must be >= 1, got {update_every}")
         if mu is not None and not balance:
             raise ValueError("mu weighs the balance term, which balance=False switches off: leave mu unset for SPMS")
-        if mu is not None and mu < 0: raise ValueError(f"mu must be >= 0, got {mu}")
-        if terms_transform not in TERMS_TRANSFORMS: raise unknown_name_error("terms_transform", terms_transform, TERMS_TRANSFORMS)
-        if xi_scope not in XI_SCOPES: raise unknown_name_error("xi_scope", xi_scope, XI_SCOPES)
-        if lambda_unit not in LAMBDA_UNITS: raise unknown_name_error("lambda_unit", lambda_unit, LAMBDA_UNITS)
-        if solver not in SOLVERS: raise unknown_name_error("solver", solver, SOLVERS)
+        if mu is not None and mu < 0:
+            raise ValueError(f"mu must be >= 0, got {mu}")
+        if terms_transform not in TERMS_TRANSFORMS:
+            raise unknown_name_error("terms_transform", terms_transform, TERMS_TRANSFORMS)
+        if xi_scope not in XI_SCOPES:
+            raise unknown_name_error("xi_scope", xi_scope, XI_SCOPES)
+        if lambda_unit not in LAMBDA_UNITS:
+            raise unknown_name_error("lambda_unit", lambda_unit, LAMBDA_UNITS)
+        if solver not in SOLVERS:
+            raise unknown_name_error("solver", solver, SOLVERS)
         xi_batch = tuple(int(v) for v in xi_batch)
         if len(xi_batch) != 2 or min(xi_batch) < 2:
             raise ValueError(f"xi_batch is (P classes, K samples per class) of a batch, both >= 2; got {xi_batch}")
         if spl and train_labels is None:
-            raise ValueError("BSPML with spl=True keeps one weight per training sample: pass train_labels "
-                             "(the training set's possibly noisy labels, e.g. ds.labels)")
+            raise ValueError(
+                "BSPML with spl=True keeps one weight per training sample: pass train_labels "
+                "(the training set's possibly noisy labels, e.g. ds.labels)"
+            )
         self.model = EmbeddingModel(backbone, EmbeddingHead(backbone.feature_dim, embedding_dim))
         self.num_classes, self.spl, self.balance = int(num_classes), bool(spl), bool(balance)
         self.xi_scope, self.xi_batch, self.lambda_unit = xi_scope, xi_batch, lambda_unit
         self.alpha, self.beta, self.rho, self.epsilon = float(alpha), float(beta), float(rho), float(epsilon)
         self.update_every, self.mine_terms, self.terms_transform = int(update_every), bool(mine_terms), terms_transform
-        self.solver = dict(solver=solver, iters=solver_iters, tol=float(solver_tol), block=float(solver_block),
-                           step_size=float(step_size), step_decay=float(step_decay), P=solver_P, K=solver_K)
+        self.solver = dict(
+            solver=solver,
+            iters=solver_iters,
+            tol=float(solver_tol),
+            block=float(solver_block),
+            step_size=float(step_size),
+            step_decay=float(step_decay),
+            P=solver_P,
+            K=solver_K,
+        )
         if (solver_P is None) != (solver_K is None) or (solver_K is not None and min(solver_P, solver_K) < 1):
-            raise ValueError(f"solver_P and solver_K are both None (exact gradients) or both >= 1, got {solver_P}, {solver_K}")
-        if not 0 < solver_block <= 1: raise ValueError(f"solver_block must be in (0, 1], got {solver_block}")
+            raise ValueError(
+                f"solver_P and solver_K are both None (exact gradients) or both >= 1, got {solver_P}, {solver_K}"
+            )
+        if not 0 < solver_block <= 1:
+            raise ValueError(f"solver_block must be in (0, 1], got {solver_block}")
         if (solver_iters is not None and solver_iters < 0) or not solver_tol >= 0 or step_size <= 0 or step_decay < 0:
-            raise ValueError(f"need solver_iters >= 0, solver_tol >= 0, step_size > 0, step_decay >= 0; got "
-                             f"{solver_iters}, {solver_tol}, {step_size}, {step_decay}")
+            raise ValueError(
+                f"need solver_iters >= 0, solver_tol >= 0, step_size > 0, step_decay >= 0; got "
+                f"{solver_iters}, {solver_tol}, {step_size}, {step_decay}"
+            )
         self.miner = MINERS.build("multi_similarity", epsilon=epsilon)
         self.loss = LOSSES.build("weighted_multi_similarity", alpha=alpha, beta=beta, base=rho, epsilon=epsilon)
         labels = None if train_labels is None else torch.as_tensor(np.asarray(train_labels), dtype=torch.long)
         if labels is not None:
-            if labels.dim() != 1 or len(labels) == 0: raise ValueError("train_labels must be a non-empty 1-d array")
-            if len(torch.unique(labels)) < 2: raise ValueError("train_labels must hold at least two classes")
+            if labels.dim() != 1 or len(labels) == 0:
+                raise ValueError("train_labels must be a non-empty 1-d array")
+            if len(torch.unique(labels)) < 2:
+                raise ValueError("train_labels must hold at least two classes")
             if int(labels.min()) < 0 or int(labels.max()) >= self.num_classes:
-                raise ValueError(f"train_labels must lie in 0..num_classes-1 = {self.num_classes - 1}, "
-                                 f"got {int(labels.min())}..{int(labels.max())}")
+                raise ValueError(
+                    f"train_labels must lie in 0..num_classes-1 = {self.num_classes - 1}, "
+                    f"got {int(labels.min())}..{int(labels.max())}"
+                )
         # the age scale: lambda_unit='floor' reads lambda_init / lambda_inf in units of the mean pair-loss floor
-        self.floor = float(pair_loss_floor(labels, self.alpha, self.rho, xi_scope, xi_batch[1]).mean()) \
-            if labels is not None else float("nan")
+        self.floor = (
+            float(pair_loss_floor(labels, self.alpha, self.rho, xi_scope, xi_batch[1]).mean())
+            if labels is not None
+            else float("nan")
+        )
         unit = self.floor if lambda_unit == "floor" and labels is not None else 1.0
         self.lambda_init, self.c, self.lambda_inf = float(lambda_init) * unit, float(c), float(lambda_inf) * unit
         self.mu = (self.lambda_inf if mu is None else float(mu)) if balance else 0.0
@@ -89,14 +148,16 @@ class BSPML(Method):
         self.register_buffer("age", torch.tensor(self.lambda_init, dtype=torch.float64))
         self.register_buffer("updates", torch.zeros((), dtype=torch.long))
         self._flipped = None if flipped is None else self._check_flipped(flipped, "the flipped option")
-        self.terms_dataset = None       # the training set with test transforms (set in on_fit_start, or by the user)
+        self.terms_dataset = None  # the training set with test transforms (set in on_fit_start, or by the user)
         self.last_update: dict = {}
 
     def _check_flipped(self, flipped, where: str) -> Tensor:
         f = torch.as_tensor(np.asarray(flipped), dtype=torch.bool)
         n = None if self.labels is None else len(self.labels)
         if f.dim() != 1 or (n is not None and len(f) != n):
-            raise ValueError(f"{where} must be a boolean mask with one entry per training sample ({n}), got shape {tuple(f.shape)}")
+            raise ValueError(
+                f"{where} must be a boolean mask with one entry per training sample ({n}), got shape {tuple(f.shape)}"
+            )
         return f
 
     # ------------------------------------------------------------------ training
@@ -104,11 +165,16 @@ class BSPML(Method):
         emb, y = self.model(batch["x"]).float(), batch["y"]
         pairs = self.miner(emb, y)
         w = self.weights[batch["index"]] if self.weights is not None else None
-        logs = {"loss": self.loss(emb, y, pairs, weights=w), "tuples": float(len(pairs[0]) + len(pairs[2]))}   # informative pairs
-        if w is not None: logs["batch_weight"] = w.mean()
+        logs = {
+            "loss": self.loss(emb, y, pairs, weights=w),
+            "tuples": float(len(pairs[0]) + len(pairs[2])),
+        }  # informative pairs
+        if w is not None:
+            logs["batch_weight"] = w.mean()
         return logs
 
-    def embed(self, x: Tensor) -> dict[str, Tensor]: return {"embedding": self.model.embed(x)}
+    def embed(self, x: Tensor) -> dict[str, Tensor]:
+        return {"embedding": self.model.embed(x)}
 
     def records(self, ctx) -> dict:
         "The SPL weight statistics (`weight_stats`) as history columns."
@@ -116,34 +182,52 @@ class BSPML(Method):
 
     def on_fit_start(self, ctx) -> None:
         ds = ctx.train_dataset
-        if self.labels is None: return
+        if self.labels is None:
+            return
         if len(ds) != len(self.labels):
-            raise ValueError(f"BSPML was built with {len(self.labels)} train_labels but the training set has {len(ds)} "
-                             "items: pass train_labels=train_ds.labels")
+            raise ValueError(
+                f"BSPML was built with {len(self.labels)} train_labels but the training set has {len(ds)} "
+                "items: pass train_labels=train_ds.labels"
+            )
         ds_labels = getattr(ds, "labels", None)
         if ds_labels is not None and not np.array_equal(np.asarray(ds_labels), self.labels.cpu().numpy()):
-            raise ValueError("train_labels differ from the training set's labels: with label noise, write the noisy "
-                             "labels into ds.labels and pass the same array as train_labels")
+            raise ValueError(
+                "train_labels differ from the training set's labels: with label noise, write the noisy "
+                "labels into ds.labels and pass the same array as train_labels"
+            )
         if self._flipped is None and getattr(ds, "flipped", None) is not None:
             self._flipped = self._check_flipped(ds.flipped, "train_ds.flipped")
         if self.spl and self.terms_dataset is None:
             self.terms_dataset = ctx.train_eval_set if self.terms_transform == "test" else ds
 
-    def on_epoch_start(self, ctx) -> None: self.last_update = {}
+    def on_epoch_start(self, ctx) -> None:
+        self.last_update = {}
 
     def on_epoch_end(self, ctx) -> None:
-        if self.spl and (ctx.epoch + 1) % self.update_every == 0: self.update_weights(ctx)
+        if self.spl and (ctx.epoch + 1) % self.update_every == 0:
+            self.update_weights(ctx)
 
     @torch.no_grad()
     def per_sample_terms(self, ctx) -> tuple[Tensor, Tensor]:
         "$\\xi^+$, $\\xi^-$ of every training sample against the whole training set, from the current model."
         ds = self.terms_dataset if self.terms_dataset is not None else ctx.train_dataset
         if len(ds) != len(self.labels):
-            raise ValueError(f"terms_dataset has {len(ds)} items, the training set {len(self.labels)}: it must be "
-                             "the training set (same order) with test transforms")
+            raise ValueError(
+                f"terms_dataset has {len(ds)} items, the training set {len(self.labels)}: it must be "
+                "the training set (same order) with test transforms"
+            )
         emb, _ = ctx.embed(ds)
-        return sample_terms(next(iter(emb.values())), self.labels.to(ctx.device), self.alpha, self.beta, self.rho,
-                            self.epsilon, scope=self.xi_scope, batch=self.xi_batch, mine=self.mine_terms)
+        return sample_terms(
+            next(iter(emb.values())),
+            self.labels.to(ctx.device),
+            self.alpha,
+            self.beta,
+            self.rho,
+            self.epsilon,
+            scope=self.xi_scope,
+            batch=self.xi_batch,
+            mine=self.mine_terms,
+        )
 
     @torch.no_grad()
     def update_weights(self, ctx) -> dict:
@@ -154,9 +238,17 @@ class BSPML(Method):
         labels, lam = self.labels.cpu(), float(self.age)
         w0 = self.weights.to("cpu", torch.float64)
         gen = ctx.rng("bspml/spl-solver", ctx.epoch)
-        w, info = solve_spl_weights(xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, return_info=True, **self.solver)
-        self.last_update = {"lambda": lam, "spl_objective": info["objective"], "spl_pg": info["pg"],
-                            "spl_iters": info["iters"], "xi_pos": float(xi_pos.mean()), "xi_neg": float(xi_neg.mean())}
+        w, info = solve_spl_weights(
+            xi_pos, xi_neg, labels, lam, self.mu, w0=w0, generator=gen, return_info=True, **self.solver
+        )
+        self.last_update = {
+            "lambda": lam,
+            "spl_objective": info["objective"],
+            "spl_pg": info["pg"],
+            "spl_iters": info["iters"],
+            "xi_pos": float(xi_pos.mean()),
+            "xi_neg": float(xi_neg.mean()),
+        }
         self.weights.copy_(w.to(self.weights))
         self.age.fill_(min(self.c * lam, self.lambda_inf))
         self.updates += 1
@@ -164,21 +256,27 @@ class BSPML(Method):
 
     def weight_stats(self) -> dict:
         "MAW, SDAW (eq. 14), fraction of weights < 0.5, mean weight of clean / flipped samples, the last age and solve."
-        if self.weights is None: return {}
+        if self.weights is None:
+            return {}
         w = self.weights.detach().cpu()
         maw, sdaw = maw_sdaw(w, self.labels.cpu())
-        out = {"lambda": self.last_update.get("lambda", float("nan")), "maw": maw, "sdaw": sdaw,
-               "w_zero": float((w < 0.5).float().mean())}
+        out = {
+            "lambda": self.last_update.get("lambda", float("nan")),
+            "maw": maw,
+            "sdaw": sdaw,
+            "w_zero": float((w < 0.5).float().mean()),
+        }
         if self._flipped is not None:
             f = self._flipped
             out["w_clean"] = float(w[~f].mean()) if (~f).any() else float("nan")
             out["w_flipped"] = float(w[f].mean()) if f.any() else float("nan")
         for k in ("spl_objective", "spl_pg", "spl_iters"):
-            if k in self.last_update: out[k] = self.last_update[k]
+            if k in self.last_update:
+                out[k] = self.last_update[k]
         return out
 
 # %% ../../nbs/57_bspml.ipynb #4df6b5db
-BSPML.SMOKE = {"solver_iters": 30}   # smoke size (`repro.smoke`, nbdev_test): an iterative weight solve of 30 steps
+BSPML.SMOKE = {"solver_iters": 30}  # smoke size (`repro.smoke`, nbdev_test): an iterative weight solve of 30 steps
 
 # %% ../../nbs/57_bspml.ipynb #3efa3124
 # The age schedule and the weight solver, two named readings (07d's fidelity table, points 11 and 12):
@@ -187,7 +285,15 @@ BSPML.SMOKE = {"solver_iters": 30}   # smoke size (`repro.smoke`, nbdev_test): a
 # nor c nor a lambda_inf value: the numbers here are the ones dml_nb used for it before (1 -> 3, c = 1.2).
 BSPML_DML_NB = dict(lambda_unit="floor", lambda_init=0.5, lambda_inf=1.0, c=1.2, solver="exact")
 BSPML_PAPER_TEXT = dict(lambda_unit="absolute", lambda_init=1.0, lambda_inf=3.0, c=1.2, solver="stochastic")
-PRESETS.register("bspml", "dml_nb", BSPML_DML_NB, "dml_nb's reading (the defaults): ages in units of the pair-loss floor, "
-                 "0.5 -> 1.0, the exact solver")
-PRESETS.register("bspml", "paper_text", BSPML_PAPER_TEXT, "the paper's text: an absolute age (1 -> 3, c = 1.2; the text "
-                 "gives no values) and Algorithm 3's stochastic solver")
+PRESETS.register(
+    "bspml",
+    "dml_nb",
+    BSPML_DML_NB,
+    "dml_nb's reading (the defaults): ages in units of the pair-loss floor, 0.5 -> 1.0, the exact solver",
+)
+PRESETS.register(
+    "bspml",
+    "paper_text",
+    BSPML_PAPER_TEXT,
+    "the paper's text: an absolute age (1 -> 3, c = 1.2; the text gives no values) and Algorithm 3's stochastic solver",
+)

@@ -26,32 +26,55 @@ __all__ = ['KEY_BUFFERS', 'QUEUE_FILLS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARI
 KEY_BUFFERS = ("initial", "ema")
 QUEUE_FILLS = ("distinct", "class_random")
 
+
 def class_random_fill(labels, n_keys: int, batch_size: int, samples_per_class: int, seed: int) -> list[int]:
     """The images of DiVA's queue filling (`criteria/fast_moco.py` `create_memory_queue`): the first `n_keys` items of
     class-random batches (`datasampler/class_random_sampler.py`: every class slot and image drawn with replacement)."""
-    sampler = ClassBalancedBatchSampler(np.asarray(labels), batch_size, samples_per_class, seed=seed, draw="class_random")
+    sampler = ClassBalancedBatchSampler(
+        np.asarray(labels), batch_size, samples_per_class, seed=seed, draw="class_random"
+    )
     return [i for b in sampler.batches(0, num_batches=-(-n_keys // batch_size)) for i in b][:n_keys]
+
 
 class QueueTask(Task):
     "NCE-type task on head `head`: positive key from a momentum encoder on a second view, negatives from a FIFO queue."
-    def __init__(self, name: str, head: str, loss: str = "dance", loss_options: Mapping | None = None,
-                 weight: float = 1.0, *, embedding_dim: int, queue_size: int | None = None,
-                 queue_batches: int | None = None, momentum: float = 0.9, key_buffers: str = "initial",
-                 queue_fill: str = "distinct"):
-        if loss not in ("dance", "nce_queue"): raise unknown_name_error(f"loss of queue task {name!r}", loss, ("dance", "nce_queue"))
+
+    def __init__(
+        self,
+        name: str,
+        head: str,
+        loss: str = "dance",
+        loss_options: Mapping | None = None,
+        weight: float = 1.0,
+        *,
+        embedding_dim: int,
+        queue_size: int | None = None,
+        queue_batches: int | None = None,
+        momentum: float = 0.9,
+        key_buffers: str = "initial",
+        queue_fill: str = "distinct",
+    ):
+        if loss not in ("dance", "nce_queue"):
+            raise unknown_name_error(f"loss of queue task {name!r}", loss, ("dance", "nce_queue"))
         super().__init__(name, head, loss, loss_options, None, None, weight)
         if queue_size is not None and queue_batches is not None:
-            raise ValueError(f"task {name!r}: give queue_batches (batches of keys, the papers' unit) or queue_size "
-                             f"(keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}")
-        if queue_size is not None and queue_size < 1: raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-        if queue_batches is not None and queue_batches < 1: raise ValueError(f"queue_batches must be >= 1, got {queue_batches}")
-        if key_buffers not in KEY_BUFFERS: raise unknown_name_error("key_buffers", key_buffers, KEY_BUFFERS)
-        if queue_fill not in QUEUE_FILLS: raise unknown_name_error("queue_fill", queue_fill, QUEUE_FILLS)
+            raise ValueError(
+                f"task {name!r}: give queue_batches (batches of keys, the papers' unit) or queue_size "
+                f"(keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}"
+            )
+        if queue_size is not None and queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if queue_batches is not None and queue_batches < 1:
+            raise ValueError(f"queue_batches must be >= 1, got {queue_batches}")
+        if key_buffers not in KEY_BUFFERS:
+            raise unknown_name_error("key_buffers", key_buffers, KEY_BUFFERS)
+        if queue_fill not in QUEUE_FILLS:
+            raise unknown_name_error("queue_fill", queue_fill, QUEUE_FILLS)
         self.queue_fill = queue_fill
         self.queue_batches = None if queue_size is not None else int(queue_batches or 30)
         self.momentum, self.key_buffers, self.embedding_dim = float(momentum), key_buffers, embedding_dim
         self.queue = MemoryQueue(int(queue_size) if queue_size is not None else 1, embedding_dim)
-        self.sized = queue_size is not None     # a queue given in batches gets its size at the first filling
+        self.sized = queue_size is not None  # a queue given in batches gets its size at the first filling
         self._pending = None
 
     def setup(self, method):
@@ -60,14 +83,16 @@ class QueueTask(Task):
     def size_queue(self, batch_size: int) -> int:
         "Fix the queue at `queue_batches * batch_size` keys (once; a queue given by `queue_size` keeps its size)."
         if not self.sized:
-            self.queue = MemoryQueue(self.queue_batches * int(batch_size), self.embedding_dim).to(self.queue.queue.device)
+            self.queue = MemoryQueue(self.queue_batches * int(batch_size), self.embedding_dim).to(
+                self.queue.queue.device
+            )
             self.sized = True
         return self.queue.size
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         stored = state_dict.get(prefix + "queue.queue")
         if stored is not None and tuple(stored.shape) != tuple(self.queue.queue.shape) and not self.sized:
-            self.queue = MemoryQueue(stored.shape[0], self.embedding_dim).to(self.queue.queue.device)   # a resumed run
+            self.queue = MemoryQueue(stored.shape[0], self.embedding_dim).to(self.queue.queue.device)  # a resumed run
             self.sized = True
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -85,9 +110,11 @@ class QueueTask(Task):
         for x in batches:
             self.size_queue(len(x))
             need = self.queue.size - len(self.queue)
-            if need <= 0: break
+            if need <= 0:
+                break
             k = self.keys(method, x)[:need]
-            self.queue.enqueue(k); added += len(k)
+            self.queue.enqueue(k)
+            added += len(k)
         return added
 
     def fill_from_learner(self, method, ctx) -> int:
@@ -96,37 +123,54 @@ class QueueTask(Task):
         bs = ctx.batch_size
         self.size_queue(bs * ctx.world_size)
         need = self.queue.size - len(self.queue)
-        if need <= 0: return 0
+        if need <= 0:
+            return 0
         n, g = len(ctx.train_dataset), ctx.rng("diva/queue-fill")
         if self.queue_fill == "class_random":
             spc = ctx.samples_per_class
-            if spc is None: raise ValueError(f"queue_fill='class_random' draws batches like the run's sampler, whose "
-                                             f"samples_per_class {type(ctx.run_sampler).__name__} does not have: use queue_fill='distinct'")
-            order = class_random_fill(ctx.train_dataset.labels, need, bs * ctx.world_size, spc, ctx.seed("diva/queue-fill-batches"))
-        else: order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
+            if spc is None:
+                raise ValueError(
+                    f"queue_fill='class_random' draws batches like the run's sampler, whose "
+                    f"samples_per_class {type(ctx.run_sampler).__name__} does not have: use queue_fill='distinct'"
+                )
+            order = class_random_fill(
+                ctx.train_dataset.labels, need, bs * ctx.world_size, spc, ctx.seed("diva/queue-fill-batches")
+            )
+        else:
+            order = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need].tolist()
         seeds = [ctx.seed("diva/queue-fill", j) for j in range(need)]
-        out, _ = ctx.embed(ctx.train_dataset, lambda x: {"keys": self.keys(method, x)}, indices=order, seeds=seeds, batch_size=bs)
+        out, _ = ctx.embed(
+            ctx.train_dataset, lambda x: {"keys": self.keys(method, x)}, indices=order, seeds=seeds, batch_size=bs
+        )
         self.queue.enqueue(out["keys"])
         return len(out["keys"])
 
     def forward(self, embeddings, batch, method) -> dict:
         views = batch.get("extra_views")
         if not views:
-            raise ValueError(f"task {self.name!r} needs a second augmentation of every image (batch['extra_views']); "
-                             "the recipe must set views = 2 and the batches must come from the Learner")
+            raise ValueError(
+                f"task {self.name!r} needs a second augmentation of every image (batch['extra_views']); "
+                "the recipe must set views = 2 and the batches must come from the Learner"
+            )
         if len(self.queue) == 0:
-            raise ValueError(f"the queue of task {self.name!r} is empty: it is filled in on_fit_start (Learner.fit) "
-                             "or by task.fill(method, batches) before the first step")
+            raise ValueError(
+                f"the queue of task {self.name!r} is empty: it is filled in on_fit_start (Learner.fit) "
+                "or by task.fill(method, batches) before the first step"
+            )
         k = self.keys(method, views[0])
         self._pending = k
         out = {"loss": self.loss(embeddings, None, None, keys=k, queue=self.queue.keys)}
-        out["positive_similarity"] = (F.normalize(embeddings.detach().float(), dim=1) * F.normalize(k, dim=1)).sum(1).mean()
+        out["positive_similarity"] = (
+            (F.normalize(embeddings.detach().float(), dim=1) * F.normalize(k, dim=1)).sum(1).mean()
+        )
         stats = getattr(self.loss, "last_stats", None) or {}
-        if "nonzero_weight_fraction" in stats: out["nonzero_weights"] = stats["nonzero_weight_fraction"]
+        if "nonzero_weight_fraction" in stats:
+            out["nonzero_weights"] = stats["nonzero_weight_fraction"]
         return out
 
     def on_fit_start(self, method, ctx):
-        if not self.queue.is_full or not self.sized: self.fill_from_learner(method, ctx)
+        if not self.queue.is_full or not self.sized:
+            self.fill_from_learner(method, ctx)
 
     @torch.no_grad()
     def after_optimizer_step(self, method, ctx):
@@ -134,18 +178,35 @@ class QueueTask(Task):
         kept = [b.clone() for b in enc.buffers()] if self.key_buffers == "initial" else None
         self.key_encoder.update(method.model)
         if kept is not None:
-            for b, old in zip(enc.buffers(), kept): b.copy_(old)
-        if self._pending is not None: self.queue.enqueue(self._pending); self._pending = None
+            for b, old in zip(enc.buffers(), kept):
+                b.copy_(old)
+        if self._pending is not None:
+            self.queue.enqueue(self._pending)
+            self._pending = None
 
 # %% ../../nbs/51_diva.ipynb #81c84ae7
 class DeepClusterTask(Task):
     "Cross-entropy of a linear classifier on head `head` against k-means pseudo-labels of the training set."
-    def __init__(self, name: str, head: str, weight: float = 1.0, *, embedding_dim: int, num_samples: int,
-                 num_clusters: int = 300, every: int = 1, min_per_cluster: int = 10):
+
+    def __init__(
+        self,
+        name: str,
+        head: str,
+        weight: float = 1.0,
+        *,
+        embedding_dim: int,
+        num_samples: int,
+        num_clusters: int = 300,
+        every: int = 1,
+        min_per_cluster: int = 10,
+    ):
         super().__init__(name, head, nn.CrossEntropyLoss(), None, None, None, weight, labels="index")
-        if num_samples < 2: raise ValueError(f"deepcluster needs the training set size (>= 2 samples), got {num_samples}")
-        if num_clusters < 2: raise ValueError(f"num_clusters must be >= 2, got {num_clusters}")
-        if every < 1: raise ValueError(f"cluster_every must be >= 1, got {every}")
+        if num_samples < 2:
+            raise ValueError(f"deepcluster needs the training set size (>= 2 samples), got {num_samples}")
+        if num_clusters < 2:
+            raise ValueError(f"num_clusters must be >= 2, got {num_clusters}")
+        if every < 1:
+            raise ValueError(f"cluster_every must be >= 1, got {every}")
         self.num_clusters = int(min(num_clusters, max(2, num_samples // min_per_cluster)))
         self.every = int(every)
         self.classifier = nn.Linear(embedding_dim, self.num_clusters)
@@ -156,14 +217,19 @@ class DeepClusterTask(Task):
     def recluster(self, features: torch.Tensor, seed: int = 0) -> torch.Tensor:
         "k-means on the L2-normalised `features` (one row per training image); store and return the pseudo-labels."
         if len(features) != len(self.assignments):
-            raise ValueError(f"deepcluster was built for {len(self.assignments)} training images, got features of {len(features)}")
-        labels, _, _ = kmeans(F.normalize(features.float(), dim=1).cpu(), self.num_clusters, nredo=1, seed=seed, backend="faiss")
+            raise ValueError(
+                f"deepcluster was built for {len(self.assignments)} training images, got features of {len(features)}"
+            )
+        labels, _, _ = kmeans(
+            F.normalize(features.float(), dim=1).cpu(), self.num_clusters, nredo=1, seed=seed, backend="faiss"
+        )
         self.assignments.copy_(labels.to(self.assignments.device))
         self.classifier.reset_parameters()
         return self.assignments
 
     def on_epoch_start(self, method, ctx):
-        if ctx.epoch % self.every and int(self.clustered_epoch) >= 0: return
+        if ctx.epoch % self.every and int(self.clustered_epoch) >= 0:
+            return
         out, _ = ctx.embed(ctx.train_eval_set, lambda x: {"features": _head_features(method, x, self.head)})
         self.recluster(out["features"], seed=ctx.seed("diva/deepcluster", ctx.epoch) % 2**31)
         self.clustered_epoch.fill_(ctx.epoch)
@@ -171,24 +237,30 @@ class DeepClusterTask(Task):
     def forward(self, embeddings, batch, method) -> dict:
         y = self.assignments[batch["index"].to(self.assignments.device)]
         if bool((y < 0).any()):
-            raise ValueError(f"task {self.name!r} has no pseudo-labels yet: they are computed in on_epoch_start "
-                             "(Learner.fit) or by task.recluster(features)")
+            raise ValueError(
+                f"task {self.name!r} has no pseudo-labels yet: they are computed in on_epoch_start "
+                "(Learner.fit) or by task.recluster(features)"
+            )
         logits = self.classifier(embeddings.float())
         return {"loss": self.loss(logits, y), "clusters": float(self.num_clusters)}
+
 
 def _head_features(method, x, head):
     f = method.features(x)
     return f[head] if isinstance(f, Mapping) else f
 
+
 class RotNetTask(Task):
     "4-way cross-entropy: which multiple of 90 degrees each (randomly rotated) image was rotated by, from head `head`."
+
     def __init__(self, name: str, head: str, weight: float = 1.0, *, embedding_dim: int):
         super().__init__(name, head, nn.CrossEntropyLoss(), None, None, None, weight)
         self.classifier = nn.Linear(embedding_dim, 4)
 
     def forward(self, embeddings, batch, method) -> dict:
         x = batch["x"]
-        if x.shape[-1] != x.shape[-2]: raise ValueError(f"rotnet needs square images, got {tuple(x.shape[-2:])}")
+        if x.shape[-1] != x.shape[-2]:
+            raise ValueError(f"rotnet needs square images, got {tuple(x.shape[-2:])}")
         k = torch.randint(0, 4, (len(x),), device=x.device)
         rotated = torch.stack([torch.rot90(x, r, (-2, -1)) for r in range(4)])[k, torch.arange(len(x), device=x.device)]
         z = method.head_embeddings(method.features(rotated), [self.head])[self.head]
@@ -201,75 +273,175 @@ AUXILIARY_TASKS = ("deepcluster", "rotnet", "instance", "moco")
 SHARING = {"random": "shared_random", "eq3": "shared"}
 POSITIVES = ("one", "all")
 
+
 @METHODS.register("diva")
 class DiVA(MultiTaskMethod):
     "DiVA: discriminative, shared, intra-class and DaNCE heads on one backbone, decorrelated from the discriminative head."
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *,
-                 tasks: Sequence[str] = DIVA_TASKS, embedding_dim: int = 512, dims: Mapping[str, int] | None = None,
-                 alpha: float = 0.3, weights: Mapping[str, float] | None = None, rho: float = 1500.0,
-                 decorrelation: bool = True, separate: bool = False, discriminative_heads: int = 1,
-                 loss: str = "margin", loss_options: Mapping | None = None,
-                 sharing: str = "random", intra_distinct: bool = False, upper_cutoff: float | None = None,
-                 positives: str = "one",
-                 temperature: float = 0.01, lower_cutoff: float = 0.5, dance_upper_cutoff: float | None = 1.4,
-                 normalize: str = "key", include_positive: bool = True,
-                 queue_batches: int | None = None, queue_size: int | None = None, momentum: float = 0.9,
-                 key_buffers: str = "initial", embed_weights: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
-                 num_clusters: int = 300, cluster_every: int = 1,
-                 decorrelation_hidden_dim: int = 512, decorrelation_lr: float = 1e-5, queue_fill: str = "distinct"):
-        if isinstance(tasks, str): tasks = (tasks,)
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        train_labels=None,
+        *,
+        tasks: Sequence[str] = DIVA_TASKS,
+        embedding_dim: int = 512,
+        dims: Mapping[str, int] | None = None,
+        alpha: float = 0.3,
+        weights: Mapping[str, float] | None = None,
+        rho: float = 1500.0,
+        decorrelation: bool = True,
+        separate: bool = False,
+        discriminative_heads: int = 1,
+        loss: str = "margin",
+        loss_options: Mapping | None = None,
+        sharing: str = "random",
+        intra_distinct: bool = False,
+        upper_cutoff: float | None = None,
+        positives: str = "one",
+        temperature: float = 0.01,
+        lower_cutoff: float = 0.5,
+        dance_upper_cutoff: float | None = 1.4,
+        normalize: str = "key",
+        include_positive: bool = True,
+        queue_batches: int | None = None,
+        queue_size: int | None = None,
+        momentum: float = 0.9,
+        key_buffers: str = "initial",
+        embed_weights: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
+        num_clusters: int = 300,
+        cluster_every: int = 1,
+        decorrelation_hidden_dim: int = 512,
+        decorrelation_lr: float = 1e-5,
+        queue_fill: str = "distinct",
+    ):
+        if isinstance(tasks, str):
+            tasks = (tasks,)
         tasks = list(tasks)
         valid = DIVA_TASKS + AUXILIARY_TASKS
         for t in tasks:
-            if t not in valid: raise unknown_name_error("DiVA task", t, valid)
-        if not tasks or len(set(tasks)) != len(tasks): raise ValueError(f"tasks must be a non-empty list without repeats, got {tasks}")
-        if discriminative_heads < 1: raise ValueError(f"discriminative_heads must be >= 1, got {discriminative_heads}")
+            if t not in valid:
+                raise unknown_name_error("DiVA task", t, valid)
+        if not tasks or len(set(tasks)) != len(tasks):
+            raise ValueError(f"tasks must be a non-empty list without repeats, got {tasks}")
+        if discriminative_heads < 1:
+            raise ValueError(f"discriminative_heads must be >= 1, got {discriminative_heads}")
         if discriminative_heads > 1 and "discriminative" not in tasks:
             raise ValueError("discriminative_heads > 1 needs 'discriminative' in tasks")
-        if not alpha >= 0 or not rho >= 0: raise ValueError(f"alpha and rho must be >= 0, got {alpha}, {rho}")
-        if sharing not in SHARING: raise unknown_name_error("sharing (the shared task's tuples)", sharing, SHARING)
-        if normalize not in DANCE_AXES: raise unknown_name_error("normalize (DaNCE's weight axis)", normalize, DANCE_AXES)
-        if positives not in POSITIVES: raise unknown_name_error("positives", positives, POSITIVES)
+        if not alpha >= 0 or not rho >= 0:
+            raise ValueError(f"alpha and rho must be >= 0, got {alpha}, {rho}")
+        if sharing not in SHARING:
+            raise unknown_name_error("sharing (the shared task's tuples)", sharing, SHARING)
+        if normalize not in DANCE_AXES:
+            raise unknown_name_error("normalize (DaNCE's weight axis)", normalize, DANCE_AXES)
+        if positives not in POSITIVES:
+            raise unknown_name_error("positives", positives, POSITIVES)
         if queue_size is not None and queue_batches is not None:
-            raise ValueError(f"give queue_batches (batches of keys: 30 on CUB200 / CARS196, 70 on SOP in the paper) or "
-                             f"queue_size (keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}")
+            raise ValueError(
+                f"give queue_batches (batches of keys: 30 on CUB200 / CARS196, 70 on SOP in the paper) or "
+                f"queue_size (keys), not both; got queue_batches={queue_batches}, queue_size={queue_size}"
+            )
         ordered = [t for t in valid if t in tasks]
         heads = []
         for t in ordered:
-            heads += [t] + ([f"discriminative{i}" for i in range(2, discriminative_heads + 1)] if t == "discriminative" else [])
+            heads += [t] + (
+                [f"discriminative{i}" for i in range(2, discriminative_heads + 1)] if t == "discriminative" else []
+            )
         head_dims = self._dims(heads, embedding_dim, dims)
         weights = dict(weights or {})
         for k in weights:
-            if k not in heads: raise unknown_name_error("task (in weights)", k, heads)
+            if k not in heads:
+                raise unknown_name_error("task (in weights)", k, heads)
         weight = lambda h: float(weights.get(h, 1.0 if h.startswith("discriminative") else alpha))
-        if loss == "margin": loss_options = {"pair_count": "triplets", **dict(loss_options or {})}   # the DiVA code on PyTorch >= 1.2
+        if loss == "margin":
+            loss_options = {"pair_count": "triplets", **dict(loss_options or {})}  # the DiVA code on PyTorch >= 1.2
         miners = self._miners(loss, sharing, intra_distinct, upper_cutoff, positives)
         nce = {"temperature": temperature}
-        queue = {"queue_size": queue_size, "queue_batches": queue_batches, "momentum": momentum, "key_buffers": key_buffers,
-                 "queue_fill": queue_fill}
+        queue = {
+            "queue_size": queue_size,
+            "queue_batches": queue_batches,
+            "momentum": momentum,
+            "key_buffers": key_buffers,
+            "queue_fill": queue_fill,
+        }
         built = []
         for h in heads:
             kind = "discriminative" if h.startswith("discriminative") else h
             if kind in miners:
                 miner, miner_options = miners[kind]
-                built.append(Task(h, h, loss, loss_options, miner, miner_options, weight(h),
-                                  num_classes=num_classes, embedding_dim=head_dims[h]))
+                built.append(
+                    Task(
+                        h,
+                        h,
+                        loss,
+                        loss_options,
+                        miner,
+                        miner_options,
+                        weight(h),
+                        num_classes=num_classes,
+                        embedding_dim=head_dims[h],
+                    )
+                )
             elif kind == "dance":
-                built.append(QueueTask(h, h, "dance", {**nce, "lower_cutoff": lower_cutoff, "upper_cutoff": dance_upper_cutoff,
-                                                       "normalize": normalize, "include_positive": include_positive},
-                                       weight(h), embedding_dim=head_dims[h], **queue))
+                built.append(
+                    QueueTask(
+                        h,
+                        h,
+                        "dance",
+                        {
+                            **nce,
+                            "lower_cutoff": lower_cutoff,
+                            "upper_cutoff": dance_upper_cutoff,
+                            "normalize": normalize,
+                            "include_positive": include_positive,
+                        },
+                        weight(h),
+                        embedding_dim=head_dims[h],
+                        **queue,
+                    )
+                )
             elif kind in ("moco", "instance"):
-                built.append(QueueTask(h, h, "nce_queue", {**nce, "include_positive": True}, weight(h), embedding_dim=head_dims[h],
-                                       **{**queue, "momentum": momentum if kind == "moco" else 0.0}))
+                built.append(
+                    QueueTask(
+                        h,
+                        h,
+                        "nce_queue",
+                        {**nce, "include_positive": True},
+                        weight(h),
+                        embedding_dim=head_dims[h],
+                        **{**queue, "momentum": momentum if kind == "moco" else 0.0},
+                    )
+                )
             elif kind == "deepcluster":
-                if train_labels is None: raise ValueError("the deepcluster task needs train_labels (for the training set size)")
-                built.append(DeepClusterTask(h, h, weight(h), embedding_dim=head_dims[h], num_samples=len(train_labels),
-                                             num_clusters=num_clusters, every=cluster_every))
-            else: built.append(RotNetTask(h, h, weight(h), embedding_dim=head_dims[h]))
-        pairs = [(h, "discriminative", rho) for h in heads if h != "discriminative"] \
-            if decorrelation and "discriminative" in heads else []
-        super().__init__(backbone, head_dims, built, pairs, separate=separate,
-                         decorrelation_hidden_dim=decorrelation_hidden_dim, decorrelation_lr=decorrelation_lr)
+                if train_labels is None:
+                    raise ValueError("the deepcluster task needs train_labels (for the training set size)")
+                built.append(
+                    DeepClusterTask(
+                        h,
+                        h,
+                        weight(h),
+                        embedding_dim=head_dims[h],
+                        num_samples=len(train_labels),
+                        num_clusters=num_clusters,
+                        every=cluster_every,
+                    )
+                )
+            else:
+                built.append(RotNetTask(h, h, weight(h), embedding_dim=head_dims[h]))
+        pairs = (
+            [(h, "discriminative", rho) for h in heads if h != "discriminative"]
+            if decorrelation and "discriminative" in heads
+            else []
+        )
+        super().__init__(
+            backbone,
+            head_dims,
+            built,
+            pairs,
+            separate=separate,
+            decorrelation_hidden_dim=decorrelation_hidden_dim,
+            decorrelation_lr=decorrelation_lr,
+        )
         self.views = 2 if any(isinstance(t, QueueTask) for t in built) else 1
         self.embed_weights = embed_weight_list(embed_weights, heads)
 
@@ -279,8 +451,11 @@ class DiVA(MultiTaskMethod):
         disc = getattr(LOSSES.get(loss), "default_miner", None) if isinstance(loss, str) else "auto"
         disc_options = {"upper_cutoff": upper_cutoff, "positives": positives} if disc == "distance_weighted" else None
         shared_options = {"upper_cutoff": upper_cutoff, **({"positives": positives} if sharing == "random" else {})}
-        return {"discriminative": ("auto", disc_options), "shared": (SHARING[sharing], shared_options),
-                "intra": ("intra", {"distinct": bool(intra_distinct)})}
+        return {
+            "discriminative": ("auto", disc_options),
+            "shared": (SHARING[sharing], shared_options),
+            "intra": ("intra", {"distinct": bool(intra_distinct)}),
+        }
 
     @staticmethod
     def _dims(heads: list[str], embedding_dim: int, dims: Mapping[str, int] | None) -> dict[str, int]:
@@ -288,44 +463,65 @@ class DiVA(MultiTaskMethod):
             dims = dict(dims)
             missing, extra = [h for h in heads if h not in dims], [h for h in dims if h not in heads]
             if missing or extra:
-                raise ValueError(f"dims must give one dimension for each head {heads}; missing {missing}, unknown {extra}")
+                raise ValueError(
+                    f"dims must give one dimension for each head {heads}; missing {missing}, unknown {extra}"
+                )
             return {h: int(dims[h]) for h in heads}
         n = len(heads)
-        if embedding_dim < n: raise ValueError(f"embedding_dim={embedding_dim} is smaller than the number of heads {heads}")
-        return {h: embedding_dim // n + (i < embedding_dim % n) for i, h in enumerate(heads)}   # 512 / 3 -> 171, 171, 170
+        if embedding_dim < n:
+            raise ValueError(f"embedding_dim={embedding_dim} is smaller than the number of heads {heads}")
+        return {
+            h: embedding_dim // n + (i < embedding_dim % n) for i, h in enumerate(heads)
+        }  # 512 / 3 -> 171, 171, 170
 
-    def queue_tasks(self) -> list[QueueTask]: return [t for t in self.tasks.values() if isinstance(t, QueueTask)]
+    def queue_tasks(self) -> list[QueueTask]:
+        return [t for t in self.tasks.values() if isinstance(t, QueueTask)]
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "{'concat': the weighted, re-normalised concatenation (first of `embed_weights`), 'concat2', ...: the others, then each head}."
         embs = self.head_embeddings(self.features(x), regularise=False)
-        if len(embs) == 1: return embs
-        combos = {("concat" if i == 0 else f"concat{i + 1}"): combine_heads(embs, w) for i, w in enumerate(self.embed_weights)}
+        if len(embs) == 1:
+            return embs
+        combos = {
+            ("concat" if i == 0 else f"concat{i + 1}"): combine_heads(embs, w) for i, w in enumerate(self.embed_weights)
+        }
         return {**combos, **embs}
 
 # %% ../../nbs/51_diva.ipynb #e5771d76
 # smoke size (`repro.smoke`, nbdev_test): a two-batch queue, or at most 120 keys where a config sizes it in keys
-DiVA.SMOKE, DiVA.SMOKE_IF_SET, DiVA.SMOKE_UNLESS = {"queue_batches": 2, "num_clusters": 8}, {"queue_size": 120}, {"queue_batches": "queue_size"}
+DiVA.SMOKE, DiVA.SMOKE_IF_SET, DiVA.SMOKE_UNLESS = (
+    {"queue_batches": 2, "num_clusters": 8},
+    {"queue_size": 120},
+    {"queue_batches": "queue_size"},
+)
 
 # %% ../../nbs/51_diva.ipynb #e1a0c0df
 def embed_weight_list(embed_weights, heads: Sequence[str]) -> list[dict[str, float]]:
     "`embed_weights` (None, one mapping head -> weight, or a list of them) as a list of full mappings, checked against `heads`."
-    if embed_weights is None: return [{h: 1.0 for h in heads}]
+    if embed_weights is None:
+        return [{h: 1.0 for h in heads}]
     items = [embed_weights] if isinstance(embed_weights, Mapping) else list(embed_weights)
-    if not items: raise ValueError("embed_weights must be a mapping head -> weight or a non-empty list of them")
+    if not items:
+        raise ValueError("embed_weights must be a mapping head -> weight or a non-empty list of them")
     out = []
     for w in items:
-        if not isinstance(w, Mapping): raise TypeError(f"embed_weights entries must be mappings head -> weight, got {w!r}")
+        if not isinstance(w, Mapping):
+            raise TypeError(f"embed_weights entries must be mappings head -> weight, got {w!r}")
         for h, v in w.items():
-            if h not in heads: raise unknown_name_error("head (in embed_weights)", h, heads)
+            if h not in heads:
+                raise unknown_name_error("head (in embed_weights)", h, heads)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"embed_weights[{h!r}] must be a number >= 0, got {v!r}")
         full = {h: float(w.get(h, 1.0)) for h in heads}
-        if not any(full.values()): raise ValueError(f"embed_weights {dict(w)} give every head weight 0")
+        if not any(full.values()):
+            raise ValueError(f"embed_weights {dict(w)} give every head weight 0")
         out.append(full)
     return out
 
+
 def combine_heads(embeddings: Mapping[str, torch.Tensor], weights: Mapping[str, float] | None = None) -> torch.Tensor:
     "Concatenate the head embeddings, each scaled by its weight (default 1), and L2-normalise the result."
-    return F.normalize(torch.cat([float((weights or {}).get(h, 1.0)) * e for h, e in embeddings.items()], dim=-1), dim=-1)
+    return F.normalize(
+        torch.cat([float((weights or {}).get(h, 1.0)) * e for h, e in embeddings.items()], dim=-1), dim=-1
+    )

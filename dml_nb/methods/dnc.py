@@ -4,7 +4,8 @@
 
 # %% ../../nbs/55_dnc.ipynb #bdad55f0
 from __future__ import annotations
-import copy, math
+import copy
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -27,29 +28,44 @@ __all__ = ['GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'ra
 def random_partition(n: int, k: int, seed: int = 0) -> np.ndarray:
     "A random partition of `n` items into `k` parts whose sizes differ by at most one."
     order = np.random.default_rng(seed).permutation(n)
-    out = np.empty(n, dtype=np.int64); out[order] = np.arange(n) % k
+    out = np.empty(n, dtype=np.int64)
+    out[order] = np.arange(n) % k
     return out
+
 
 def label_grouping(labels: np.ndarray, k: int, class_groups: Sequence[int] | None = None) -> np.ndarray:
     "Each sample's group = its class's group: `class_groups[c]`, or contiguous blocks of class ids by default."
     labels = np.asarray(labels, dtype=np.int64)
     num_classes = int(labels.max()) + 1
     if class_groups is None:
-        if num_classes < k: raise ValueError(f"cannot split {num_classes} classes into {k} label groups")
+        if num_classes < k:
+            raise ValueError(f"cannot split {num_classes} classes into {k} label groups")
         class_groups = np.arange(num_classes) * k // num_classes
     class_groups = np.asarray(class_groups, dtype=np.int64)
     if len(class_groups) < num_classes or class_groups.min() < 0 or class_groups.max() >= k:
-        raise ValueError(f"class_groups must give every class 0..{num_classes - 1} a group in 0..{k - 1}; "
-                         f"got {len(class_groups)} entries with values in [{class_groups.min()}, {class_groups.max()}]")
+        raise ValueError(
+            f"class_groups must give every class 0..{num_classes - 1} a group in 0..{k - 1}; "
+            f"got {len(class_groups)} entries with values in [{class_groups.min()}, {class_groups.max()}]"
+        )
     return class_groups[labels]
 
 # %% ../../nbs/55_dnc.ipynb #c804ac27
 class ClusterError(BatchFormationError):
     "A Divide and Conquer learner cannot train: its cluster cannot form a batch (or got none this epoch)."
 
-def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, batch_size: int,
-                          samples_per_class: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                          schedule: str = "round_robin", draw: str = "balanced") -> tuple[RoundRobinBatchSampler, list[int], list[int]]:
+
+def cluster_batch_sampler(
+    labels: np.ndarray,
+    assignments: np.ndarray,
+    k: int,
+    batch_size: int,
+    samples_per_class: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    schedule: str = "round_robin",
+    draw: str = "balanced",
+) -> tuple[RoundRobinBatchSampler, list[int], list[int]]:
     "The cluster batches of one clustering: (sampler over the clusters 0..k-1, their ids, each one's batch size)."
     labels, assignments = np.asarray(labels), np.asarray(assignments)
     samplers, sizes, bad = [], [], []
@@ -57,56 +73,97 @@ def cluster_batch_sampler(labels: np.ndarray, assignments: np.ndarray, k: int, b
         idx = usable_members(labels, np.flatnonzero(assignments == c))
         usable = len(np.unique(labels[idx]))
         if usable < 2:
-            bad.append(f"learner {c} (cluster of {int((assignments == c).sum())} images, {usable} class(es) with 2+ images)")
+            bad.append(
+                f"learner {c} (cluster of {int((assignments == c).sum())} images, {usable} class(es) with 2+ images)"
+            )
             continue
-        bs = batch_size if draw == "reshuffle" else min(batch_size, usable * samples_per_class)   # reshuffle: the code's full batch
-        samplers.append(ClassBalancedBatchSampler(labels, bs, samples_per_class, indices=idx, seed=seed * 1000 + c,
-                                                  rank=rank, world_size=world_size, min_samples_per_class=2, draw=draw))
+        bs = (
+            batch_size if draw == "reshuffle" else min(batch_size, usable * samples_per_class)
+        )  # reshuffle: the code's full batch
+        samplers.append(
+            ClassBalancedBatchSampler(
+                labels,
+                bs,
+                samples_per_class,
+                indices=idx,
+                seed=seed * 1000 + c,
+                rank=rank,
+                world_size=world_size,
+                min_samples_per_class=2,
+                draw=draw,
+            )
+        )
         sizes.append(bs)
     if bad:
-        raise ClusterError(f"{len(bad)} of {k} clusters cannot form a batch with negatives, so their learners could not "
-                           f"train: {'; '.join(bad)}. Use fewer learners (num_learners), more images per class, or a "
-                           "grouping that keeps classes apart")
-    n = max(1, max(len(s.indices) // batch_size for s in samplers))           # the code: the largest cluster's batches
-    rr = RoundRobinBatchSampler(samplers, schedule=schedule, seed=seed,
-                                batches_per_sampler=n if schedule == "round_robin" else None)
+        raise ClusterError(
+            f"{len(bad)} of {k} clusters cannot form a batch with negatives, so their learners could not "
+            f"train: {'; '.join(bad)}. Use fewer learners (num_learners), more images per class, or a "
+            "grouping that keeps classes apart"
+        )
+    n = max(1, max(len(s.indices) // batch_size for s in samplers))  # the code: the largest cluster's batches
+    rr = RoundRobinBatchSampler(
+        samplers, schedule=schedule, seed=seed, batches_per_sampler=n if schedule == "round_robin" else None
+    )
     return rr, list(range(k)), sizes
+
 
 class PhaseSampler(torch.utils.data.Sampler):
     "The run's sampler (`base`), or cluster batches `(cluster id, batch)` while `clusters` is set."
+
     def __init__(self, base):
         if not isinstance(base, ClassBalancedBatchSampler):
-            raise TypeError(f"Divide and Conquer needs the run's sampler to be a ClassBalancedBatchSampler (its batch "
-                            f"size and samples per class shape the cluster batches), got {type(base).__name__}")
+            raise TypeError(
+                f"Divide and Conquer needs the run's sampler to be a ClassBalancedBatchSampler (its batch "
+                f"size and samples per class shape the cluster batches), got {type(base).__name__}"
+            )
         if base.draw not in ("balanced", "reshuffle"):
-            raise ValueError(f"Divide and Conquer draws its cluster batches with distinct classes, as its code does; the "
-                             f"run's sampler draws {base.draw!r}: set train.sampler: reshuffle (its code's draw) or balanced")
+            raise ValueError(
+                f"Divide and Conquer draws its cluster batches with distinct classes, as its code does; the "
+                f"run's sampler draws {base.draw!r}: set train.sampler: reshuffle (its code's draw) or balanced"
+            )
         self.base, self.clusters, self.cluster_ids, self.epoch = base, None, [], base.epoch
 
     def use_clusters(self, sampler: RoundRobinBatchSampler, cluster_ids: Sequence[int]) -> None:
         self.clusters, self.cluster_ids = sampler, list(cluster_ids)
         sampler.set_epoch(self.epoch)
-    def use_base(self) -> None: self.clusters, self.cluster_ids = None, []
+
+    def use_base(self) -> None:
+        self.clusters, self.cluster_ids = None, []
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch; self.base.set_epoch(epoch)
-        if self.clusters is not None: self.clusters.set_epoch(epoch)
-    def __len__(self) -> int: return len(self.base) if self.clusters is None else len(self.clusters)
+        self.epoch = epoch
+        self.base.set_epoch(epoch)
+        if self.clusters is not None:
+            self.clusters.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.base) if self.clusters is None else len(self.clusters)
+
     def learner_batches(self, epoch: int | None = None) -> dict[int, int]:
         "Batches each learner (cluster id) gets in `epoch` on this rank (empty outside the cluster phases)."
-        if self.clusters is None: return {}
+        if self.clusters is None:
+            return {}
         return dict(zip(self.cluster_ids, self.clusters.counts(self.epoch if epoch is None else epoch)))
+
     def batches(self, epoch: int | None = None) -> list:
-        if self.clusters is None: return self.base.batches(epoch)
+        if self.clusters is None:
+            return self.base.batches(epoch)
         return [(self.cluster_ids[i], b) for i, b in self.clusters.batches(epoch)]
-    def __iter__(self): return iter(self.batches())
-    def state_dict(self) -> dict: return self.base.state_dict()
-    def load_state_dict(self, state: dict) -> None: self.base.load_state_dict(state)
+
+    def __iter__(self):
+        return iter(self.batches())
+
+    def state_dict(self) -> dict:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base.load_state_dict(state)
 
 # %% ../../nbs/55_dnc.ipynb #3f479f45
 class FeatureDropoutModel(EmbeddingModel):
     """`EmbeddingModel` with dropout on the pooled features before the head, active in training only: D&C's
     `Dropout(0.01)` (`lib/model.py:79, :124`). No parameters: its state dict is the plain model's."""
+
     def __init__(self, backbone: nn.Module, head: nn.Module, p: float):
         super().__init__(backbone, head)
         self.feature_dropout = nn.Dropout(p)
@@ -116,79 +173,157 @@ class FeatureDropoutModel(EmbeddingModel):
         out = self.head(self.feature_dropout(f), **head_options)
         return (out, f) if return_features else out
 
+
 GROUPINGS = ("kmeans", "kmeans_nosplit", "random", "labels")
 CLUSTER_ON = ("embedding", "features")
 FINETUNE_PROXIES = ("concat", "fresh")
-OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}   # lib/loss/margin_loss.py, train.py:114-127
+OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}  # lib/loss/margin_loss.py, train.py:114-127
+
 
 @METHODS.register("dnc")
 class DivideAndConquer(Method):
     "Divide and Conquer: K learners = K slices of one embedding layer, each trained on its own data cluster."
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 128,
-                 num_learners: int = 4, recluster_every: int = 2, grouping: str = "kmeans",
-                 cluster_on: str = "features", full_embedding_epoch: int | None = None,
-                 finetune_epoch: int | None = None, finetune_epochs: int | None = None,
-                 full_embedding_fraction: float = 0.4, finetune_fraction: float = 0.95,
-                 cluster_batches: str = "round_robin", full_embedding: str = "slices", init: str = "xavier",
-                 train_split: str = "ceil", rematch: str = "hungarian", kmeans_seed: int | None = 1234,
-                 finetune_proxies: str = "concat", loss: str = "margin", loss_options: Mapping | None = None,
-                 miner: str | None = "auto", miner_options: Mapping | None = None,
-                 class_groups: Sequence[int] | None = None, kmeans_iterations: int = 100, kmeans_redo: int = 1,
-                 feature_dropout: float = 0.0):
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        train_labels=None,
+        *,
+        embedding_dim: int = 128,
+        num_learners: int = 4,
+        recluster_every: int = 2,
+        grouping: str = "kmeans",
+        cluster_on: str = "features",
+        full_embedding_epoch: int | None = None,
+        finetune_epoch: int | None = None,
+        finetune_epochs: int | None = None,
+        full_embedding_fraction: float = 0.4,
+        finetune_fraction: float = 0.95,
+        cluster_batches: str = "round_robin",
+        full_embedding: str = "slices",
+        init: str = "xavier",
+        train_split: str = "ceil",
+        rematch: str = "hungarian",
+        kmeans_seed: int | None = 1234,
+        finetune_proxies: str = "concat",
+        loss: str = "margin",
+        loss_options: Mapping | None = None,
+        miner: str | None = "auto",
+        miner_options: Mapping | None = None,
+        class_groups: Sequence[int] | None = None,
+        kmeans_iterations: int = 100,
+        kmeans_redo: int = 1,
+        feature_dropout: float = 0.0,
+    ):
         super().__init__()
-        if not 0 <= feature_dropout < 1: raise ValueError(f"feature_dropout is a dropout probability in [0, 1), got {feature_dropout}")
-        for name, v, valid in (("grouping", grouping, GROUPINGS), ("cluster_on value", cluster_on, CLUSTER_ON),
-                               ("cluster_batches schedule", cluster_batches, CLUSTER_SCHEDULES),
-                               ("rematch rule", rematch, REMATCH_RULES), ("finetune_proxies", finetune_proxies, FINETUNE_PROXIES)):
-            if v not in valid: raise unknown_name_error(name, v, valid)
-        if num_learners < 1: raise ValueError(f"num_learners must be >= 1, got {num_learners}")
-        if recluster_every < 1: raise ValueError(f"recluster_every must be >= 1 (epochs), got {recluster_every}")
+        if not 0 <= feature_dropout < 1:
+            raise ValueError(f"feature_dropout is a dropout probability in [0, 1), got {feature_dropout}")
+        for name, v, valid in (
+            ("grouping", grouping, GROUPINGS),
+            ("cluster_on value", cluster_on, CLUSTER_ON),
+            ("cluster_batches schedule", cluster_batches, CLUSTER_SCHEDULES),
+            ("rematch rule", rematch, REMATCH_RULES),
+            ("finetune_proxies", finetune_proxies, FINETUNE_PROXIES),
+        ):
+            if v not in valid:
+                raise unknown_name_error(name, v, valid)
+        if num_learners < 1:
+            raise ValueError(f"num_learners must be >= 1, got {num_learners}")
+        if recluster_every < 1:
+            raise ValueError(f"recluster_every must be >= 1 (epochs), got {recluster_every}")
         if finetune_epoch is not None and finetune_epochs is not None:
-            raise ValueError("give finetune_epoch (first finetune epoch) or finetune_epochs (length of the finetune "
-                             "phase), not both")
-        for name, v in (("finetune_epoch", finetune_epoch), ("finetune_epochs", finetune_epochs),
-                        ("full_embedding_epoch", full_embedding_epoch)):
-            if v is not None and v < 0: raise ValueError(f"{name} must be >= 0, got {v}")
+            raise ValueError(
+                "give finetune_epoch (first finetune epoch) or finetune_epochs (length of the finetune phase), not both"
+            )
+        for name, v in (
+            ("finetune_epoch", finetune_epoch),
+            ("finetune_epochs", finetune_epochs),
+            ("full_embedding_epoch", full_embedding_epoch),
+        ):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
         for name, v in (("full_embedding_fraction", full_embedding_fraction), ("finetune_fraction", finetune_fraction)):
-            if not 0 <= v <= 1: raise ValueError(f"{name} is a share of the run's epochs in [0, 1], got {v}")
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} is a share of the run's epochs in [0, 1], got {v}")
         if train_labels is None:
             raise ValueError("dnc needs train_labels (the training set's labels): the clusters are per-sample state")
         self.train_labels = np.asarray(train_labels, dtype=np.int64)
         if num_learners > 1 and num_learners > num_classes:
-            raise ValueError(f"num_learners={num_learners} learners need as many clusters with classes to tell apart, but "
-                             f"the training set has {num_classes} classes: use num_learners <= {num_classes // 2} (each "
-                             "cluster needs two classes with two images), or a data set with more classes")
+            raise ValueError(
+                f"num_learners={num_learners} learners need as many clusters with classes to tell apart, but "
+                f"the training set has {num_classes} classes: use num_learners <= {num_classes // 2} (each "
+                "cluster needs two classes with two images), or a data set with more classes"
+            )
         if class_groups is not None and grouping != "labels":
             raise ValueError(f"class_groups is only used by grouping='labels', not grouping={grouping!r}")
-        if grouping == "labels": label_grouping(self.train_labels, num_learners, class_groups)   # validate now
-        self.num_learners, self.recluster_every, self.grouping, self.cluster_on = num_learners, recluster_every, grouping, cluster_on
-        self.finetune_epoch, self.finetune_epochs, self.full_embedding_epoch = finetune_epoch, finetune_epochs, full_embedding_epoch
+        if grouping == "labels":
+            label_grouping(self.train_labels, num_learners, class_groups)  # validate now
+        self.num_learners, self.recluster_every, self.grouping, self.cluster_on = (
+            num_learners,
+            recluster_every,
+            grouping,
+            cluster_on,
+        )
+        self.finetune_epoch, self.finetune_epochs, self.full_embedding_epoch = (
+            finetune_epoch,
+            finetune_epochs,
+            full_embedding_epoch,
+        )
         self.full_embedding_fraction, self.finetune_fraction = float(full_embedding_fraction), float(finetune_fraction)
-        self.cluster_batches, self.rematch, self.kmeans_seed, self.finetune_proxies = cluster_batches, rematch, kmeans_seed, finetune_proxies
+        self.cluster_batches, self.rematch, self.kmeans_seed, self.finetune_proxies = (
+            cluster_batches,
+            rematch,
+            kmeans_seed,
+            finetune_proxies,
+        )
         self.class_groups = None if class_groups is None else list(class_groups)
         self.kmeans_iterations, self.kmeans_redo, self.num_classes = kmeans_iterations, kmeans_redo, num_classes
-        head = SlicedHead(backbone.feature_dim, embedding_dim, num_learners, full_embedding=full_embedding, init=init,
-                          train_split=train_split)
+        head = SlicedHead(
+            backbone.feature_dim,
+            embedding_dim,
+            num_learners,
+            full_embedding=full_embedding,
+            init=init,
+            train_split=train_split,
+        )
         self.feature_dropout = float(feature_dropout)
-        self.model = FeatureDropoutModel(backbone, head, feature_dropout) if feature_dropout > 0 else EmbeddingModel(backbone, head)
-        if loss == "margin": loss_options = {**OFFICIAL_MARGIN, **dict(loss_options or {})}
-        if miner == "auto" and loss == "margin": miner = "dnc_nearest"
-        fresh = lambda dim: build_loss(copy.deepcopy(loss) if isinstance(loss, nn.Module) else loss, loss_options,
-                                       num_classes=num_classes, embedding_dim=dim)
+        self.model = (
+            FeatureDropoutModel(backbone, head, feature_dropout)
+            if feature_dropout > 0
+            else EmbeddingModel(backbone, head)
+        )
+        if loss == "margin":
+            loss_options = {**OFFICIAL_MARGIN, **dict(loss_options or {})}
+        if miner == "auto" and loss == "margin":
+            miner = "dnc_nearest"
+        fresh = lambda dim: build_loss(
+            copy.deepcopy(loss) if isinstance(loss, nn.Module) else loss,
+            loss_options,
+            num_classes=num_classes,
+            embedding_dim=dim,
+        )
         self.loss = fresh(embedding_dim)
         dims = [embedding_dim if grouping == "kmeans_nosplit" else head.learner_dim(k) for k in range(num_learners)]
         self.learner_losses = nn.ModuleList([fresh(d) for d in dims] if num_learners > 1 else [])
         self.miner = build_miner(miner, miner_options, self.loss)
-        if (finetune_proxies == "concat" and hasattr(self.loss, "proxies") and grouping != "kmeans_nosplit"
-                and num_learners > 1 and sum(dims) != embedding_dim):
-            raise ValueError(f"finetune_proxies='concat' joins the learners' proxies ({dims} dims) into the full "
-                             f"embedding's ({embedding_dim}), which train_split='floor' with unequal slices cannot do: "
-                             "set finetune_proxies='fresh' or train_split='ceil'")
+        if (
+            finetune_proxies == "concat"
+            and hasattr(self.loss, "proxies")
+            and grouping != "kmeans_nosplit"
+            and num_learners > 1
+            and sum(dims) != embedding_dim
+        ):
+            raise ValueError(
+                f"finetune_proxies='concat' joins the learners' proxies ({dims} dims) into the full "
+                f"embedding's ({embedding_dim}), which train_split='floor' with unequal slices cannot do: "
+                "set finetune_proxies='fresh' or train_split='ceil'"
+            )
         n = len(self.train_labels)
-        self.register_buffer("assignments", torch.full((n,), -1, dtype=torch.long))   # -1: not clustered yet
-        self.register_buffer("clustered_epoch", torch.tensor(-1))                      # epoch of the last clustering
-        self.register_buffer("kept_fraction", torch.tensor(float("nan")))              # share that kept its cluster
-        self.register_buffer("proxies_merged", torch.tensor(False))                    # learners' proxies joined yet
+        self.register_buffer("assignments", torch.full((n,), -1, dtype=torch.long))  # -1: not clustered yet
+        self.register_buffer("clustered_epoch", torch.tensor(-1))  # epoch of the last clustering
+        self.register_buffer("kept_fraction", torch.tensor(float("nan")))  # share that kept its cluster
+        self.register_buffer("proxies_merged", torch.tensor(False))  # learners' proxies joined yet
         self.cluster_dataset = None
         self._sampler: PhaseSampler | None = None
         self._finetune_start: int | None = None
@@ -197,13 +332,16 @@ class DivideAndConquer(Method):
     # ------------------------------------------------------------------ phases
     def finetune_start(self, epochs: int) -> int:
         "First epoch of the finetune phase (whole data, full embedding) of a run of `epochs` epochs."
-        if self.finetune_epoch is not None: return self.finetune_epoch
-        if self.finetune_epochs is not None: return max(epochs - self.finetune_epochs, 0)
+        if self.finetune_epoch is not None:
+            return self.finetune_epoch
+        if self.finetune_epochs is not None:
+            return max(epochs - self.finetune_epochs, 0)
         return int(self.finetune_fraction * epochs)
 
     def full_embedding_start(self, epochs: int) -> int:
         "First epoch in which the cluster batches train the full embedding instead of the learners' slices."
-        if self.full_embedding_epoch is not None: return self.full_embedding_epoch
+        if self.full_embedding_epoch is not None:
+            return self.full_embedding_epoch
         return int(self.full_embedding_fraction * epochs)
 
     def dividing(self, epoch: int) -> bool:
@@ -218,11 +356,14 @@ class DivideAndConquer(Method):
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict) -> dict:
         x, y, k = batch["x"], batch["y"], batch.get("group")
-        if k is None or self.full(batch.get("epoch")): emb, loss_fn = self.model(x), self.loss
+        if k is None or self.full(batch.get("epoch")):
+            emb, loss_fn = self.model(x), self.loss
         else:
             k = int(k)
             if not 0 <= k < self.num_learners:
-                raise IndexError(f"batch['group'] = {k} but there are {self.num_learners} learners (0..{self.num_learners - 1})")
+                raise IndexError(
+                    f"batch['group'] = {k} but there are {self.num_learners} learners (0..{self.num_learners - 1})"
+                )
             emb = self.model(x) if self.grouping == "kmeans_nosplit" else self.model(x, slice=k)
             loss_fn = self.learner_losses[k]
         emb = emb.float()
@@ -230,7 +371,8 @@ class DivideAndConquer(Method):
         logs = {"loss": loss_fn(emb, y, tuples)}
         if tuples is not None:
             logs["tuples"] = float(len(tuples[0]))
-            if k is not None: logs[f"tuples/learner{int(k)}"] = logs["tuples"]
+            if k is not None:
+                logs[f"tuples/learner{int(k)}"] = logs["tuples"]
         return logs
 
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -247,7 +389,11 @@ class DivideAndConquer(Method):
     @torch.no_grad()
     def cluster_vectors(self, ctx) -> torch.Tensor:
         "The L2-normalised vectors k-means runs on: the backbone features (code) or the full embedding (paper)."
-        fn = (lambda x: {"features": F.normalize(self.model.backbone(x).float(), dim=1)}) if self.cluster_on == "features" else None
+        fn = (
+            (lambda x: {"features": F.normalize(self.model.backbone(x).float(), dim=1)})
+            if self.cluster_on == "features"
+            else None
+        )
         emb, _ = ctx.embed(self.cluster_dataset if self.cluster_dataset is not None else ctx.train_eval_set, fn)
         return F.normalize(next(iter(emb.values())).float(), dim=1)
 
@@ -257,8 +403,10 @@ class DivideAndConquer(Method):
         if self.grouping in ("kmeans", "kmeans_nosplit"):
             seed = self.kmeans_seed if self.kmeans_seed is not None else ctx.seed("dnc/kmeans", epoch)
             new = kmeans_assign(self.cluster_vectors(ctx), K, self.kmeans_iterations, self.kmeans_redo, seed=seed)
-        elif self.grouping == "random": new = random_partition(len(prev), K, seed=ctx.seed("dnc/random-partition"))
-        else: new = label_grouping(self.train_labels, K, self.class_groups)
+        elif self.grouping == "random":
+            new = random_partition(len(prev), K, seed=ctx.seed("dnc/random-partition"))
+        else:
+            new = label_grouping(self.train_labels, K, self.class_groups)
         if (prev >= 0).all():
             new = match_clusters(prev, new, K, rule=self.rematch)
             self.kept_fraction.fill_(float((new == prev).mean()))
@@ -266,19 +414,35 @@ class DivideAndConquer(Method):
         self.clustered_epoch.fill_(epoch)
 
     def _use_clusters(self, ctx) -> None:
-        base = ctx.run_sampler     # the run's sampler: labels, batch shape, seed, rank and draw of the cluster batches
-        rr, ids, sizes = cluster_batch_sampler(base.labels, self.assignments.cpu().numpy(), self.num_learners,
-                                               ctx.batch_size, ctx.samples_per_class, base.seed, base.rank,
-                                               base.world_size, schedule=self.cluster_batches, draw=base.draw)
+        base = ctx.run_sampler  # the run's sampler: labels, batch shape, seed, rank and draw of the cluster batches
+        rr, ids, sizes = cluster_batch_sampler(
+            base.labels,
+            self.assignments.cpu().numpy(),
+            self.num_learners,
+            ctx.batch_size,
+            ctx.samples_per_class,
+            base.seed,
+            base.rank,
+            base.world_size,
+            schedule=self.cluster_batches,
+            draw=base.draw,
+        )
         self._sampler.use_clusters(rr, ids)
         self._batch_sizes = dict(zip(ids, sizes))
 
     @torch.no_grad()
     def merge_proxies(self) -> bool:
         "Start the full embedding's proxies from the learners' (unit slices concatenated, re-normalised); once."
-        if bool(self.proxies_merged) or not hasattr(self.loss, "proxies") or self.grouping == "kmeans_nosplit" \
-                or not len(self.learner_losses): return False
-        joined = torch.cat([F.normalize(l.proxies, dim=1) for l in self.learner_losses], dim=1) / math.sqrt(self.num_learners)
+        if (
+            bool(self.proxies_merged)
+            or not hasattr(self.loss, "proxies")
+            or self.grouping == "kmeans_nosplit"
+            or not len(self.learner_losses)
+        ):
+            return False
+        joined = torch.cat([F.normalize(l.proxies, dim=1) for l in self.learner_losses], dim=1) / math.sqrt(
+            self.num_learners
+        )
         self.loss.proxies.copy_(joined)
         self.proxies_merged.fill_(True)
         return True
@@ -286,23 +450,33 @@ class DivideAndConquer(Method):
     # ------------------------------------------------------------------ learner hooks
     def on_fit_start(self, ctx) -> None:
         if len(ctx.train_dataset) != len(self.train_labels):
-            raise ValueError(f"dnc was built with {len(self.train_labels)} train_labels but the training set has "
-                             f"{len(ctx.train_dataset)} items")
-        if not isinstance(ctx.sampler, PhaseSampler): ctx.use_sampler(PhaseSampler(ctx.sampler))
+            raise ValueError(
+                f"dnc was built with {len(self.train_labels)} train_labels but the training set has "
+                f"{len(ctx.train_dataset)} items"
+            )
+        if not isinstance(ctx.sampler, PhaseSampler):
+            ctx.use_sampler(PhaseSampler(ctx.sampler))
         self._sampler = ctx.sampler
         if not np.array_equal(np.asarray(ctx.run_sampler.labels), self.train_labels):
-            raise ValueError("the run's sampler was built from other labels than train_labels: build both from the "
-                             "training set's labels")
+            raise ValueError(
+                "the run's sampler was built from other labels than train_labels: build both from the "
+                "training set's labels"
+            )
         self._finetune_start = self.finetune_start(ctx.epochs)
         self._full_start = self.full_embedding_start(ctx.epochs)
         # a resumed run continues with the clusters of its checkpoint
-        if self.dividing(ctx.epoch) and bool((self.assignments >= 0).all()): self._use_clusters(ctx)
-        else: self._sampler.use_base()
+        if self.dividing(ctx.epoch) and bool((self.assignments >= 0).all()):
+            self._use_clusters(ctx)
+        else:
+            self._sampler.use_base()
 
     def on_epoch_start(self, ctx) -> None:
         e = ctx.epoch
-        if self.finetune_proxies == "concat" and (self.full(e) or not self.dividing(e)): self.merge_proxies()
-        if not self.dividing(e): self._sampler.use_base(); return
+        if self.finetune_proxies == "concat" and (self.full(e) or not self.dividing(e)):
+            self.merge_proxies()
+        if not self.dividing(e):
+            self._sampler.use_base()
+            return
         fixed = self.grouping in ("random", "labels")
         have = bool((self.assignments >= 0).all())
         if not have or (not fixed and (e - int(self.clustered_epoch)) >= self.recluster_every):
@@ -310,18 +484,24 @@ class DivideAndConquer(Method):
         self._use_clusters(ctx)
         idle = [k for k, n in self._sampler.learner_batches(e).items() if n == 0]
         if idle:
-            raise ClusterError(f"learner(s) {idle} get no batch in epoch {e + 1}: with cluster_batches="
-                               f"{self.cluster_batches!r} each of the epoch's {len(self._sampler)} steps draws a cluster "
-                               "at random and missed them. Use cluster_batches='round_robin' (every learner the same "
-                               "number of batches) or longer epochs")
+            raise ClusterError(
+                f"learner(s) {idle} get no batch in epoch {e + 1}: with cluster_batches="
+                f"{self.cluster_batches!r} each of the epoch's {len(self._sampler)} steps draws a cluster "
+                "at random and missed them. Use cluster_batches='round_robin' (every learner the same "
+                "number of batches) or longer epochs"
+            )
 
     def epoch_records(self, epoch: int) -> dict:
         "Per-epoch record: phase, whether the data was re-clustered, per learner its cluster and batches."
-        row = {"dnc/finetune": int(not self.dividing(epoch)), "dnc/full_embedding": int(self.full(epoch) or not self.dividing(epoch))}
+        row = {
+            "dnc/finetune": int(not self.dividing(epoch)),
+            "dnc/full_embedding": int(self.full(epoch) or not self.dividing(epoch)),
+        }
         if self.dividing(epoch) and bool((self.assignments >= 0).all()):
             sizes, classes = cluster_statistics(self.assignments.cpu().numpy(), self.train_labels, self.num_learners)
             row["dnc/reclustered"] = int(int(self.clustered_epoch) == epoch)
-            if not math.isnan(float(self.kept_fraction)): row["dnc/kept_fraction"] = float(self.kept_fraction)
+            if not math.isnan(float(self.kept_fraction)):
+                row["dnc/kept_fraction"] = float(self.kept_fraction)
             batches = self._sampler.learner_batches(epoch) if self._sampler is not None else {}
             for k in range(self.num_learners):
                 row[f"dnc/cluster{k}/size"], row[f"dnc/cluster{k}/classes"] = int(sizes[k]), int(classes[k])

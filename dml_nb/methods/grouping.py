@@ -20,53 +20,88 @@ __all__ = ['STANDARDIZE', 'standardize_per_class', 'standardize_mode', 'kmeans_s
 # %% ../../nbs/52_grouping.ipynb #875fcb21
 STANDARDIZE = ("mean_std", "mean", "none")
 
-def standardize_per_class(features: torch.Tensor, labels: torch.Tensor, scale: bool = True, eps: float = 1e-8) -> torch.Tensor:
+
+def standardize_per_class(
+    features: torch.Tensor, labels: torch.Tensor, scale: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
     "f - class mean, divided by the class standard deviation per dimension when `scale` (a zero deviation counts as 1)."
     f, y = torch.as_tensor(features).float(), torch.as_tensor(labels).long().to(torch.as_tensor(features).device)
-    if f.dim() != 2 or y.shape != f.shape[:1]: raise ValueError(f"need features (N, D) and labels (N,), got {tuple(f.shape)}, {tuple(y.shape)}")
+    if f.dim() != 2 or y.shape != f.shape[:1]:
+        raise ValueError(f"need features (N, D) and labels (N,), got {tuple(f.shape)}, {tuple(y.shape)}")
     C = int(y.max()) + 1
     count = torch.zeros(C, device=f.device).index_add_(0, y, torch.ones_like(y, dtype=f.dtype))[:, None]
     mean = torch.zeros(C, f.shape[1], device=f.device).index_add_(0, y, f) / count.clamp_min(1)
     centred = f - mean[y]
-    if not scale: return centred
-    std = (torch.zeros(C, f.shape[1], device=f.device).index_add_(0, y, centred ** 2) / count.clamp_min(1)).sqrt()
+    if not scale:
+        return centred
+    std = (torch.zeros(C, f.shape[1], device=f.device).index_add_(0, y, centred**2) / count.clamp_min(1)).sqrt()
     std = torch.where(std > eps, std, torch.ones_like(std))
     return centred / std[y]
 
+
 def standardize_mode(standardize: bool | str | None) -> str:
     "'mean_std', 'mean' or 'none' from a mode name or a bool (True: 'mean_std', False / None: 'none')."
-    if standardize is True: return "mean_std"
-    if standardize is False or standardize is None: return "none"
-    if standardize not in STANDARDIZE: raise unknown_name_error("standardize value", standardize, STANDARDIZE)
+    if standardize is True:
+        return "mean_std"
+    if standardize is False or standardize is None:
+        return "none"
+    if standardize not in STANDARDIZE:
+        raise unknown_name_error("standardize value", standardize, STANDARDIZE)
     return standardize
 
-def kmeans_subsampled(x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, max_points_per_centroid: int) -> np.ndarray:
+
+def kmeans_subsampled(
+    x: torch.Tensor, k: int, niter: int, nredo: int, seed: int, max_points_per_centroid: int
+) -> np.ndarray:
     """Each row's cluster id by `faiss.Kmeans` trained on at most `max_points_per_centroid * k` rows (a random subsample
     that faiss draws from `seed`; every row is then assigned): what MIC's `run_kmeans` ran (faiss's default 256)."""
-    try: import faiss
+    try:
+        import faiss
     except ImportError as e:
-        raise ImportError("kmeans_max_points_per_centroid (MIC's k-means as faiss ran it: trained on a subsample of at "
-                          "most that many points per group) runs faiss, which is not installed: pip install faiss-cpu, "
-                          "or set kmeans_max_points_per_centroid: null (every point)") from e
-    if int(max_points_per_centroid) < 1: raise ValueError(f"max_points_per_centroid must be >= 1, got {max_points_per_centroid}")
+        raise ImportError(
+            "kmeans_max_points_per_centroid (MIC's k-means as faiss ran it: trained on a subsample of at "
+            "most that many points per group) runs faiss, which is not installed: pip install faiss-cpu, "
+            "or set kmeans_max_points_per_centroid: null (every point)"
+        ) from e
+    if int(max_points_per_centroid) < 1:
+        raise ValueError(f"max_points_per_centroid must be >= 1, got {max_points_per_centroid}")
     faiss.omp_set_num_threads(torch.get_num_threads())
     xn = np.ascontiguousarray(torch.as_tensor(x).float().cpu().numpy())
-    km = faiss.Kmeans(xn.shape[1], int(k), niter=int(niter), nredo=int(nredo), seed=int(seed) % 2**31, verbose=False,
-                      max_points_per_centroid=int(max_points_per_centroid), min_points_per_centroid=1)
+    km = faiss.Kmeans(
+        xn.shape[1],
+        int(k),
+        niter=int(niter),
+        nredo=int(nredo),
+        seed=int(seed) % 2**31,
+        verbose=False,
+        max_points_per_centroid=int(max_points_per_centroid),
+        min_points_per_centroid=1,
+    )
     km.train(xn)
     return km.index.search(xn, 1)[1][:, 0].astype(np.int64)
 
-def group_samples(features: torch.Tensor, labels, num_groups: int, standardize: bool | str = True, seed: int = 0,
-                  niter: int = 20, nredo: int = 5, max_points_per_centroid: int | None = None) -> np.ndarray:
+
+def group_samples(
+    features: torch.Tensor,
+    labels,
+    num_groups: int,
+    standardize: bool | str = True,
+    seed: int = 0,
+    niter: int = 20,
+    nredo: int = 5,
+    max_points_per_centroid: int | None = None,
+) -> np.ndarray:
     """Group ids (k-means into `num_groups`) after per-class standardisation: 'mean_std' (True), 'mean' or 'none' (False);
     `max_points_per_centroid`: train the centroids on a subsample of at most that many rows per group (faiss's)."""
     mode = standardize_mode(standardize)
     f = torch.as_tensor(features).float().cpu()
     y = torch.as_tensor(np.asarray(labels)).long()
-    if mode != "none": f = standardize_per_class(f, y, scale=mode == "mean_std")
+    if mode != "none":
+        f = standardize_per_class(f, y, scale=mode == "mean_std")
     if max_points_per_centroid is not None:
         return kmeans_subsampled(f, num_groups, niter, nredo, seed, max_points_per_centroid)
     return kmeans_assign(f, num_groups, niter=niter, nredo=nredo, seed=seed, normalize=False)
+
 
 def assign_to_centroids(features: torch.Tensor, centroids: torch.Tensor) -> np.ndarray:
     "Index of the nearest centroid (Euclidean) of every row: k-means' assignment step."
@@ -79,10 +114,15 @@ def early_stage(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     BN-Inception's stem up to the second pooling, the small CNN's first block."""
     stage = getattr(backbone, "early_stage", None)
     if stage is None:
-        raise ValueError(f"early features (MIC's first grouping) need a backbone with early_stage(x) (a dml_nb.blocks.models."
-                         f"Backbone), not {type(backbone).__name__}: define it, or set first_group_on='features' (or 'phi_star')")
-    try: return stage(x)
-    except NotImplementedError as e: raise ValueError(str(e)) from e
+        raise ValueError(
+            f"early features (MIC's first grouping) need a backbone with early_stage(x) (a dml_nb.blocks.models."
+            f"Backbone), not {type(backbone).__name__}: define it, or set first_group_on='features' (or 'phi_star')"
+        )
+    try:
+        return stage(x)
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from e
+
 
 def early_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """MIC's features for its first grouping: `early_stage`, average-pooled with MIC's window (18, stride 12 on

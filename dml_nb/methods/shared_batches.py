@@ -20,31 +20,54 @@ class GroupBatchSampler:
     `(indices, labels)` pairs, deterministic per (seed, epoch). `workers=W`: MIC's W data-loader workers under PyTorch
     1.0, which all start an epoch from the same numpy state: batch i (worker i mod W's (i // W)-th) has the group labels
     and swaps of every batch at the same position, only the images picked in the groups differ."""
-    def __init__(self, groups: Sequence[int], batch_size: int = 112, samples_per_group: int = 4,
-                 swap_probability: float = 0.2, batches_per_epoch: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, workers: int | None = None):
+
+    def __init__(
+        self,
+        groups: Sequence[int],
+        batch_size: int = 112,
+        samples_per_group: int = 4,
+        swap_probability: float = 0.2,
+        batches_per_epoch: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        workers: int | None = None,
+    ):
         groups = np.asarray(groups, dtype=np.int64)
         if samples_per_group < 1 or batch_size % samples_per_group:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of samples_per_group ({samples_per_group})")
-        if not 0 <= swap_probability <= 1: raise ValueError(f"swap_probability must be in [0, 1], got {swap_probability}")
-        if not 0 <= rank < world_size: raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if not 0 <= swap_probability <= 1:
+            raise ValueError(f"swap_probability must be in [0, 1], got {swap_probability}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if workers is not None and (not isinstance(workers, (int, np.integer)) or workers < 1):
-            raise ValueError(f"workers must be a number of data-loader workers >= 1, or None (every batch its own draws); got {workers!r}")
+            raise ValueError(
+                f"workers must be a number of data-loader workers >= 1, or None (every batch its own draws); got {workers!r}"
+            )
         self.workers = None if workers is None else int(workers)
         self.ids, self.sizes = np.unique(groups[groups >= 0], return_counts=True)
         if len(self.ids) < 3:
-            raise ValueError(f"group batches need at least 3 non-empty groups (a block's group differs from the two "
-                             f"before it), got {len(self.ids)}: use more groups (num_groups)")
+            raise ValueError(
+                f"group batches need at least 3 non-empty groups (a block's group differs from the two "
+                f"before it), got {len(self.ids)}: use more groups (num_groups)"
+            )
         order = np.argsort(groups, kind="stable")
-        self.members = order[groups[order] >= 0]                         # sample indices, grouped by group id
+        self.members = order[groups[order] >= 0]  # sample indices, grouped by group id
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.batch_size, self.samples_per_group, self.swap_probability = batch_size, samples_per_group, float(swap_probability)
+        self.batch_size, self.samples_per_group, self.swap_probability = (
+            batch_size,
+            samples_per_group,
+            float(swap_probability),
+        )
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
         total = batches_per_epoch * world_size if batches_per_epoch else len(groups) // batch_size
         self.batches_per_epoch = max(1, total // world_size)
 
-    def set_epoch(self, epoch: int) -> None: self.epoch = epoch
-    def __len__(self) -> int: return self.batches_per_epoch
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
 
     def block_groups(self, n: int, rng: np.random.Generator) -> np.ndarray:
         "A chain of `n` group positions (0..G-1): the first uniform, each next uniform over all but the previous two."
@@ -54,8 +77,9 @@ class GroupBatchSampler:
         for i in range(1, n):
             excluded = sorted({int(chain[i - 1]), int(chain[max(i - 2, 0)])})
             r = int(u[i] * (G - len(excluded)))
-            for e in excluded:                                          # the r-th group that is not excluded
-                if r >= e: r += 1
+            for e in excluded:  # the r-th group that is not excluded
+                if r >= e:
+                    r += 1
             chain[i] = r
         return chain
 
@@ -64,34 +88,42 @@ class GroupBatchSampler:
         epoch = self.epoch if epoch is None else epoch
         rng = np.random.default_rng([self.seed, epoch])
         n_batches = self.batches_per_epoch * self.world_size
-        drawn = n_batches if self.workers is None else -(-n_batches // self.workers)   # batches with draws of their own
+        drawn = n_batches if self.workers is None else -(-n_batches // self.workers)  # batches with draws of their own
         blocks = self.block_groups(drawn * (self.batch_size // self.samples_per_group), rng)
         label = np.repeat(blocks, self.samples_per_group)
         swap = rng.random(len(label)) < self.swap_probability
         swap_to = rng.integers(0, len(self.ids), size=len(label))
-        if self.workers is not None:                                    # the workers' shared numpy stream, replayed
+        if self.workers is not None:  # the workers' shared numpy stream, replayed
             at = np.arange(n_batches) // self.workers
             label, swap, swap_to = (a.reshape(drawn, -1)[at].reshape(-1) for a in (label, swap, swap_to))
         source = np.where(swap, swap_to, label)
         pick = (rng.random(len(label)) * self.sizes[source]).astype(np.int64)
         index = self.members[self.starts[source] + pick].reshape(n_batches, -1)
         label = self.ids[label].reshape(n_batches, -1)
-        return [(i.tolist(), l.tolist()) for i, l in zip(index, label)][self.rank::self.world_size]
+        return [(i.tolist(), l.tolist()) for i, l in zip(index, label)][self.rank :: self.world_size]
 
-    def __iter__(self): return (b for b, _ in self.batches())
-    def state_dict(self) -> dict: return {"seed": self.seed, "epoch": self.epoch}
-    def load_state_dict(self, state: dict) -> None: self.seed, self.epoch = state["seed"], state["epoch"]
+    def __iter__(self):
+        return (b for b, _ in self.batches())
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch = state["seed"], state["epoch"]
 
 # %% ../../nbs/53_shared_batches.ipynb #7c3e0b02
-DISCRIMINATIVE, SHARED = 0, 1     # batch tags: which update of an iteration a batch is for
+DISCRIMINATIVE, SHARED = 0, 1  # batch tags: which update of an iteration a batch is for
+
 
 class SharingSampler(torch.utils.data.Sampler):
     """Algorithm 1's iterations: for each batch of the run's sampler (`base`) a discriminative update (tag 0), then,
     with probability `shared_probability`, a shared update on a batch of its own from `shared` (tag 1). Without a
     discriminative task (`discriminative=False`) every iteration is one shared update. The coin flips are seeded by
     (`seed`, epoch), the same on every process."""
+
     def __init__(self, base, shared=None, shared_probability: float = 1.0, seed: int = 0, discriminative: bool = True):
-        if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
+        if not 0 <= shared_probability <= 1:
+            raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
         self.base, self.shared, self.shared_probability = base, shared, float(shared_probability)
         self.seed, self.discriminative, self.epoch = seed, bool(discriminative), getattr(base, "epoch", 0)
         self._labels, self._labels_epoch = {}, None
@@ -99,30 +131,38 @@ class SharingSampler(torch.utils.data.Sampler):
     def use_shared(self, shared) -> None:
         "Draw the shared batches from `shared` from now on (e.g. group batches after a regrouping)."
         self.shared = shared
-        if shared is not None and hasattr(shared, "set_epoch"): shared.set_epoch(self.epoch)
+        if shared is not None and hasattr(shared, "set_epoch"):
+            shared.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch; self.base.set_epoch(epoch)
-        if self.shared is not None and hasattr(self.shared, "set_epoch"): self.shared.set_epoch(epoch)
+        self.epoch = epoch
+        self.base.set_epoch(epoch)
+        if self.shared is not None and hasattr(self.shared, "set_epoch"):
+            self.shared.set_epoch(epoch)
 
     def batches(self, epoch: int | None = None) -> list:
         "`(tag, indices)` for every update of the epoch, in order."
         epoch = self.epoch if epoch is None else epoch
         base = self.base.batches(epoch)
         if self.shared is None:
-            if not self.discriminative: raise RuntimeError("a SharingSampler without a discriminative task needs a shared stream (use_shared)")
+            if not self.discriminative:
+                raise RuntimeError("a SharingSampler without a discriminative task needs a shared stream (use_shared)")
             return [(DISCRIMINATIVE, b) for b in base]
         shared = self.shared.batches(epoch)
         if len(shared) < len(base):
-            raise RuntimeError(f"the shared stream has {len(shared)} batches for the {len(base)} iterations of epoch {epoch}")
+            raise RuntimeError(
+                f"the shared stream has {len(shared)} batches for the {len(base)} iterations of epoch {epoch}"
+            )
         take = np.ones(len(base), dtype=bool)
         if self.discriminative and self.shared_probability < 1:
             take = np.random.default_rng([self.seed, epoch]).random(len(base)) < self.shared_probability
         out, labels = [], {}
         for b, s, t in zip(base, shared, take):
-            if self.discriminative: out.append((DISCRIMINATIVE, b))
+            if self.discriminative:
+                out.append((DISCRIMINATIVE, b))
             if t:
-                if isinstance(s, tuple): s, labels[len(out)] = s    # group batches carry their items' labels
+                if isinstance(s, tuple):
+                    s, labels[len(out)] = s  # group batches carry their items' labels
                 out.append((SHARED, s))
         self._labels, self._labels_epoch = labels, epoch
         return out
@@ -131,7 +171,14 @@ class SharingSampler(torch.utils.data.Sampler):
         "The item labels that the shared stream gave the batch at position `step` of `epoch` (None: it gave none)."
         return self._labels.get(step) if epoch == self._labels_epoch else None
 
-    def __len__(self) -> int: return len(self.batches())
-    def __iter__(self): return (b for _, b in self.batches())
-    def state_dict(self) -> dict: return self.base.state_dict()
-    def load_state_dict(self, state: dict) -> None: self.base.load_state_dict(state)
+    def __len__(self) -> int:
+        return len(self.batches())
+
+    def __iter__(self):
+        return (b for _, b in self.batches())
+
+    def state_dict(self) -> dict:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base.load_state_dict(state)

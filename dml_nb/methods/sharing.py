@@ -32,6 +32,7 @@ UPDATES = ("algorithm1", "alternate", "joint")
 GROUP_ON = ("features", "phi_star", "early")
 SHARED_BATCHES = ("class_balanced", "groups")
 
+
 def has_proxies(loss) -> bool:
     """True for a proxy loss (a `ProxyLoss`: an instance, a class or a registered name), which cannot train on
     inter-class triplets. Read from the class's `uses_proxies`, not by `issubclass`: a notebook that defines the loss
@@ -39,22 +40,29 @@ def has_proxies(loss) -> bool:
     cls = LOSSES.get(loss) if isinstance(loss, str) else loss if isinstance(loss, type) else type(loss)
     return bool(getattr(cls, "uses_proxies", False))
 
+
 def shared_miner(sampling: str, sampler: str):
     "The miner of the shared task for a Table 8 setup (`sampling`) and sampler."
     if sampling == "no_constraint":
         if sampler != "random":
-            raise ValueError(f"shared_sampling='no_constraint' samples triplets at random; shared_sampler={sampler!r} "
-                             "does not apply (use shared_sampler='random' or leave it unset)")
+            raise ValueError(
+                f"shared_sampling='no_constraint' samples triplets at random; shared_sampler={sampler!r} "
+                "does not apply (use shared_sampler='random' or leave it unset)"
+            )
         return MINERS.build("unconstrained")
     if sampling in ("tg_std", "tg_nostd"):
-        return MINERS.build("grouping", miner={"distance": "distance_weighted", "semihard": "semihard",
-                                               "random": "random"}[sampler])
+        return MINERS.build(
+            "grouping", miner={"distance": "distance_weighted", "semihard": "semihard", "random": "random"}[sampler]
+        )
     positive = "nearest" if sampling == "min_dap" else None
-    if positive is None: positive = "random" if sampler == "semihard" else sampler
+    if positive is None:
+        positive = "random" if sampler == "semihard" else sampler
     return MINERS.build("shared", positive=positive, negative=sampler)
+
 
 class GroupTask(Task):
     "The shared task of T^G: labels are the samples' group ids (`batch['shared_group']`), mined by `MINERS['grouping']`."
+
     def mine(self, embeddings, labels, batch):
         return self.miner(embeddings, batch["y"], groups=labels)
 
@@ -62,94 +70,190 @@ class GroupTask(Task):
 @METHODS.register("sharing")
 class SharingMatters(MultiTaskMethod):
     "Discriminative head phi + shared head phi_star, Algorithm 1's two updates per iteration, adversarial decorrelation."
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, *, embedding_dim: int = 128,
-                 shared_dim: int | None = None, architecture: str = "separate_decorrelated",
-                 shared_sampling: str = "tstar", shared_sampler: str | None = None, gamma: float = 500.0,
-                 updates: str = "algorithm1", shared_probability: float = 1.0, loss: str = "margin",
-                 loss_options: Mapping | None = None, miner: Any = "auto", miner_options: Mapping | None = None,
-                 num_groups: int = 30, regroup_every: int = 4, group_on: str = "phi_star",
-                 first_group_on: str | None = "early", standardize: str | None = None,
-                 regroup_standardize: str = "none", shared_batches: str | None = None,
-                 group_swap_probability: float = 0.2, rematch_groups: bool = False, embed: str = "concat",
-                 regressor_hidden_dim: int = 512, regressor_lr: float | None = None,
-                 regressor_weight_decay: float = 1e-6, kmeans_iterations: int = 20, kmeans_redo: int = 1,
-                 shared_flip: bool = True, kmeans_max_points_per_centroid: int | None = None,
-                 group_batch_workers: int | None = None):
-        grouping = shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"   # a shared task on groups
-        if shared_batches is None: shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
-        for name, value, valid in (("architecture", architecture, ARCHITECTURES), ("updates", updates, UPDATES),
-                                   ("shared_sampling", shared_sampling, SHARED_SAMPLINGS), ("embed", embed, EMBEDS),
-                                   ("group_on", group_on, GROUP_ON[:2]), ("shared_batches", shared_batches, SHARED_BATCHES)):
-            if value not in valid: raise unknown_name_error(f"{name} value", value, valid)
-        if first_group_on is not None and first_group_on not in GROUP_ON: raise unknown_name_error("first_group_on value", first_group_on, GROUP_ON)
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        train_labels=None,
+        *,
+        embedding_dim: int = 128,
+        shared_dim: int | None = None,
+        architecture: str = "separate_decorrelated",
+        shared_sampling: str = "tstar",
+        shared_sampler: str | None = None,
+        gamma: float = 500.0,
+        updates: str = "algorithm1",
+        shared_probability: float = 1.0,
+        loss: str = "margin",
+        loss_options: Mapping | None = None,
+        miner: Any = "auto",
+        miner_options: Mapping | None = None,
+        num_groups: int = 30,
+        regroup_every: int = 4,
+        group_on: str = "phi_star",
+        first_group_on: str | None = "early",
+        standardize: str | None = None,
+        regroup_standardize: str = "none",
+        shared_batches: str | None = None,
+        group_swap_probability: float = 0.2,
+        rematch_groups: bool = False,
+        embed: str = "concat",
+        regressor_hidden_dim: int = 512,
+        regressor_lr: float | None = None,
+        regressor_weight_decay: float = 1e-6,
+        kmeans_iterations: int = 20,
+        kmeans_redo: int = 1,
+        shared_flip: bool = True,
+        kmeans_max_points_per_centroid: int | None = None,
+        group_batch_workers: int | None = None,
+    ):
+        grouping = (
+            shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"
+        )  # a shared task on groups
+        if shared_batches is None:
+            shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
+        for name, value, valid in (
+            ("architecture", architecture, ARCHITECTURES),
+            ("updates", updates, UPDATES),
+            ("shared_sampling", shared_sampling, SHARED_SAMPLINGS),
+            ("embed", embed, EMBEDS),
+            ("group_on", group_on, GROUP_ON[:2]),
+            ("shared_batches", shared_batches, SHARED_BATCHES),
+        ):
+            if value not in valid:
+                raise unknown_name_error(f"{name} value", value, valid)
+        if first_group_on is not None and first_group_on not in GROUP_ON:
+            raise unknown_name_error("first_group_on value", first_group_on, GROUP_ON)
         proxies = has_proxies(loss)
         if shared_sampler is None:
             shared_sampler = "random" if shared_sampling == "no_constraint" else "semihard" if proxies else "distance"
-        if shared_sampler not in SHARED_SAMPLERS: raise unknown_name_error("shared_sampler", shared_sampler, SHARED_SAMPLERS)
-        if gamma < 0: raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
-        if regroup_every < 1: raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
+        if shared_sampler not in SHARED_SAMPLERS:
+            raise unknown_name_error("shared_sampler", shared_sampler, SHARED_SAMPLERS)
+        if gamma < 0:
+            raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
+        if regroup_every < 1:
+            raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
         if group_batch_workers is not None and group_batch_workers < 1:
-            raise ValueError(f"group_batch_workers must be >= 1 or None (every shared batch its own draws), got {group_batch_workers}")
+            raise ValueError(
+                f"group_batch_workers must be >= 1 or None (every shared batch its own draws), got {group_batch_workers}"
+            )
         if kmeans_max_points_per_centroid is not None and kmeans_max_points_per_centroid < 1:
-            raise ValueError(f"kmeans_max_points_per_centroid must be >= 1 or None (every point), got {kmeans_max_points_per_centroid}")
-        if not 0 <= shared_probability <= 1: raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
+            raise ValueError(
+                f"kmeans_max_points_per_centroid must be >= 1 or None (every point), got {kmeans_max_points_per_centroid}"
+            )
+        if not 0 <= shared_probability <= 1:
+            raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
         if not isinstance(shared_flip, bool):
             raise TypeError(f"shared_flip is true or false (YAML: shared_flip: false), got {shared_flip!r}")
         if not shared_flip and updates != "algorithm1":
-            raise ValueError(f"shared_flip=False trains the shared updates' own batches unflipped; updates={updates!r} has "
-                             "no batches of their own: use updates='algorithm1'")
+            raise ValueError(
+                f"shared_flip=False trains the shared updates' own batches unflipped; updates={updates!r} has "
+                "no batches of their own: use updates='algorithm1'"
+            )
         if shared_probability < 1 and updates != "algorithm1":
-            raise ValueError(f"shared_probability < 1 skips shared updates of Algorithm 1's iterations; updates={updates!r} "
-                             "has no iterations: use updates='algorithm1'")
-        if regressor_lr is not None and not regressor_lr > 0: raise ValueError(f"regressor_lr must be > 0 or None (the run's lr), got {regressor_lr}")
-        if grouping and num_groups < 2: raise ValueError(f"num_groups must be >= 2 for {shared_sampling!r}, got {num_groups}")
+            raise ValueError(
+                f"shared_probability < 1 skips shared updates of Algorithm 1's iterations; updates={updates!r} "
+                "has no iterations: use updates='algorithm1'"
+            )
+        if regressor_lr is not None and not regressor_lr > 0:
+            raise ValueError(f"regressor_lr must be > 0 or None (the run's lr), got {regressor_lr}")
+        if grouping and num_groups < 2:
+            raise ValueError(f"num_groups must be >= 2 for {shared_sampling!r}, got {num_groups}")
         if grouping and train_labels is None:
             raise ValueError(f"shared_sampling={shared_sampling!r} groups the training set: pass train_labels")
         if shared_batches == "groups" and not (grouping and updates == "algorithm1"):
-            raise ValueError("shared_batches='groups' draws the shared update's batch from the T^G groups: it needs "
-                             "shared_sampling 'tg_std' or 'tg_nostd' and updates='algorithm1'")
+            raise ValueError(
+                "shared_batches='groups' draws the shared update's batch from the T^G groups: it needs "
+                "shared_sampling 'tg_std' or 'tg_nostd' and updates='algorithm1'"
+            )
         if group_batch_workers is not None and shared_batches != "groups":
-            raise ValueError(f"group_batch_workers replays MIC's data-loader workers of the group batches; shared_batches="
-                             f"{shared_batches!r} has none: use shared_batches='groups' or leave group_batch_workers unset")
-        if standardize is None: standardize = "mean" if shared_sampling == "tg_std" else "none"
+            raise ValueError(
+                f"group_batch_workers replays MIC's data-loader workers of the group batches; shared_batches="
+                f"{shared_batches!r} has none: use shared_batches='groups' or leave group_batch_workers unset"
+            )
+        if standardize is None:
+            standardize = "mean" if shared_sampling == "tg_std" else "none"
         standardize, regroup_standardize = standardize_mode(standardize), standardize_mode(regroup_standardize)
         if shared_sampling == "tg_nostd" and (standardize != "none" or regroup_standardize != "none"):
-            raise ValueError(f"shared_sampling='tg_nostd' groups without standardisation; standardize={standardize!r}, "
-                             f"regroup_standardize={regroup_standardize!r} contradict it (use shared_sampling='tg_std')")
+            raise ValueError(
+                f"shared_sampling='tg_nostd' groups without standardisation; standardize={standardize!r}, "
+                f"regroup_standardize={regroup_standardize!r} contradict it (use shared_sampling='tg_std')"
+            )
         shared_dim = embedding_dim if shared_dim is None else shared_dim
-        heads = {"discriminative": {"phi": embedding_dim}, "shared": {"phi_star": shared_dim},
-                 "one_head": {"phi": embedding_dim}}.get(architecture, {"phi": embedding_dim, "phi_star": shared_dim})
+        heads = {
+            "discriminative": {"phi": embedding_dim},
+            "shared": {"phi_star": shared_dim},
+            "one_head": {"phi": embedding_dim},
+        }.get(architecture, {"phi": embedding_dim, "phi_star": shared_dim})
         if embed != "concat" and embed not in heads:
             raise ValueError(f"embed={embed!r} but architecture={architecture!r} has only the head(s) {list(heads)}")
         shared_head = "phi" if architecture == "one_head" else "phi_star"
         tasks = []
         if architecture != "shared":
-            tasks.append(Task("discriminative", "phi", loss, loss_options, miner, miner_options,
-                              num_classes=num_classes, embedding_dim=embedding_dim))
+            tasks.append(
+                Task(
+                    "discriminative",
+                    "phi",
+                    loss,
+                    loss_options,
+                    miner,
+                    miner_options,
+                    num_classes=num_classes,
+                    embedding_dim=embedding_dim,
+                )
+            )
         if architecture != "discriminative":
             s_loss, s_opts = ("triplet", None) if proxies else (loss, loss_options)
             s_classes = num_groups if grouping else num_classes
             cls = GroupTask if grouping else Task
-            tasks.append(cls("shared", shared_head, s_loss, s_opts, shared_miner(shared_sampling, shared_sampler),
-                             labels="shared_group" if grouping else "y", num_classes=s_classes,
-                             embedding_dim=heads[shared_head]))
+            tasks.append(
+                cls(
+                    "shared",
+                    shared_head,
+                    s_loss,
+                    s_opts,
+                    shared_miner(shared_sampling, shared_sampler),
+                    labels="shared_group" if grouping else "y",
+                    num_classes=s_classes,
+                    embedding_dim=heads[shared_head],
+                )
+            )
         pairs = [("phi_star", "phi", float(gamma))] if architecture == "separate_decorrelated" else []
-        super().__init__(backbone, heads, tasks, pairs, decorrelation_hidden_dim=regressor_hidden_dim,
-                         decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr,   # None: set in param_groups
-                         decorrelation_weight_decay=regressor_weight_decay)
+        super().__init__(
+            backbone,
+            heads,
+            tasks,
+            pairs,
+            decorrelation_hidden_dim=regressor_hidden_dim,
+            decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr,  # None: set in param_groups
+            decorrelation_weight_decay=regressor_weight_decay,
+        )
         self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
-        self.updates, self.shared_probability = updates, float(shared_probability)   # gamma: the weight of `pairs`
+        self.updates, self.shared_probability = updates, float(shared_probability)  # gamma: the weight of `pairs`
         self.shared_flip = shared_flip
         self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
         self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
-        self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = num_groups, regroup_every, kmeans_iterations, kmeans_redo
-        self.kmeans_max_points_per_centroid, self.group_batch_workers = kmeans_max_points_per_centroid, group_batch_workers
+        self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = (
+            num_groups,
+            regroup_every,
+            kmeans_iterations,
+            kmeans_redo,
+        )
+        self.kmeans_max_points_per_centroid, self.group_batch_workers = (
+            kmeans_max_points_per_centroid,
+            group_batch_workers,
+        )
         self.group_on, self.first_group_on = group_on, (group_on if first_group_on is None else first_group_on)
-        self.standardize, self.regroup_standardize, self.rematch_groups = standardize, regroup_standardize, bool(rematch_groups)
+        self.standardize, self.regroup_standardize, self.rematch_groups = (
+            standardize,
+            regroup_standardize,
+            bool(rematch_groups),
+        )
         self.shared_batches, self.group_swap_probability = shared_batches, float(group_swap_probability)
         self.train_labels = None if train_labels is None else np.asarray(train_labels, dtype=np.int64)
         n = len(self.train_labels) if grouping else 0
-        self.register_buffer("groups", torch.full((n,), -1, dtype=torch.long))     # T^G group id of every sample
+        self.register_buffer("groups", torch.full((n,), -1, dtype=torch.long))  # T^G group id of every sample
         self.register_buffer("grouped_epoch", torch.tensor(-1))
         self.cluster_dataset = None
         self._sampler, self._seed = None, 0
@@ -158,18 +262,22 @@ class SharingMatters(MultiTaskMethod):
     def tasks_for_step(self, step: int) -> list[Task]:
         "updates='alternate': the discriminative task on even steps, the shared one on odd steps; 'joint': both."
         tasks = list(self.tasks.values())
-        if self.updates != "alternate" or len(tasks) == 1: return tasks
+        if self.updates != "alternate" or len(tasks) == 1:
+            return tasks
         return [tasks[step % 2]]
 
     def tasks_for_batch(self, batch: Mapping) -> list[Task]:
         "updates='algorithm1': the task named by the batch's tag (`SharingSampler`); otherwise `tasks_for_step`."
         tasks = list(self.tasks.values())
-        if self.updates != "algorithm1" or len(tasks) == 1: return self.tasks_for_step(self._steps)
+        if self.updates != "algorithm1" or len(tasks) == 1:
+            return self.tasks_for_step(self._steps)
         tag = batch.get("group")
         if tag not in (DISCRIMINATIVE, SHARED):
-            raise RuntimeError(f"updates='algorithm1' trains the task named by batch['group'] (0: discriminative, 1: "
-                               f"shared), got {tag!r}: train under the Learner (the recipe installs its SharingSampler "
-                               "at fit start) or set batch['group']")
+            raise RuntimeError(
+                f"updates='algorithm1' trains the task named by batch['group'] (0: discriminative, 1: "
+                f"shared), got {tag!r}: train under the Learner (the recipe installs its SharingSampler "
+                "at fit start) or set batch['group']"
+            )
         return [self.tasks["discriminative" if tag == DISCRIMINATIVE else "shared"]]
 
     def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
@@ -177,7 +285,8 @@ class SharingMatters(MultiTaskMethod):
         groups = super().param_groups(lr, weight_decay)
         if self.regressor_lr is None:
             for g in groups:
-                if g["name"].startswith("decorrelations."): g["lr"] = lr
+                if g["name"].startswith("decorrelations."):
+                    g["lr"] = lr
         return groups
 
     def flips(self, group) -> bool:
@@ -187,16 +296,21 @@ class SharingMatters(MultiTaskMethod):
     def training_step(self, batch: dict) -> dict:
         if self.grouping:
             if bool((self.groups < 0).any()):
-                raise RuntimeError("the T^G groups are not computed yet: they are made at the start of each epoch "
-                                   "by the Learner (or call method.regroup(learner))")
+                raise RuntimeError(
+                    "the T^G groups are not computed yet: they are made at the start of each epoch "
+                    "by the Learner (or call method.regroup(learner))"
+                )
             labels = None
             if self._sampler is not None and batch.get("group") == SHARED and "epoch" in batch:
                 labels = self._sampler.labels(batch["epoch"], batch["step"])
-            labels = (self.groups[batch["index"].to(self.groups.device)] if labels is None
-                      else torch.as_tensor(labels, dtype=torch.long))
+            labels = (
+                self.groups[batch["index"].to(self.groups.device)]
+                if labels is None
+                else torch.as_tensor(labels, dtype=torch.long)
+            )
             batch = {**batch, "shared_group": labels.to(batch["y"].device)}
         out = super().training_step(batch)
-        if self.grouping and self.tasks["shared"] in self.tasks_for_batch(batch):   # anchors with a same-group partner
+        if self.grouping and self.tasks["shared"] in self.tasks_for_batch(batch):  # anchors with a same-group partner
             y = batch[self.tasks["shared"].labels]
             out["positives/shared"] = ((y[:, None] == y[None]).sum(1) > 1).float().mean().detach()
         return out
@@ -205,7 +319,8 @@ class SharingMatters(MultiTaskMethod):
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "The headline embedding (`embed` option) first, then every head."
         out = super().embed(x)
-        if len(out) == 1: return out
+        if len(out) == 1:
+            return out
         return {self.embed_name: out[self.embed_name], **{k: v for k, v in out.items() if k != self.embed_name}}
 
     def records(self, ctx) -> dict:
@@ -219,8 +334,10 @@ class SharingMatters(MultiTaskMethod):
     @torch.no_grad()
     def grouping_features(self, ctx, on: str) -> torch.Tensor:
         "What is clustered, over the training set with test transforms: 'features' (f), 'phi_star' or 'early' (MIC)."
-        fn = {"features": lambda x: {"features": self.features(x).float()},
-              "early": lambda x: {"features": early_features(self.model.backbone, x)}}.get(on)
+        fn = {
+            "features": lambda x: {"features": self.features(x).float()},
+            "early": lambda x: {"features": early_features(self.model.backbone, x)},
+        }.get(on)
         out, _ = ctx.embed(self.cluster_dataset if self.cluster_dataset is not None else ctx.train_eval_set, fn)
         return out["features"] if on != "phi_star" else out[self.shared_head]
 
@@ -229,80 +346,151 @@ class SharingMatters(MultiTaskMethod):
         "Recompute the T^G groups: k-means of the standardised grouping features of the training set."
         first = int(self.grouped_epoch) < 0
         feats = self.grouping_features(ctx, self.first_group_on if first else self.group_on)
-        new = group_samples(feats, self.train_labels, self.num_groups, self.standardize if first else self.regroup_standardize,
-                            seed=ctx.seed("sharing/regroup", ctx.epoch), niter=self.kmeans_iterations,
-                            nredo=self.kmeans_redo, max_points_per_centroid=self.kmeans_max_points_per_centroid)
+        new = group_samples(
+            feats,
+            self.train_labels,
+            self.num_groups,
+            self.standardize if first else self.regroup_standardize,
+            seed=ctx.seed("sharing/regroup", ctx.epoch),
+            niter=self.kmeans_iterations,
+            nredo=self.kmeans_redo,
+            max_points_per_centroid=self.kmeans_max_points_per_centroid,
+        )
         prev = self.groups.cpu().numpy()
-        if self.rematch_groups and (prev >= 0).all(): new = match_clusters(prev, new, self.num_groups)   # ids (and betas) stay
+        if self.rematch_groups and (prev >= 0).all():
+            new = match_clusters(prev, new, self.num_groups)  # ids (and betas) stay
         self.groups.copy_(torch.from_numpy(new))
         self.grouped_epoch.fill_(ctx.epoch)
 
     def _group_batches(self, ctx):
         "The shared stream of `shared_batches='groups'`, from the current groups, shaped like the run's batches."
         base = ctx.run_sampler
-        return GroupBatchSampler(self.groups.cpu().numpy(), ctx.batch_size, ctx.samples_per_class,
-                                 self.group_swap_probability, batches_per_epoch=len(base), seed=stream_seed(self._seed, "sharing/shared-batches"),
-                                 rank=base.rank, world_size=base.world_size, workers=self.group_batch_workers)
+        return GroupBatchSampler(
+            self.groups.cpu().numpy(),
+            ctx.batch_size,
+            ctx.samples_per_class,
+            self.group_swap_probability,
+            batches_per_epoch=len(base),
+            seed=stream_seed(self._seed, "sharing/shared-batches"),
+            rank=base.rank,
+            world_size=base.world_size,
+            workers=self.group_batch_workers,
+        )
 
     def on_fit_start(self, ctx) -> None:
         super().on_fit_start(ctx)
         if self.grouping and len(ctx.train_dataset) != len(self.train_labels):
-            raise ValueError(f"sharing was built with {len(self.train_labels)} train_labels but the training set has "
-                             f"{len(ctx.train_dataset)} items")
+            raise ValueError(
+                f"sharing was built with {len(self.train_labels)} train_labels but the training set has "
+                f"{len(ctx.train_dataset)} items"
+            )
         self._seed = ctx.run_seed
-        if self.updates != "algorithm1": return
+        if self.updates != "algorithm1":
+            return
         if not isinstance(ctx.sampler, SharingSampler):
             base = ctx.sampler
             if not isinstance(base, ClassBalancedBatchSampler):
-                raise TypeError(f"updates='algorithm1' draws each iteration's shared batch from a second stream like the "
-                                f"run's sampler, which must be a ClassBalancedBatchSampler, got {type(base).__name__}")
+                raise TypeError(
+                    f"updates='algorithm1' draws each iteration's shared batch from a second stream like the "
+                    f"run's sampler, which must be a ClassBalancedBatchSampler, got {type(base).__name__}"
+                )
             shared = None
             if "shared" in self.tasks and self.shared_batches == "class_balanced":
-                shared = ClassBalancedBatchSampler(base.labels, ctx.batch_size, ctx.samples_per_class,
-                                                   batches_per_epoch=base.batches_per_epoch, seed=stream_seed(base.seed, "sharing/shared-batches"),
-                                                   rank=base.rank, world_size=base.world_size)
-            ctx.use_sampler(SharingSampler(base, shared, self.shared_probability, seed=ctx.seed("sharing/coin"),
-                                             discriminative="discriminative" in self.tasks))
+                shared = ClassBalancedBatchSampler(
+                    base.labels,
+                    ctx.batch_size,
+                    ctx.samples_per_class,
+                    batches_per_epoch=base.batches_per_epoch,
+                    seed=stream_seed(base.seed, "sharing/shared-batches"),
+                    rank=base.rank,
+                    world_size=base.world_size,
+                )
+            ctx.use_sampler(
+                SharingSampler(
+                    base,
+                    shared,
+                    self.shared_probability,
+                    seed=ctx.seed("sharing/coin"),
+                    discriminative="discriminative" in self.tasks,
+                )
+            )
         self._sampler = ctx.sampler
         if self.shared_batches == "groups" and bool((self.groups >= 0).all()) and len(self.groups):
-            self._sampler.use_shared(self._group_batches(ctx))     # a resumed run: the groups of its checkpoint
+            self._sampler.use_shared(self._group_batches(ctx))  # a resumed run: the groups of its checkpoint
 
     def on_epoch_start(self, ctx) -> None:
         super().on_epoch_start(ctx)
         if self.grouping and (int(self.grouped_epoch) < 0 or ctx.epoch - int(self.grouped_epoch) >= self.regroup_every):
             self.regroup(ctx)
-            if self.shared_batches == "groups" and self._sampler is not None: self._sampler.use_shared(self._group_batches(ctx))
+            if self.shared_batches == "groups" and self._sampler is not None:
+                self._sampler.use_shared(self._group_batches(ctx))
 
     def group_records(self, epoch: int) -> dict:
         "Fig. 4: mean (and min / max) number of unique classes per non-empty group; whether the groups were recomputed."
-        if not self.grouping or bool((self.groups < 0).any()): return {}
+        if not self.grouping or bool((self.groups < 0).any()):
+            return {}
         sizes, classes = cluster_statistics(self.groups.cpu().numpy(), self.train_labels, self.num_groups)
         classes = classes[sizes > 0]
-        return {"sharing/unique_classes_per_group": float(classes.mean()), "sharing/min_classes_per_group": int(classes.min()),
-                "sharing/max_classes_per_group": int(classes.max()), "sharing/groups": int((sizes > 0).sum()),
-                "sharing/regrouped": int(int(self.grouped_epoch) == epoch)}
+        return {
+            "sharing/unique_classes_per_group": float(classes.mean()),
+            "sharing/min_classes_per_group": int(classes.min()),
+            "sharing/max_classes_per_group": int(classes.max()),
+            "sharing/groups": int((sizes > 0).sum()),
+            "sharing/regrouped": int(int(self.grouped_epoch) == epoch),
+        }
 
 # %% ../../nbs/54_sharing.ipynb #4920a0f1
-SharingMatters.SMOKE = {"num_groups": 4, "kmeans_iterations": 5}   # smoke size (`repro.smoke`, nbdev_test); MIC inherits it
+SharingMatters.SMOKE = {
+    "num_groups": 4,
+    "kmeans_iterations": 5,
+}  # smoke size (`repro.smoke`, nbdev_test); MIC inherits it
 
 # %% ../../nbs/54_sharing.ipynb #8d4f1c03
 # T^G as the text reads (features f, mean-std standardised before every grouping), with dml_nb's earlier choices where
 # the text is silent (regroup every epoch, class-balanced shared batches, 5 k-means restarts, re-matched group ids)
-TG_PAPER_TEXT = dict(group_on="features", first_group_on=None, standardize="mean_std", regroup_standardize="mean_std",
-                     regroup_every=1, shared_batches="class_balanced", rematch_groups=True, kmeans_redo=5)
-MIC_DEFAULTS = dict(shared_sampling="tg_std", gamma=2500.0, shared_probability=0.8, embed="phi", standardize="mean",
-                    shared_batches="groups")
-PRESETS.register("sharing", "tg_paper_text", TG_PAPER_TEXT, "T^G as the paper's text reads (features f, mean-std "
-                 "standardised before every grouping); dml_nb's choices where the text is silent")
-PRESETS.register("sharing", "mic_code", MIC_DEFAULTS, "MIC's public code's defaults (the method `mic` is `sharing` with these)")
+TG_PAPER_TEXT = dict(
+    group_on="features",
+    first_group_on=None,
+    standardize="mean_std",
+    regroup_standardize="mean_std",
+    regroup_every=1,
+    shared_batches="class_balanced",
+    rematch_groups=True,
+    kmeans_redo=5,
+)
+MIC_DEFAULTS = dict(
+    shared_sampling="tg_std",
+    gamma=2500.0,
+    shared_probability=0.8,
+    embed="phi",
+    standardize="mean",
+    shared_batches="groups",
+)
+PRESETS.register(
+    "sharing",
+    "tg_paper_text",
+    TG_PAPER_TEXT,
+    "T^G as the paper's text reads (features f, mean-std "
+    "standardised before every grouping); dml_nb's choices where the text is silent",
+)
+PRESETS.register(
+    "sharing", "mic_code", MIC_DEFAULTS, "MIC's public code's defaults (the method `mic` is `sharing` with these)"
+)
+
 
 @METHODS.register("mic")
 class MIC(SharingMatters):
     """MIC (Roth, Brattoli, Ommer, ICCV 2019) as its public code trains it: `sharing` with the defaults in `MIC_DEFAULTS`.
     Its code's batches and gradient clearing are run settings that the paper files add: `shared_flip=False`,
     `train.sampler: mic`, `train.zero_grad: zeros` (the defaults stay dml_nb's, so earlier runs keep their meaning)."""
+
     def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, **options):
         super().__init__(backbone, num_classes, train_labels, **{**MIC_DEFAULTS, **options})
 
-MIC.__signature__ = inspect.signature(SharingMatters).replace(parameters=[
-    p.replace(default=MIC_DEFAULTS.get(p.name, p.default)) for p in inspect.signature(SharingMatters).parameters.values()])
+
+MIC.__signature__ = inspect.signature(SharingMatters).replace(
+    parameters=[
+        p.replace(default=MIC_DEFAULTS.get(p.name, p.default))
+        for p in inspect.signature(SharingMatters).parameters.values()
+    ]
+)

@@ -21,30 +21,40 @@ __all__ = ['Z', 'LEVEL', 'RULE', 'Verdict', 'Stat', 'critical', 'welch_df', 'Dif
            'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
-Z = 2.0   # the rule's level: a difference must clear what Z standard errors clear under a normal law...
-LEVEL = 0.5 * math.erfc(-Z / math.sqrt(2))   # ...one-sided 97.7 %; with few seeds Student's t at this level (`critical`)
+Z = 2.0  # the rule's level: a difference must clear what Z standard errors clear under a normal law...
+LEVEL = 0.5 * math.erfc(-Z / math.sqrt(2))  # ...one-sided 97.7 %; with few seeds Student's t at this level (`critical`)
 
-RULE = (f"**Rule.** A claim *holds* when the difference of the two means exceeds t standard errors "
-        "(SE = sqrt(s_a^2/n_a + s_b^2/n_b), s the std over the n seeds that ran; t = Student's t quantile at "
-        f"{100 * LEVEL:.1f} % for Welch's degrees of freedom, the level of {Z:g} SE under a normal law: 2.37 with five "
-        f"seeds a side, {Z:g} with many), *fails* when it is below -t SE, and is *unresolved* otherwise or when either "
-        "side has fewer than two seeds; *not tested* when a side did not run. A claim's margin is its difference over "
-        "t SE. A claim made of several comparisons holds when all hold and fails when any fails.")
+RULE = (
+    f"**Rule.** A claim *holds* when the difference of the two means exceeds t standard errors "
+    "(SE = sqrt(s_a^2/n_a + s_b^2/n_b), s the std over the n seeds that ran; t = Student's t quantile at "
+    f"{100 * LEVEL:.1f} % for Welch's degrees of freedom, the level of {Z:g} SE under a normal law: 2.37 with five "
+    f"seeds a side, {Z:g} with many), *fails* when it is below -t SE, and is *unresolved* otherwise or when either "
+    "side has fewer than two seeds; *not tested* when a side did not run. A claim's margin is its difference over "
+    "t SE. A claim made of several comparisons holds when all hold and fails when any fails."
+)
+
 
 class Verdict(str, Enum):
     "A claim's verdict. Deliberately not a boolean: combine with `all_hold`, flip with `negate`."
+
     HOLDS = "holds"
     FAILS = "fails"
     UNRESOLVED = "unresolved"
     NOT_TESTED = "not tested"
 
     def __bool__(self):
-        raise TypeError(f"Verdict {self.value!r} is not a boolean: combine verdicts with all_hold(...), flip one with "
-                        "negate(...), or compare it (verdict == Verdict.HOLDS)")
-    def __str__(self): return self.value
+        raise TypeError(
+            f"Verdict {self.value!r} is not a boolean: combine verdicts with all_hold(...), flip one with "
+            "negate(...), or compare it (verdict == Verdict.HOLDS)"
+        )
+
+    def __str__(self):
+        return self.value
+
 
 class Stat(NamedTuple):
     "A quantity measured over seeds: mean, standard deviation (NaN with one seed) and the number of seeds."
+
     mean: float
     std: float
     n: int
@@ -59,58 +69,80 @@ class Stat(NamedTuple):
 def _stat(x) -> Stat:
     return x if isinstance(x, Stat) else Stat.of(x)
 
+
 def critical(df: float) -> float:
     """How many SE a difference with `df` degrees of freedom must clear: Student's t at `LEVEL` (2.37 at 8 degrees,
     five seeds a side; `Z` for infinitely many). NaN for NaN."""
-    if math.isnan(df): return math.nan
-    if math.isinf(df): return Z
+    if math.isnan(df):
+        return math.nan
+    if math.isinf(df):
+        return Z
     from scipy.stats import t
+
     return float(t.ppf(LEVEL, df))
+
 
 def welch_df(a, b) -> float:
     "Welch-Satterthwaite degrees of freedom of the difference of the means of `a` and `b` (inf without spread; NaN below 2 seeds)."
     a, b = _stat(a), _stat(b)
-    if min(a.n, b.n) < 2: return math.nan
-    va, vb = a.std ** 2 / a.n, b.std ** 2 / b.n
-    den = (va ** 2 / (a.n - 1) if va else 0.0) + (vb ** 2 / (b.n - 1) if vb else 0.0)
+    if min(a.n, b.n) < 2:
+        return math.nan
+    va, vb = a.std**2 / a.n, b.std**2 / b.n
+    den = (va**2 / (a.n - 1) if va else 0.0) + (vb**2 / (b.n - 1) if vb else 0.0)
     return (va + vb) ** 2 / den if den > 0 else math.inf
+
 
 class Difference(tuple):
     """(difference of the means, its SE): a pair, as before; `df` its Welch degrees of freedom (`welch_df`),
     `threshold` what the rule asks it to clear (`critical(df)` SE) and `margin` the difference over that."""
+
     def __new__(cls, d: float, se: float, df: float = math.inf):
         self = super().__new__(cls, (d, se))
         self.df = df
         return self
+
     @property
-    def threshold(self) -> float: return critical(self.df) * self[1]
+    def threshold(self) -> float:
+        return critical(self.df) * self[1]
+
     @property
-    def margin(self) -> float: return self[0] / self.threshold if self.threshold > 0 else math.copysign(math.inf, self[0])
+    def margin(self) -> float:
+        return self[0] / self.threshold if self.threshold > 0 else math.copysign(math.inf, self[0])
+
 
 def difference(a, b) -> Difference:
     """(mean of `a` - mean of `b`, its standard error), with its degrees of freedom (`Difference`); `a`, `b` are
     `Stat`s or per-seed values. SE is NaN below 2 seeds."""
     a, b = _stat(a), _stat(b)
-    se = math.sqrt(a.std ** 2 / a.n + b.std ** 2 / b.n) if min(a.n, b.n) > 1 else math.nan
+    se = math.sqrt(a.std**2 / a.n + b.std**2 / b.n) if min(a.n, b.n) > 1 else math.nan
     return Difference(a.mean - b.mean, se, welch_df(a, b))
+
 
 def judge(a, b) -> Verdict:
     "Whether `a` is above `b` by the rule (`RULE`)."
     a, b = _stat(a), _stat(b)
-    if a.n == 0 or b.n == 0: return Verdict.NOT_TESTED
+    if a.n == 0 or b.n == 0:
+        return Verdict.NOT_TESTED
     diff = difference(a, b)
     d, se = diff
-    if math.isnan(se): return Verdict.UNRESOLVED
-    if d > diff.threshold: return Verdict.HOLDS
-    if d < -diff.threshold: return Verdict.FAILS
+    if math.isnan(se):
+        return Verdict.UNRESOLVED
+    if d > diff.threshold:
+        return Verdict.HOLDS
+    if d < -diff.threshold:
+        return Verdict.FAILS
     return Verdict.UNRESOLVED
+
 
 def all_hold(verdicts: Iterable[Verdict]) -> Verdict:
     "A claim made of several comparisons: holds when every tested one holds, fails when any fails, else unresolved."
     vs = [v for v in verdicts if v != Verdict.NOT_TESTED]
-    if not vs: return Verdict.NOT_TESTED
-    if any(v == Verdict.FAILS for v in vs): return Verdict.FAILS
+    if not vs:
+        return Verdict.NOT_TESTED
+    if any(v == Verdict.FAILS for v in vs):
+        return Verdict.FAILS
     return Verdict.HOLDS if all(v == Verdict.HOLDS for v in vs) else Verdict.UNRESOLVED
+
 
 def negate(v: Verdict) -> Verdict:
     "The verdict of the opposite claim ('A is not above B' holds when 'A is above B' fails)."
@@ -119,25 +151,31 @@ def negate(v: Verdict) -> Verdict:
 # %% ../../nbs/63_claims.ipynb #b527e2fb
 def stat(table: pd.DataFrame, row: str, metric: str = "R@1") -> Stat:
     "The `Stat` of `row` and `metric` in a `summarize` table (n = 0 when the row is missing or did not run)."
-    if row not in table.index or metric not in table or pd.isna(table.loc[row, metric]): return Stat(math.nan, math.nan, 0)
+    if row not in table.index or metric not in table or pd.isna(table.loc[row, metric]):
+        return Stat(math.nan, math.nan, 0)
     std = table.loc[row, f"{metric} std"] if f"{metric} std" in table else math.nan
     n = int(table.loc[row, "seeds"]) if "seeds" in table else 1
     return Stat(float(table.loc[row, metric]), float(std), n)
+
 
 def ran(table: pd.DataFrame, *rows: str, metric: str = "R@1") -> bool:
     "Whether every one of `rows` ran (has a value of `metric`)."
     return all(stat(table, r, metric).n > 0 for r in rows)
 
+
 def better(table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> Verdict:
     "Whether row `a` beats row `b` on `metric` of `table`, by the rule."
     return judge(stat(table, a, metric), stat(table, b, metric))
+
 
 def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
     "'name metric mean ± std' for the given rows and, for two rows, their difference ± SE, for a claim's detail."
     out = []
     for n in names:
         s = stat(table, n, metric)
-        out.append(f"{n} {metric} {'n/a' if s.n == 0 else f'{s.mean:.1f}'}" + ("" if math.isnan(s.std) else f" ± {s.std:.1f}"))
+        out.append(
+            f"{n} {metric} {'n/a' if s.n == 0 else f'{s.mean:.1f}'}" + ("" if math.isnan(s.std) else f" ± {s.std:.1f}")
+        )
     if len(names) == 2 and ran(table, *names, metric=metric):
         d, se = difference(stat(table, names[0], metric), stat(table, names[1], metric))
         out.append(f"difference {d:+.1f}" + ("" if math.isnan(se) else f" ± {se:.1f} SE"))
@@ -150,41 +188,50 @@ def resolvable(table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | N
     of seeds n (Welch's df for that: 2 (n - 1)). NaN where no row has two seeds."""
     names = list(table.index if rows is None else dict.fromkeys(rows))
     st = [s for s in (stat(table, r, metric) for r in names if r in table.index) if s.n > 1 and np.isfinite(s.std)]
-    if not st: return math.nan
-    spread = math.sqrt(np.mean([s.std ** 2 for s in st]))
+    if not st:
+        return math.nan
+    spread = math.sqrt(np.mean([s.std**2 for s in st]))
     n = float(np.median([s.n for s in st]))
     return critical(2 * (n - 1)) * spread * math.sqrt(2 / n)
 
 # %% ../../nbs/63_claims.ipynb #46917a4b
 _LABELS = {"nmi": "NMI", "map@r": "MAP@R"}
 
+
 def metric_label(name: str) -> str:
     "A metric's column in a results table ('recall@1' -> 'R@1', 'nmi' -> 'NMI'), as `repro.summarize` writes it."
     return _LABELS.get(name, name.replace("recall@", "R@"))
+
 
 def metric_key(label: str) -> str:
     "The per-seed column of a table's metric: the inverse of `metric_label` ('R@1' -> 'recall@1')."
     inverse = {v: k for k, v in _LABELS.items()}
     return inverse.get(label, label.replace("R@", "recall@") if label.startswith("R@") else label)
 
-def paired_difference(per_seed: pd.DataFrame, table: pd.DataFrame, a: str, b: str,
-                      metric: str = "R@1") -> tuple[float, float, int, float] | None:
+
+def paired_difference(
+    per_seed: pd.DataFrame, table: pd.DataFrame, a: str, b: str, metric: str = "R@1"
+) -> tuple[float, float, int, float] | None:
     """(mean of the per-seed differences `a` - `b` of `metric`, its SE, the number of seeds both ran, the differences'
     std) from `per_seed` (lines of row, seed, status and metrics, as `run_rows` returns), in the units of `table`.
     None where it cannot be paired: a row missing or run twice with one seed, fewer than two shared seeds, or a
     `table` not computed from these values (its unpaired difference differs)."""
     key = metric_key(metric)
-    if per_seed is None or key not in per_seed or "seed" not in per_seed: return None
+    if per_seed is None or key not in per_seed or "seed" not in per_seed:
+        return None
     vals = []
     for r in (a, b):
         g = per_seed[(per_seed["row"] == r) & (per_seed["status"] == "ok")]
-        if g.empty or g["seed"].duplicated().any(): return None
+        if g.empty or g["seed"].duplicated().any():
+            return None
         vals.append(g.set_index("seed")[key].astype(float))
-    if set(vals[0].index) != set(vals[1].index) or len(vals[0]) < 2: return None   # the table's n is every seed a row ran
+    if set(vals[0].index) != set(vals[1].index) or len(vals[0]) < 2:
+        return None  # the table's n is every seed a row ran
     d_raw = (vals[0] - vals[1].reindex(vals[0].index)).to_numpy()
     d_table = difference(stat(table, a, metric), stat(table, b, metric))[0]
     scale = next((s for s in (1.0, 100.0) if math.isclose(d_raw.mean() * s, d_table, rel_tol=1e-6, abs_tol=1e-9)), None)
-    if scale is None: return None
+    if scale is None:
+        return None
     d = d_raw * scale
     sd = float(d.std(ddof=1))
     return float(d.mean()), sd / math.sqrt(len(d)), len(d), sd
@@ -196,43 +243,84 @@ class Claims:
     difference beside ours; `per_seed` (the lines `run_rows` returns) adds each difference paired by seed and the
     runs' training time; `setting` (what ran) and `tasks` (whether each run's tasks were alive at the end) are
     sentences the claims file adds."""
-    def __init__(self, stem: str, figures_dir: str | Path, paper: pd.DataFrame | None = None,
-                 per_seed: pd.DataFrame | None = None, setting: str = "", tasks: str = ""):
+
+    def __init__(
+        self,
+        stem: str,
+        figures_dir: str | Path,
+        paper: pd.DataFrame | None = None,
+        per_seed: pd.DataFrame | None = None,
+        setting: str = "",
+        tasks: str = "",
+    ):
         self.stem, self.figures_dir, self.paper, self.items, self.spread = stem, Path(figures_dir), paper, [], {}
         self.setting, self.tasks = setting, tasks
-        self.per_seed, self.paired_spread = per_seed, {}   # per-seed values: the difference paired by seed, reported beside
+        self.per_seed, self.paired_spread = (
+            per_seed,
+            {},
+        )  # per-seed values: the difference paired by seed, reported beside
 
-    def check(self, claim: str, verdict: Verdict | None, detail: str = "", difference: tuple[float, float] | None = None,
-              metric: str = "") -> Verdict:
+    def check(
+        self,
+        claim: str,
+        verdict: Verdict | None,
+        detail: str = "",
+        difference: tuple[float, float] | None = None,
+        metric: str = "",
+    ) -> Verdict:
         """Record and print `verdict` (None: its rows did not run, 'not tested') of `claim`; `difference`
         (`difference(a, b)`, or a plain (difference, SE) pair, judged at `Z`) puts it in the forest plot (`plot`) and
         adds its margin, the difference over the rule's threshold, to `detail`."""
-        if verdict is None: verdict = Verdict.NOT_TESTED
+        if verdict is None:
+            verdict = Verdict.NOT_TESTED
         if not isinstance(verdict, Verdict):
-            raise TypeError(f"claim {claim!r}: got {type(verdict).__name__} {verdict!r}, expected a Verdict; judge the "
-                            "numbers with judge(...)/better(...) (and all_hold/negate), so that the rule decides")
+            raise TypeError(
+                f"claim {claim!r}: got {type(verdict).__name__} {verdict!r}, expected a Verdict; judge the "
+                "numbers with judge(...)/better(...) (and all_hold/negate), so that the rule decides"
+            )
         d, se = difference if difference is not None else (math.nan, math.nan)
         df = getattr(difference, "df", math.inf)
         thr = critical(df) * se if np.isfinite(se) else math.nan
-        if np.isfinite(thr) and thr > 0: detail += f"{'; ' if detail else ''}margin {d / thr:+.2f} (t = {critical(df):.2f})"
-        self.items.append({"claim": claim, "verdict": verdict.value, "numbers": detail, "metric": metric,
-                           "difference": d, "se": se, "df": df, "threshold": thr, "paper": math.nan})
+        if np.isfinite(thr) and thr > 0:
+            detail += f"{'; ' if detail else ''}margin {d / thr:+.2f} (t = {critical(df):.2f})"
+        self.items.append(
+            {
+                "claim": claim,
+                "verdict": verdict.value,
+                "numbers": detail,
+                "metric": metric,
+                "difference": d,
+                "se": se,
+                "df": df,
+                "threshold": thr,
+                "paper": math.nan,
+            }
+        )
         print(f"[{verdict.value.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
         return verdict
 
     def beats(self, claim: str, table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> Verdict:
         "`check` that row `a` beats row `b` on `metric` of `table` (see `better`, `fmt`), with the difference and the paper's."
         both = ran(table, a, b, metric=metric)
-        v = self.check(claim, better(table, a, b, metric), fmt(table, a, b, metric=metric),
-                       difference(stat(table, a, metric), stat(table, b, metric)) if both else None, metric)
+        v = self.check(
+            claim,
+            better(table, a, b, metric),
+            fmt(table, a, b, metric=metric),
+            difference(stat(table, a, metric), stat(table, b, metric)) if both else None,
+            metric,
+        )
         p = self.paper
         if p is not None and metric in p and a in p.index and b in p.index:
-            self.items[-1]["paper"] = float(p.loc[a, metric]) - float(p.loc[b, metric])   # NaN where the paper has no number
+            self.items[-1]["paper"] = float(p.loc[a, metric]) - float(
+                p.loc[b, metric]
+            )  # NaN where the paper has no number
         self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in (a, b) if r in table.index})
         pair = paired_difference(self.per_seed, table, a, b, metric) if both and self.per_seed is not None else None
         if pair is not None:
             dp, sep, n, sd = pair
-            self.items[-1].update(numbers=self.items[-1]["numbers"] + f"; paired by seed {dp:+.1f} ± {sep:.1f} SE", se_paired=sep)
+            self.items[-1].update(
+                numbers=self.items[-1]["numbers"] + f"; paired by seed {dp:+.1f} ± {sep:.1f} SE", se_paired=sep
+            )
             self.paired_spread.setdefault(metric, {})[(a, b)] = (sd, n)
         return v
 
@@ -240,13 +328,26 @@ class Claims:
         """Count the rows (default: all that ran) of `table` whose `metric` the claims compare in other ways than `beats`
         (`all_hold(better(...) ...)`), so that the resolution gives the difference their seeds resolve."""
         rows = list(table.index if rows is None else rows)
-        self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in rows if stat(table, r, metric).n > 0})
+        self.spread.setdefault(metric, {}).update(
+            {r: stat(table, r, metric) for r in rows if stat(table, r, metric).n > 0}
+        )
 
     def resolves(self) -> dict[str, float]:
         "Per metric, the smallest difference the seeds resolve (`resolvable`) over the rows the claims compared."
-        return {m: resolvable(pd.DataFrame({m: [s.mean for s in st.values()], f"{m} std": [s.std for s in st.values()],
-                                            "seeds": [s.n for s in st.values()]}, index=list(st)), m)
-                for m, st in self.spread.items()}
+        return {
+            m: resolvable(
+                pd.DataFrame(
+                    {
+                        m: [s.mean for s in st.values()],
+                        f"{m} std": [s.std for s in st.values()],
+                        "seeds": [s.n for s in st.values()],
+                    },
+                    index=list(st),
+                ),
+                m,
+            )
+            for m, st in self.spread.items()
+        }
 
     def resolves_paired(self) -> dict[str, float]:
         """Per metric, the smallest difference the same seeds would resolve paired by seed: `critical` (n - 1 degrees)
@@ -257,56 +358,81 @@ class Claims:
             st = [(sd, n) for sd, n in pairs.values() if n > 1 and np.isfinite(sd)]
             if st:
                 n = float(np.median([n for _, n in st]))
-                out[m] = critical(n - 1) * math.sqrt(np.mean([sd ** 2 for sd, _ in st])) / math.sqrt(n)
+                out[m] = critical(n - 1) * math.sqrt(np.mean([sd**2 for sd, _ in st])) / math.sqrt(n)
         return out
 
     def resolution(self) -> str:
         """The sentence under the claims: the smallest difference each metric's seeds resolve, and (where the per-seed
         values were given) the same paired by seed, which the verdicts do not use."""
-        own = {}   # claims judged on per-seed values (`check(..., difference=difference(a, b), metric=...)`): each one's threshold
+        own = {}  # claims judged on per-seed values (`check(..., difference=difference(a, b), metric=...)`): each one's threshold
         for i in self.items:
-            if np.isfinite(i["threshold"]) and i["metric"]: own.setdefault(i["metric"], []).append(i["threshold"])
+            if np.isfinite(i["threshold"]) and i["metric"]:
+                own.setdefault(i["metric"], []).append(i["threshold"])
         if not self.spread and own:
-            return ("**Resolution.** With these seeds the rule resolves differences of at least "
-                    + ", ".join(f"{m} {float(np.median(v)):.2g}" for m, v in own.items())
-                    + " points (the rule's threshold, t SE of each claim's difference, the median over the claims on "
-                    "that quantity); an *unresolved* claim is a difference smaller than its own threshold (a margin "
-                    "between -1 and 1).")
+            return (
+                "**Resolution.** With these seeds the rule resolves differences of at least "
+                + ", ".join(f"{m} {float(np.median(v)):.2g}" for m, v in own.items())
+                + " points (the rule's threshold, t SE of each claim's difference, the median over the claims on "
+                "that quantity); an *unresolved* claim is a difference smaller than its own threshold (a margin "
+                "between -1 and 1)."
+            )
         if not self.spread:
-            return ("**Resolution.** No claim here compares two rows of a results table (`beats`): each verdict applies "
-                    "the rule to the per-seed values its numbers give, so this file states no single threshold.")
+            return (
+                "**Resolution.** No claim here compares two rows of a results table (`beats`): each verdict applies "
+                "the rule to the per-seed values its numbers give, so this file states no single threshold."
+            )
         found = {m: r for m, r in self.resolves().items() if np.isfinite(r)}
-        if not found: return "**Resolution.** No compared row has two seeds: no difference can be resolved."
-        text = ("**Resolution.** With these seeds the rule resolves differences of at least "
-                + ", ".join(f"{m} {r:.1f}" for m, r in found.items())
-                + " points (the rule's threshold, t SE, for the difference of two rows with the compared rows' typical "
-                "spread and seeds); an *unresolved* claim is a difference smaller than its own threshold, which its "
-                "margin gives (a claim between rows of more spread needs more).")
+        if not found:
+            return "**Resolution.** No compared row has two seeds: no difference can be resolved."
+        text = (
+            "**Resolution.** With these seeds the rule resolves differences of at least "
+            + ", ".join(f"{m} {r:.1f}" for m, r in found.items())
+            + " points (the rule's threshold, t SE, for the difference of two rows with the compared rows' typical "
+            "spread and seeds); an *unresolved* claim is a difference smaller than its own threshold, which its "
+            "margin gives (a claim between rows of more spread needs more)."
+        )
         if paired := {m: r for m, r in self.resolves_paired().items() if np.isfinite(r)}:
-            text += (" Paired by seed (reported, not used by the verdicts), the same seeds would resolve "
-                     + ", ".join(f"{m} {r:.1f}" for m, r in paired.items()) + " points.")
+            text += (
+                " Paired by seed (reported, not used by the verdicts), the same seeds would resolve "
+                + ", ".join(f"{m} {r:.1f}" for m, r in paired.items())
+                + " points."
+            )
         return text
 
-    def frame(self) -> pd.DataFrame: return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
     def cost(self) -> str:
         "The sentence on what the judged numbers cost: how many runs and their training time (wall, summed), or ''."
         ps = self.per_seed
-        if ps is None or "run" not in ps or "wall_time_s" not in ps: return ""
+        if ps is None or "run" not in ps or "wall_time_s" not in ps:
+            return ""
         runs = ps[ps["status"] == "ok"].drop_duplicates("run")
-        if runs.empty: return ""
-        return (f"**Cost.** {len(runs)} runs, {runs['wall_time_s'].astype(float).sum() / 60:.1f} minutes of training "
-                "(wall time summed over the runs, each one process).")
+        if runs.empty:
+            return ""
+        return (
+            f"**Cost.** {len(runs)} runs, {runs['wall_time_s'].astype(float).sum() / 60:.1f} minutes of training "
+            "(wall time summed over the runs, each one process)."
+        )
 
     def save(self) -> pd.DataFrame:
         "Write the verdicts, the resolution and the rule to `<figures_dir>/<stem>_claims.md`; print the resolution; returns the verdicts as a frame."
         self.figures_dir.mkdir(parents=True, exist_ok=True)
         res = self.resolution()
         print(res.replace("**", ""))
-        extra = "".join(f"\n\n{t}" for t in (self.cost(), f"**Setting.** {self.setting}" if self.setting else "",
-                                                f"**Tasks.** {self.tasks}" if self.tasks else "") if t)
-        atomic_write(self.figures_dir / f"{self.stem}_claims.md",
-                     markdown_table(self.frame(), index=False) + "\n" + res + extra + "\n\n" + RULE + "\n")
+        extra = "".join(
+            f"\n\n{t}"
+            for t in (
+                self.cost(),
+                f"**Setting.** {self.setting}" if self.setting else "",
+                f"**Tasks.** {self.tasks}" if self.tasks else "",
+            )
+            if t
+        )
+        atomic_write(
+            self.figures_dir / f"{self.stem}_claims.md",
+            markdown_table(self.frame(), index=False) + "\n" + res + extra + "\n\n" + RULE + "\n",
+        )
         return self.frame()
 
     def plot(self, save: bool = True):
@@ -314,12 +440,22 @@ class Claims:
         (± t SE, the rule's threshold), the paper's difference, zero, and in grey what its seeds cannot resolve (the
         same threshold about zero); saved as `<figures_dir>/<stem>_claims.png`."""
         rows = [i for i in self.items if np.isfinite(i["difference"])]
-        label = lambda i: (i["claim"] if len(i["claim"]) <= 60 else i["claim"][:57] + "...") + (
-            f" [{i['metric']}]" if i["metric"] and f"({i['metric']})" not in i["claim"] else "")
+        label = lambda i: (
+            (i["claim"] if len(i["claim"]) <= 60 else i["claim"][:57] + "...")
+            + (f" [{i['metric']}]" if i["metric"] and f"({i['metric']})" not in i["claim"] else "")
+        )
         left = len(self.items) - len(rows)
-        fig = plot_forest([label(i) for i in rows], [i["difference"] for i in rows], [i["se"] for i in rows],
-                          [i["paper"] for i in rows], [i["verdict"] for i in rows],
-                          [i["threshold"] for i in rows], z=[critical(i["df"]) for i in rows],
-                          title=f"{self.stem}: what the claims test" + (f" ({left} claim(s) without one difference not drawn)" if left else ""))
-        if save: save_figure(fig, self.figures_dir / f"{self.stem}_claims")
+        fig = plot_forest(
+            [label(i) for i in rows],
+            [i["difference"] for i in rows],
+            [i["se"] for i in rows],
+            [i["paper"] for i in rows],
+            [i["verdict"] for i in rows],
+            [i["threshold"] for i in rows],
+            z=[critical(i["df"]) for i in rows],
+            title=f"{self.stem}: what the claims test"
+            + (f" ({left} claim(s) without one difference not drawn)" if left else ""),
+        )
+        if save:
+            save_figure(fig, self.figures_dir / f"{self.stem}_claims")
         return fig

@@ -4,7 +4,10 @@
 
 # %% ../../nbs/61_cli.ipynb #e509d5e7
 from __future__ import annotations
-import argparse, json, os, sys
+import argparse
+import json
+import os
+import sys
 from typing import Sequence
 
 from ..core.base import DiskWriteError, RunLockedError
@@ -21,90 +24,157 @@ __all__ = ['USER_ERRORS', 'main']
 # %% ../../nbs/61_cli.ipynb #c64bb964
 def _init_distributed() -> bool:
     "Join the process group when launched by torchrun (WORLD_SIZE > 1); returns whether it did."
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1: return False
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
     import torch
-    if not torch.distributed.is_available(): return False
+
+    if not torch.distributed.is_available():
+        return False
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl": torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group(backend)
     return True
 
-USER_ERRORS = (ConfigError, DatasetFormatError, DatasetNotFoundError, UnreadableImagesError, RunLockedError,
-               FileNotFoundError)
+
+USER_ERRORS = (
+    ConfigError,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    UnreadableImagesError,
+    RunLockedError,
+    FileNotFoundError,
+)
+
 
 def _exit_code(e: BaseException) -> int | None:
     "2 for a mistake in the parameters or the data, 1 for a run that stopped, None for anything else (a bug)."
-    if isinstance(e, USER_ERRORS): return 2
-    checkpoint = sys.modules.get("dml_nb.training.checkpoint")     # loaded only with torch: a checkpoint that cannot be read
-    if checkpoint is not None and isinstance(e, checkpoint.CheckpointError): return 2
+    if isinstance(e, USER_ERRORS):
+        return 2
+    checkpoint = sys.modules.get(
+        "dml_nb.training.checkpoint"
+    )  # loaded only with torch: a checkpoint that cannot be read
+    if checkpoint is not None and isinstance(e, checkpoint.CheckpointError):
+        return 2
     learner = sys.modules.get("dml_nb.training.learner")
-    context = sys.modules.get("dml_nb.training.context")   # a recipe that cannot form its batches on this data
-    stops = ((DiskWriteError, RunStopped) + ((learner.NonFiniteLossError, learner.NoTuplesError) if learner else ())
-             + ((context.BatchFormationError,) if context else ()))
+    context = sys.modules.get("dml_nb.training.context")  # a recipe that cannot form its batches on this data
+    stops = (
+        (DiskWriteError, RunStopped)
+        + ((learner.NonFiniteLossError, learner.NoTuplesError) if learner else ())
+        + ((context.BatchFormationError,) if context else ())
+    )
     return 1 if isinstance(e, stops) else None
+
 
 def _check_data_report(cfg: Config, progress: bool) -> int:
     out = check_data(cfg, images=True, progress=progress)
     if not out:
-        print(f"{cfg.data.name} is an embedded data set: nothing on disk to check"); return 0
+        print(f"{cfg.data.name} is an embedded data set: nothing on disk to check")
+        return 0
     bad = out.pop("unreadable")
-    print(f"{cfg.data.name} at {config_data_root(cfg)}: " + ", ".join(f"{s} {n:,} images / {c:,} classes" for s, (n, c) in out.items()))
-    for p, why in bad: print(f"unreadable: {p} ({why})")
-    if not bad: print("every image decodes"); return 0
+    print(
+        f"{cfg.data.name} at {config_data_root(cfg)}: "
+        + ", ".join(f"{s} {n:,} images / {c:,} classes" for s, (n, c) in out.items())
+    )
+    for p, why in bad:
+        print(f"unreadable: {p} ({why})")
+    if not bad:
+        print("every image decodes")
+        return 0
     skip = cfg.data.on_unreadable == "skip"
-    print(f"{len(bad)} unreadable image(s): " + ("training leaves them out (data.on_unreadable: skip)" if skip else
-          "training stops on them; replace them, or leave them out with --set data.on_unreadable=skip"))
+    print(
+        f"{len(bad)} unreadable image(s): "
+        + (
+            "training leaves them out (data.on_unreadable: skip)"
+            if skip
+            else "training stops on them; replace them, or leave them out with --set data.on_unreadable=skip"
+        )
+    )
     return 0 if skip else 2
+
 
 def _count(text: str) -> int:
     "An argparse type: a whole number of at least 1."
-    try: n = int(text)
-    except ValueError: n = 0
-    if n < 1: raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {text!r}")
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {text!r}")
     return n
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-train`."
-    presets = PRESETS.listing().replace("\n", "\n  ")   # read from the sources: --help loads no torch
-    ap = argparse.ArgumentParser(prog="dml-train", description="Train and evaluate one dml_nb run from parameter files.",
-                                 epilog="method presets (method.preset in a parameter file; the file's own options win):\n  "
-                                        + presets, formatter_class=argparse.RawDescriptionHelpFormatter)
+    presets = PRESETS.listing().replace("\n", "\n  ")  # read from the sources: --help loads no torch
+    ap = argparse.ArgumentParser(
+        prog="dml-train",
+        description="Train and evaluate one dml_nb run from parameter files.",
+        epilog="method presets (method.preset in a parameter file; the file's own options win):\n  " + presets,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("params", nargs="+", help="YAML parameter files, merged in order")
     ap.add_argument("-o", "--run-dir", default=None, help="run directory (default: <runs-dir>/<method>-<data>-<hash>)")
     ap.add_argument("--runs-dir", default="runs", help="where hashed run directories go (default: runs)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override one parameter, e.g. --set train.epochs=3 (repeatable)")
-    ap.add_argument("--check-data", action="store_true",
-                    help="check the dataset (index files, and every image decoded once, cached) and exit")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one parameter, e.g. --set train.epochs=3 (repeatable)",
+    )
+    ap.add_argument(
+        "--check-data",
+        action="store_true",
+        help="check the dataset (index files, and every image decoded once, cached) and exit",
+    )
     ap.add_argument("--wait", action="store_true", help="wait for another process training into the same run directory")
-    ap.add_argument("--threads", type=_count, default=None, metavar="N",
-                    help="CPU threads to train on (default: torch's, i.e. $OMP_NUM_THREADS or the cores); recorded in "
-                         "metrics.json, and a resumed run keeps the count it started with: on a CPU the count changes a run's last bits")
+    ap.add_argument(
+        "--threads",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="CPU threads to train on (default: torch's, i.e. $OMP_NUM_THREADS or the cores); recorded in "
+        "metrics.json, and a resumed run keeps the count it started with: on a CPU the count changes a run's last bits",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show the traceback of every error")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(*args.params, overrides=args.overrides)
-        if args.check_data: return _check_data_report(cfg, progress=not args.no_progress)
+        if args.check_data:
+            return _check_data_report(cfg, progress=not args.no_progress)
         dist = _init_distributed()
         is_main = process_rank() == 0
         try:
-            res = run(cfg, runs_dir=args.runs_dir, run_dir=args.run_dir, progress=not args.no_progress and is_main,
-                      wait=args.wait, threads=args.threads)
+            res = run(
+                cfg,
+                runs_dir=args.runs_dir,
+                run_dir=args.run_dir,
+                progress=not args.no_progress and is_main,
+                wait=args.wait,
+                threads=args.threads,
+            )
             if dist:
                 import torch
-                torch.distributed.barrier()   # every rank is done with the group before any rank leaves it
+
+                torch.distributed.barrier()  # every rank is done with the group before any rank leaves it
         finally:
-            if dist:   # free the learner's DDP wrapper (its reducer threads) while the group still exists, then leave it
-                import gc, torch
+            if dist:  # free the learner's DDP wrapper (its reducer threads) while the group still exists, then leave it
+                import gc
+                import torch
+
                 gc.collect()
                 torch.distributed.destroy_process_group()
     except KeyboardInterrupt:
-        print("dml-train: interrupted; the same command resumes from the last checkpoint", file=sys.stderr); return 130
+        print("dml-train: interrupted; the same command resumes from the last checkpoint", file=sys.stderr)
+        return 130
     except Exception as e:
         code = _exit_code(e)
-        if args.debug or code is None: raise
+        if args.debug or code is None:
+            raise
         print(f"dml-train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return code
     if is_main:

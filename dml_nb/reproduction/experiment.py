@@ -4,22 +4,48 @@
 
 # %% ../../nbs/60_experiment.ipynb #5022df0e
 from __future__ import annotations
-import datetime, functools, json, os, platform, sys, time, warnings
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import yaml
 
-from ..core.base import (DiskWriteError, disk_cause, atomic_json, atomic_torch_save, atomic_write, config_hash,
-                         data_root, describe_holder, disk_write_error, lock_dir, remove_temp_files)
+from dml_nb.core.base import (
+    DiskWriteError,
+    disk_cause,
+    atomic_json,
+    atomic_torch_save,
+    atomic_write,
+    config_hash,
+    data_root,
+    describe_holder,
+    disk_write_error,
+    lock_dir,
+    remove_temp_files,
+)
 from ..core.registry import BACKBONES, METHODS
 from ..data.formats import REAL_DATASETS, DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
 from ..training.config import Config, ConfigError, config_to_dict, make_config
-if TYPE_CHECKING: from dml_nb.training.learner import Learner   # annotations only: the learner (torch) is imported when a run is built
-from .results import check_stopped, clear_restored, record_stopped, restored, results_dir, save_result
 
+if TYPE_CHECKING:
+    from dml_nb.training.learner import Learner  # annotations only: the learner (torch) is imported when a run is built
+from dml_nb.reproduction.results import (
+    check_stopped,
+    clear_restored,
+    record_stopped,
+    restored,
+    results_dir,
+    save_result,
+)
 
 # %% auto #0
 __all__ = ['RECIPES_VERSION', 'RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets',
@@ -32,14 +58,18 @@ def _splits_read(cfg: Config) -> list[str]:
     test = ["query", "gallery"] if d.name == "inshop" and d.test_split in ("query", "test") else [d.test_split]
     return ["train", *test]
 
+
 def config_data_root(cfg: Config) -> Path:
     "The dataset root of a real dataset, or a `ConfigError` saying how to give it."
     d = cfg.data
     if d.root is None and not os.environ.get("DML_DATA"):
-        raise ConfigError(f"data.name is {d.name!r}, a dataset on disk, but neither data.root nor $DML_DATA is set: "
-                          f"--set data.root=/path/to/{d.name} (data.root: in a parameter file), or export "
-                          f"DML_DATA=/path/to/datasets to read $DML_DATA/{d.name}")
+        raise ConfigError(
+            f"data.name is {d.name!r}, a dataset on disk, but neither data.root nor $DML_DATA is set: "
+            f"--set data.root=/path/to/{d.name} (data.root: in a parameter file), or export "
+            f"DML_DATA=/path/to/datasets to read $DML_DATA/{d.name}"
+        )
     return data_root(d.name, d.root)
+
 
 def check_data(cfg: Config | dict, images: bool = False, progress: bool = True) -> dict:
     """Check the data of `cfg` without torch: the root, every index file of the splits the run reads, and with
@@ -47,41 +77,62 @@ def check_data(cfg: Config | dict, images: bool = False, progress: bool = True) 
     unreadable ones under 'unreadable'. Errors name the file and are worded for the config."""
     cfg = make_config(cfg)
     d = cfg.data
-    if d.name not in REAL_DATASETS: return {}
+    if d.name not in REAL_DATASETS:
+        return {}
     root = config_data_root(cfg)
-    how = (f"point data.root at it: --set data.root=/path/to/{d.name}, or put it in $DML_DATA/{d.name}")
+    how = f"point data.root at it: --set data.root=/path/to/{d.name}, or put it in $DML_DATA/{d.name}"
     out, paths = {}, []
     try:
         for split in _splits_read(cfg):
             p, y = read_index(d.name, root, split)
-            out[split] = (len(p), len(set(y.tolist()))); paths += p
+            out[split] = (len(p), len(set(y.tolist())))
+            paths += p
     except DatasetNotFoundError as e:
         raise DatasetNotFoundError(e.name, e.root, e.missing, how=how) from None
     if images:
         seen, unique = set(), []
         for p in paths:
-            if p not in seen: seen.add(p); unique.append(p)
+            if p not in seen:
+                seen.add(p)
+                unique.append(p)
         out["unreadable"] = check_images(unique, f"{d.name} at {root}", progress=progress)
     return out
+
 
 def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     "The training set (noisy labels applied) and the evaluation sets of `cfg`; with `data.cache`, from the image cache."
     import numpy as np
     from dml_nb.data.datasets import add_label_noise, load_dataset
+
     d = cfg.data
-    opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}   # the backbone's own preprocessing
-    if d.name in ("shapes", "finegrained", "finegrained_novel") and d.images_per_class: opts["images_per_class"] = d.images_per_class
-    if d.name in ("shapes", "finegrained", "finegrained_novel"): opts["seed"] = 0   # the data set itself does not change with the run's seed
-    kw = {"root": config_data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress} if d.name in REAL_DATASETS else {}
+    opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}  # the backbone's own preprocessing
+    if d.name in ("shapes", "finegrained", "finegrained_novel") and d.images_per_class:
+        opts["images_per_class"] = d.images_per_class
+    if d.name in ("shapes", "finegrained", "finegrained_novel"):
+        opts["seed"] = 0  # the data set itself does not change with the run's seed
+    kw = (
+        {"root": config_data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress}
+        if d.name in REAL_DATASETS
+        else {}
+    )
+
     def load(split, **extra):
-        try: ds = load_dataset(d.name, split=split, **kw, **opts, **extra)
+        try:
+            ds = load_dataset(d.name, split=split, **kw, **opts, **extra)
         except UnreadableImagesError as e:
-            raise UnreadableImagesError(e.bad, e.total, f"{d.name} {split}", how=(
-                "Replace or remove them, or leave them out with --set data.on_unreadable=skip (data.on_unreadable: "
-                "skip); dml-train --check-data lists them all")) from None
-        if d.name in REAL_DATASETS:   # an image that stops decoding later follows on_unreadable too
+            raise UnreadableImagesError(
+                e.bad,
+                e.total,
+                f"{d.name} {split}",
+                how=(
+                    "Replace or remove them, or leave them out with --set data.on_unreadable=skip (data.on_unreadable: "
+                    "skip); dml-train --check-data lists them all"
+                ),
+            ) from None
+        if d.name in REAL_DATASETS:  # an image that stops decoding later follows on_unreadable too
             tolerate_unreadable(ds, d.on_unreadable, f"{d.name} {split}")
         return ds
+
     train = load("train")
     train.clean_labels = train.labels.copy()
     train.flipped = np.zeros(len(train), dtype=bool)
@@ -92,41 +143,63 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
         evals["test"] = (load("query"), load("gallery"))
     else:
         evals["test"] = load(d.test_split)
-    if d.eval_train: evals["train"] = load("train", augment=False)
+    if d.eval_train:
+        evals["train"] = load("train", augment=False)
     if d.cache:
         from dml_nb.data.cache import cache_images
-        cached = lambda ds: cache_images(ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress)
+
+        cached = lambda ds: cache_images(
+            ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress
+        )
         train = cached(train)
         evals = {k: tuple(map(cached, v)) if isinstance(v, tuple) else cached(v) for k, v in evals.items()}
-    if d.decode == "jpeg_batch":                 # JPEG batches decoded on the device, the PIL path's crops
+    if d.decode == "jpeg_batch":  # JPEG batches decoded on the device, the PIL path's crops
         from dml_nb.data.batches import JpegImages
+
         train = JpegImages(train)
         evals = {k: tuple(map(JpegImages, v)) if isinstance(v, tuple) else JpegImages(v) for k, v in evals.items()}
     return train, evals
 
+
 def _load_or_stand_in(ds, mode: str, what: str, load, i: int):
     "`load(i)`; an image that no longer decodes is an `UnreadableImagesError` naming it, or with 'skip' the next readable image of its class."
     import numpy as np
-    try: return load(i)
+
+    try:
+        return load(i)
     except OSError as e:
         why = " ".join(str(e.__cause__ or e).split())
         if mode != "skip":
-            raise UnreadableImagesError([(ds.paths[i], why)], len(ds), what, how=(
-                "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
-                "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all")) from None
-        labels = getattr(ds, "clean_labels", ds.labels)      # the true classes (label noise may have moved some)
+            raise UnreadableImagesError(
+                [(ds.paths[i], why)],
+                len(ds),
+                what,
+                how=(
+                    "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
+                    "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all"
+                ),
+            ) from None
+        labels = getattr(ds, "clean_labels", ds.labels)  # the true classes (label noise may have moved some)
         same = np.flatnonzero(labels == labels[i])
         for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
-            try: img = load(int(j))
-            except OSError: continue
+            try:
+                img = load(int(j))
+            except OSError:
+                continue
             if ds.paths[i] not in _STOOD_IN:
                 _STOOD_IN.add(ds.paths[i])
-                warnings.warn(f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
-                              f"{ds.paths[int(j)].name}, of the same class, stands in for it")
+                warnings.warn(
+                    f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
+                    f"{ds.paths[int(j)].name}, of the same class, stands in for it"
+                )
             return img
-        raise UnreadableImagesError([(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read") from None
+        raise UnreadableImagesError(
+            [(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read"
+        ) from None
 
-_STOOD_IN: set = set()   # images already warned about (once per process)
+
+_STOOD_IN: set = set()  # images already warned about (once per process)
+
 
 def tolerate_unreadable(ds, mode: str, what: str) -> None:
     """Make an image list `ds` follow `data.on_unreadable` for an image that stops decoding after the check at the
@@ -134,49 +207,77 @@ def tolerate_unreadable(ds, mode: str, what: str) -> None:
     'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
     ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load)
 
+
 def _warn_small_classes(train, k: int) -> None:
     "A warning naming the training classes with fewer than `k` (train.samples_per_class) images: their images repeat in a batch."
     import numpy as np
+
     counts = np.bincount(np.asarray(train.labels), minlength=train.num_classes)
     small = np.flatnonzero(counts < k)
-    if not len(small): return
+    if not len(small):
+        return
     ids = getattr(train, "class_ids", None)
     name = lambda c: f"{ids[c]} ({counts[c]})" if ids is not None else f"{c} ({counts[c]})"
     shown = ", ".join(name(c) for c in small[:8]) + (", ..." if len(small) > 8 else "")
-    warnings.warn(f"train.samples_per_class is {k}, but {len(small)} of {train.num_classes} training classes have fewer "
-                  f"images: {shown} (class id (images)); a batch repeats their images. Lower train.samples_per_class "
-                  "or leave those classes out")
+    warnings.warn(
+        f"train.samples_per_class is {k}, but {len(small)} of {train.num_classes} training classes have fewer "
+        f"images: {shown} (class id (images)); a batch repeats their images. Lower train.samples_per_class "
+        "or leave those classes out"
+    )
+
 
 def _built(what: str, build):
     "`build()`; a ValueError / TypeError / KeyError (a value only the constructor checks) becomes a `ConfigError`."
-    try: return build()
+    try:
+        return build()
     except (ValueError, TypeError, KeyError) as e:
-        if isinstance(e, ConfigError): raise
+        if isinstance(e, ConfigError):
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise ConfigError(f"{what}: {msg}") from e
+
 
 def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool = True) -> "Learner":
     "Datasets, sampler, backbone, recipe and `Learner` for `cfg`."
     from dml_nb.core.base import seed_everything
     from dml_nb.training.learner import Learner, build_sampler
     from dml_nb.blocks.models import build_backbone
+
     cfg = make_config(cfg)
     seed_everything(cfg.seed)
     train, evals = build_datasets(cfg, progress=progress)
-    backbone = _built(f"model.backbone {cfg.model.backbone!r}",
-                      lambda: build_backbone(cfg.model.backbone, pretrained=cfg.model.pretrained, **cfg.model.options))
-    method = _built(f"method {cfg.method.name!r}",
-                    lambda: METHODS.build(cfg.method.name, backbone=backbone, num_classes=train.num_classes,
-                                          train_labels=train.labels, **cfg.method.options))
+    backbone = _built(
+        f"model.backbone {cfg.model.backbone!r}",
+        lambda: build_backbone(cfg.model.backbone, pretrained=cfg.model.pretrained, **cfg.model.options),
+    )
+    method = _built(
+        f"method {cfg.method.name!r}",
+        lambda: METHODS.build(
+            cfg.method.name,
+            backbone=backbone,
+            num_classes=train.num_classes,
+            train_labels=train.labels,
+            **cfg.method.options,
+        ),
+    )
     _warn_small_classes(train, cfg.train.samples_per_class)
     sampler = _built("train", lambda: build_sampler(cfg.train, train.labels, cfg.seed))
-    return Learner.from_config(cfg, method, train, sampler, eval_sets=evals, train_eval_ds=evals.get("train"),
-                               run_dir=run_dir, progress=progress)
+    return Learner.from_config(
+        cfg,
+        method,
+        train,
+        sampler,
+        eval_sets=evals,
+        train_eval_ds=evals.get("train"),
+        run_dir=run_dir,
+        progress=progress,
+    )
 
 # %% ../../nbs/60_experiment.ipynb #1ded757c
 @dataclass
 class RunResult:
     "What a finished run left on disk."
+
     run_dir: Path
     config: dict
     metrics: dict
@@ -186,16 +287,22 @@ class RunResult:
     def embeddings(self) -> dict:
         "The saved final embeddings: {'test': {'labels': ..., name: (N, D)}, 'train': {...}}; a restored run is trained again first."
         import torch
+
         path = Path(self.run_dir) / "embeddings.pt"
-        if not path.exists() and restored(self.run_dir): path = self.train_again().run_dir / "embeddings.pt"
+        if not path.exists() and restored(self.run_dir):
+            path = self.train_again().run_dir / "embeddings.pt"
         return torch.load(path, weights_only=True)
+
     def train_again(self) -> "RunResult":
         "This run trained again in its folder (`train_again`): a run restored from a results folder, for its embeddings or weights."
         return train_again(self)
+
     def history_frame(self):
         "The per-epoch history as a pandas DataFrame."
         import pandas as pd
+
         return pd.DataFrame(self.history)
+
 
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
 # sets, so its hash alone cannot tell): run folders of older recipes are then not reused. 2: the fidelity defaults
@@ -203,86 +310,139 @@ class RunResult:
 # 3: named random streams (same recipes, other draws)
 RECIPES_VERSION = 3
 
+
 def run_dir_for(cfg: Config, runs_dir: str | Path = "runs") -> Path:
     "Where `run` keeps the run of `cfg`: named by method, dataset and the hash of the config and `RECIPES_VERSION`."
     key = {"config": config_to_dict(cfg), "recipes": RECIPES_VERSION}
     weights = BACKBONES.get(cfg.model.backbone).weights_checksum(cfg.model.pretrained, **cfg.model.options)
-    if weights: key["weights"] = weights     # weights shipped in the package: a new file, a new run
+    if weights:
+        key["weights"] = weights  # weights shipped in the package: a new file, a new run
     h = config_hash(key)
     return Path(runs_dir) / f"{cfg.method.name}-{cfg.data.name}-{h}"
 
+
 def _versions() -> dict:
-    import dml_nb, numpy as np, torch, torchvision
-    try: import faiss; fv = faiss.__version__
-    except Exception: fv = None
-    return {"dml_nb": dml_nb.__version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-            "faiss": fv, "numpy": np.__version__, "python": platform.python_version()}
+    import dml_nb
+    import numpy as np
+    import torch
+    import torchvision
+
+    try:
+        import faiss
+
+        fv = faiss.__version__
+    except Exception:
+        fv = None
+    return {
+        "dml_nb": dml_nb.__version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "faiss": fv,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
 
 def load_result(run_dir: str | Path) -> RunResult:
     "The stored result of a finished run directory (one with a `done` marker); saved in the results folder `$DML_RESULTS` names, if set."
     run_dir = Path(run_dir)
-    if not (run_dir / "done").exists(): raise FileNotFoundError(f"{run_dir} holds no finished run (no 'done' marker)")
+    if not (run_dir / "done").exists():
+        raise FileNotFoundError(f"{run_dir} holds no finished run (no 'done' marker)")
     info = json.loads((run_dir / "metrics.json").read_text())
     import pandas as pd
+
     hist = pd.read_csv(run_dir / "history.csv").to_dict("records") if (run_dir / "history.csv").exists() else []
-    if (keep := results_dir()) is not None: save_result(run_dir, keep)   # `dml-reproduce`: every finished run it reads
+    if (keep := results_dir()) is not None:
+        save_result(run_dir, keep)  # `dml-reproduce`: every finished run it reads
     return RunResult(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), info["metrics"], hist, info)
 
-_PROGRESS = ("checkpoint.pt", "history.csv", "metrics.json", "embeddings.pt", "done")   # what a started run writes
-RUN_FILES = ("config.yaml", *_PROGRESS, "stopped", ".lock")     # everything `run` writes into a run folder (and its temporaries)
+
+_PROGRESS = ("checkpoint.pt", "history.csv", "metrics.json", "embeddings.pt", "done")  # what a started run writes
+RUN_FILES = (
+    "config.yaml",
+    *_PROGRESS,
+    "stopped",
+    ".lock",
+)  # everything `run` writes into a run folder (and its temporaries)
 
 # The CPU threads a reproduction run trains with unless told otherwise (`run_rows`, the local and SLURM launchers):
 # one, the count the committed results/ were trained with. On a CPU the count changes a run's last bits (oneDNN's
 # convolution weight gradients, whole-tensor sums), so every run records its count and is resumed with it.
 RUN_THREADS = 1
 
+
 def recorded_threads(run_dir: str | Path) -> int | None:
     "The CPU thread count the run in `run_dir` trained with: its `metrics.json`, else its `checkpoint.pt`; None if neither records one."
     run_dir = Path(run_dir)
-    try: n = json.loads((run_dir / "metrics.json").read_text()).get("threads")
-    except (OSError, ValueError, AttributeError): n = None
+    try:
+        n = json.loads((run_dir / "metrics.json").read_text()).get("threads")
+    except (OSError, ValueError, AttributeError):
+        n = None
     if n is None and (run_dir / "checkpoint.pt").exists():
         from dml_nb.training.checkpoint import CheckpointError, load_checkpoint
-        try: n = load_checkpoint(run_dir / "checkpoint.pt").get("threads")
-        except CheckpointError: n = None
+
+        try:
+            n = load_checkpoint(run_dir / "checkpoint.pt").get("threads")
+        except CheckpointError:
+            n = None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
 
 def _check_threads(threads) -> None:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ConfigError(f"threads must be a whole number of at least 1 (or None: this process's count); got {threads!r}")
+        raise ConfigError(
+            f"threads must be a whole number of at least 1 (or None: this process's count); got {threads!r}"
+        )
+
 
 def run_key(cdict: dict) -> str:
     "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
     return config_hash(cdict, length=16)
 
+
 def _own_file(name: str) -> bool:
     "Whether `name` is a file `run` writes: one of `RUN_FILES` or a temporary of one (`.<name>.<host>-<pid>.<x>.tmp`)."
-    return name in RUN_FILES or (name.startswith(".") and name.endswith(".tmp")
-                                 and any(name.startswith(f".{f}.") for f in RUN_FILES[:-1]))
+    return name in RUN_FILES or (
+        name.startswith(".") and name.endswith(".tmp") and any(name.startswith(f".{f}.") for f in RUN_FILES[:-1])
+    )
+
 
 def _read_yaml(path: Path):
-    try: return yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError): return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+
 
 def _is_run_config(stored) -> bool:
     "Whether `stored` is a whole config as `run` writes it (not a user's partial parameter file)."
-    try: return isinstance(stored, dict) and config_to_dict(make_config(stored)) == stored
-    except (ConfigError, TypeError, ValueError): return False
+    try:
+        return isinstance(stored, dict) and config_to_dict(make_config(stored)) == stored
+    except (ConfigError, TypeError, ValueError):
+        return False
+
 
 def _proof(run_dir: Path, finished: bool) -> tuple[str | None, str]:
     "(the config key the run's results record, the file it is read from): `metrics.json` of a finished run, else `checkpoint.pt`."
     if finished:
-        try: info = json.loads((run_dir / "metrics.json").read_text())
-        except (OSError, ValueError): return None, "metrics.json"
+        try:
+            info = json.loads((run_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            return None, "metrics.json"
         return (info.get("config_key") if isinstance(info, dict) else None), "metrics.json"
-    if not (run_dir / "checkpoint.pt").exists(): return None, "checkpoint.pt"
+    if not (run_dir / "checkpoint.pt").exists():
+        return None, "checkpoint.pt"
     from dml_nb.training.checkpoint import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
+
     path, how = run_dir / "checkpoint.pt", "delete it to start the run over, or train into a new folder (-o)"
-    try: ck = load_checkpoint(path)
-    except CheckpointError as e: raise CheckpointError(e.problem, how) from None
+    try:
+        ck = load_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(e.problem, how) from None
     if missing := [k for k in CHECKPOINT_KEYS if k not in ck]:
         raise CheckpointError(f"{str(path)!r} is not a whole learner checkpoint (it has no {', '.join(missing)})", how)
     return ck.get("run_key"), "checkpoint.pt"
+
 
 def _run_state(run_dir: Path, cdict: dict) -> str:
     """What `run_dir` holds for this config: 'new' (nothing, or only a failed start's `config.yaml`), 'resume' (this
@@ -295,29 +455,41 @@ def _run_state(run_dir: Path, cdict: dict) -> str:
         if above is not None and not above.is_dir():
             raise ConfigError(f"{where}: {above} is a file, not a folder: choose a new folder with -o")
         return "new"
-    if not run_dir.is_dir(): raise ConfigError(f"{where} is a file, not a folder: choose a new folder with -o")
+    if not run_dir.is_dir():
+        raise ConfigError(f"{where} is a file, not a folder: choose a new folder with -o")
     names = sorted(p.name for p in run_dir.iterdir())
     foreign = [n for n in names if not _own_file(n) or not (run_dir / n).is_file()]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ConfigError(f"{where} is not empty and not a dml_nb run folder (it holds {shown}, which a run does not "
-                          "write): nothing was changed there; choose a new or empty folder with -o")
+        raise ConfigError(
+            f"{where} is not empty and not a dml_nb run folder (it holds {shown}, which a run does not "
+            "write): nothing was changed there; choose a new or empty folder with -o"
+        )
     stored = _read_yaml(run_dir / "config.yaml") if "config.yaml" in names else None
     if not any(p in names for p in _PROGRESS):
         if stored is None and "config.yaml" in names or stored is not None and not _is_run_config(stored):
-            raise ConfigError(f"{where} holds a config.yaml that dml-train did not write: nothing was changed there; "
-                              "choose a new or empty folder with -o")
-        return "new"                    # empty, or only the config.yaml of a start that failed: taken over
+            raise ConfigError(
+                f"{where} holds a config.yaml that dml-train did not write: nothing was changed there; "
+                "choose a new or empty folder with -o"
+            )
+        return "new"  # empty, or only the config.yaml of a start that failed: taken over
     finished = "done" in names
     key, source = _proof(run_dir, finished)
     what = f"{'finished ' if finished else ''}run"
-    if key == run_key(cdict) or key is None and stored == cdict:   # None: a run of an earlier version, by its config.yaml
+    if (
+        key == run_key(cdict) or key is None and stored == cdict
+    ):  # None: a run of an earlier version, by its config.yaml
         return "done" if finished else "resume"
     if key is not None or stored is not None:
-        raise ConfigError(f"{where} holds a {what} of a different config (its {source if key else 'config.yaml'} "
-                          "records another one): choose another run directory (-o), or delete it to start over")
-    raise ConfigError(f"{where} holds a {what} that cannot show which config it is of (its {source} records no config "
-                      "and its config.yaml is missing): choose another run directory (-o), or delete it to start over")
+        raise ConfigError(
+            f"{where} holds a {what} of a different config (its {source if key else 'config.yaml'} "
+            "records another one): choose another run directory (-o), or delete it to start over"
+        )
+    raise ConfigError(
+        f"{where} holds a {what} that cannot show which config it is of (its {source} records no config "
+        "and its config.yaml is missing): choose another run directory (-o), or delete it to start over"
+    )
+
 
 def process_rank() -> int:
     "This process's rank under torchrun (0 otherwise), without importing torch."
@@ -326,13 +498,21 @@ def process_rank() -> int:
         return torch.distributed.get_rank()
     return int(os.environ.get("RANK", "0"))
 
+
 def _run_failed(run_dir: Path, e: BaseException) -> BaseException:
     "A write that failed for lack of space or permission, as one line; anything else unchanged."
     cause = disk_cause(e) if isinstance(e, Exception) and not isinstance(e, DiskWriteError) else None
     return disk_write_error(getattr(cause, "filename", None) or run_dir, cause) if cause is not None else e
 
-def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Path | None = None,
-        progress: bool = True, wait: bool = False, threads: int | None = None) -> RunResult:
+
+def run(
+    config: Config | dict,
+    runs_dir: str | Path = "runs",
+    run_dir: str | Path | None = None,
+    progress: bool = True,
+    wait: bool = False,
+    threads: int | None = None,
+) -> RunResult:
     """Train and evaluate `config` once; reuse a finished run, resume an interrupted one. The run directory is
     locked while this runs: another process on it is an error naming it, or with `wait=True` waited for. It trains
     on `threads` CPU threads (None: this process's `torch.get_num_threads()`), recorded in `metrics.json` and the
@@ -341,93 +521,135 @@ def run(config: Config | dict, runs_dir: str | Path = "runs", run_dir: str | Pat
     cfg = make_config(config)
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
-    check_stopped(run_dir, run_key(cdict))     # a run that stopped by design: its reason again, without training
-    if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists(): return load_result(run_dir)
-    check_data(cfg)                                     # the root and the index files: before anything is written
+    check_stopped(run_dir, run_key(cdict))  # a run that stopped by design: its reason again, without training
+    if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists():
+        return load_result(run_dir)
+    check_data(cfg)  # the root and the index files: before anything is written
     main = process_rank() == 0
-    created = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)   # the first folder we make
-    say = (lambda h: print(f"{run_dir} is in use by {describe_holder(h)}; waiting for it", file=sys.stderr)) if progress else None
+    created = next(
+        (p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None
+    )  # the first folder we make
+    say = (
+        (lambda h: print(f"{run_dir} is in use by {describe_holder(h)}; waiting for it", file=sys.stderr))
+        if progress
+        else None
+    )
     lock = lock_dir(run_dir, wait=wait, on_wait=say) if main else None
     try:
-        if lock is not None: lock.__enter__()
+        if lock is not None:
+            lock.__enter__()
         return _run_locked(cfg, cdict, run_dir, progress, created, lock, threads)
     finally:
-        if lock is not None: lock.__exit__(None, None, None)
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
 
 def _remove_created(run_dir: Path, created: Path | None, lock) -> None:
     "Remove the run directory (holding only its lock) and the empty folders above it that this call created."
-    if created is None or lock is None or any(p.name != ".lock" for p in run_dir.iterdir()): return
+    if created is None or lock is None or any(p.name != ".lock" for p in run_dir.iterdir()):
+        return
     lock.release_and_remove()
     for p in [run_dir, *run_dir.parents]:
-        try: p.rmdir()
-        except OSError: return
-        if p == created: return
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == created:
+            return
 
-def _run_locked(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock,
-                threads: int | None = None) -> RunResult:
-    state = _run_state(run_dir, cdict)          # again, under the lock: another process may have written meanwhile
-    if state == "done":                         # finished meanwhile (or its config.yaml was lost: rewritten)
+
+def _run_locked(
+    cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock, threads: int | None = None
+) -> RunResult:
+    state = _run_state(run_dir, cdict)  # again, under the lock: another process may have written meanwhile
+    if state == "done":  # finished meanwhile (or its config.yaml was lost: rewritten)
         if lock is not None and not (run_dir / "config.yaml").exists():
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
         return load_result(run_dir)
     import torch
+
     kept = recorded_threads(run_dir) if state == "resume" else None
     if kept and threads and kept != threads and progress:
         print(f"{run_dir.name}: resumed on the {kept} thread(s) it started with, not {threads}", file=sys.stderr)
     n, before = kept or threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(n)
-    try: return _train(cfg, cdict, run_dir, progress, created, lock, n)
-    finally: torch.set_num_threads(before)
+    try:
+        return _train(cfg, cdict, run_dir, progress, created, lock, n)
+    finally:
+        torch.set_num_threads(before)
 
-def _train(cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock, threads: int) -> RunResult:
+
+def _train(
+    cfg: Config, cdict: dict, run_dir: Path, progress: bool, created: Path | None, lock, threads: int
+) -> RunResult:
     "The body of `_run_locked` for a run to train, on `threads` CPU threads."
-    if lock is not None: remove_temp_files(run_dir, everything=True)      # halves of writes that a kill interrupted
+    if lock is not None:
+        remove_temp_files(run_dir, everything=True)  # halves of writes that a kill interrupted
     t0 = time.time()
-    try: learner = build_learner(cfg, run_dir, progress=progress)
+    try:
+        learner = build_learner(cfg, run_dir, progress=progress)
     except BaseException:
         _remove_created(run_dir, created, lock)
         raise
     import torch
-    learner.run_key = run_key(cdict)            # stored in every checkpoint: the proof `_run_state` reads
-    learner.threads = threads                   # stored in every checkpoint: a resume keeps it (`recorded_threads`)
+
+    learner.run_key = run_key(cdict)  # stored in every checkpoint: the proof `_run_state` reads
+    learner.threads = threads  # stored in every checkpoint: a resume keeps it (`recorded_threads`)
     try:
         if lock is not None and _read_yaml(run_dir / "config.yaml") != cdict:
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(cdict, sort_keys=True))
         learner.fit()
-        if not learner.latest_metrics: learner.evaluate()
+        if not learner.latest_metrics:
+            learner.evaluate()
         reported = learner.reported_metrics()
         metrics = reported["metrics"]
         if learner.is_main:
-            info = {**reported, "seed": cfg.seed, "epochs": cfg.train.epochs, "config_key": run_key(cdict),
-                    "versions": _versions(), "device": str(learner.device),
-                    "device_name": torch.cuda.get_device_name(0) if learner.device.type == "cuda" else platform.processor() or platform.machine(),
-                    "threads": threads, "wall_time_s": round(time.time() - t0, 2),
-                    "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            if cfg.eval.save_embeddings:    # the last evaluation's feature pass, reused when the weights did not change
+            info = {
+                **reported,
+                "seed": cfg.seed,
+                "epochs": cfg.train.epochs,
+                "config_key": run_key(cdict),
+                "versions": _versions(),
+                "device": str(learner.device),
+                "device_name": torch.cuda.get_device_name(0)
+                if learner.device.type == "cuda"
+                else platform.processor() or platform.machine(),
+                "threads": threads,
+                "wall_time_s": round(time.time() - t0, 2),
+                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+            if cfg.eval.save_embeddings:  # the last evaluation's feature pass, reused when the weights did not change
                 atomic_torch_save(learner.eval_embeddings(), run_dir / "embeddings.pt")
             atomic_json(info, run_dir / "metrics.json")
             atomic_write(run_dir / "done", info["finished"] + "\n")
     except Exception as e:
-        if learner.is_main: record_stopped(run_dir, e, run_key(cdict))   # by design: the next call reads the reason
+        if learner.is_main:
+            record_stopped(run_dir, e, run_key(cdict))  # by design: the next call reads the reason
         failed = _run_failed(run_dir, e)
-        if failed is e: raise
+        if failed is e:
+            raise
         raise failed from e
     return load_result(run_dir) if learner.is_main else RunResult(run_dir, cdict, metrics, learner.history, {})
+
 
 def train_again(result: RunResult, progress: bool = False) -> RunResult:
     """The restored run `result` trained again in its folder, for what a results folder does not keep (embeddings,
     weights), on the thread count it records (`RUN_THREADS` for results saved before runs recorded one)."""
-    print(f"{Path(result.run_dir).name}: restored from a results folder, without the embeddings or weights asked for; training it again", file=sys.stderr)
+    print(
+        f"{Path(result.run_dir).name}: restored from a results folder, without the embeddings or weights asked for; training it again",
+        file=sys.stderr,
+    )
     threads = result.info.get("threads") or RUN_THREADS
     clear_restored(result.run_dir)
     return run(result.config, run_dir=result.run_dir, progress=progress, wait=True, threads=threads)
 
-
 # %% ../../nbs/60_experiment.ipynb #f8139276
-def run_seeds(config: Config | dict, seeds: Sequence[int] = (0, 1, 2), runs_dir: str | Path = "runs",
-              progress: bool = True):
+def run_seeds(
+    config: Config | dict, seeds: Sequence[int] = (0, 1, 2), runs_dir: str | Path = "runs", progress: bool = True
+):
     "Run `config` once per seed; returns (per-seed DataFrame, summary DataFrame with mean and std)."
     import pandas as pd
+
     base = config_to_dict(make_config(config))
     rows = []
     for s in seeds:

@@ -4,7 +4,11 @@
 
 # %% ../../nbs/69_launch.ipynb #9929a3ed
 from __future__ import annotations
-import os, subprocess, sys, tempfile, time
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +19,18 @@ from tqdm.auto import tqdm
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
 from .results import clear_restored, restored
-from .sweep import (
-    COLLECT_ENV, PLAN_ENV, SETTLED, Job, Plan, collecting, execute, notebook_parameters, notebook_path, plan_notebook)
+from dml_nb.reproduction.sweep import (
+    COLLECT_ENV,
+    PLAN_ENV,
+    SETTLED,
+    Job,
+    Plan,
+    collecting,
+    execute,
+    notebook_parameters,
+    notebook_path,
+    plan_notebook,
+)
 
 # %% auto #0
 __all__ = ['LAUNCHERS', 'Failure', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm',
@@ -28,47 +42,61 @@ def _reproduction_notebooks(root: Path) -> list[Path]:
     nbs = [p for p in [root / "nbs" / "67_regime.ipynb"] if p.exists()]
     return nbs + sorted((root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
 
-
 # %% ../../nbs/69_launch.ipynb #58cf5698
-_DML_TRAIN = "import sys; from dml_nb.reproduction.cli import main; sys.exit(main())"   # `dml-train` on this interpreter
+_DML_TRAIN = "import sys; from dml_nb.reproduction.cli import main; sys.exit(main())"  # `dml-train` on this interpreter
+
 
 @dataclass
 class Failure:
     "A run a launcher could not finish: its job, exit status (or exception) and log."
+
     job: Job
     error: str
     log: Path
 
-    def __str__(self): return f"{Path(self.job.run_dir).name} ({'; '.join(self.job.uses)}): {self.error}; log {self.log}"
+    def __str__(self):
+        return f"{Path(self.job.run_dir).name} ({'; '.join(self.job.uses)}): {self.error}; log {self.log}"
+
 
 class SweepFailed(RuntimeError):
     "Some runs of a launch failed; `failures` lists them."
+
     def __init__(self, failures: Sequence[Failure]):
         self.failures = list(failures)
         super().__init__(f"{len(self.failures)} run(s) failed: " + " | ".join(map(str, self.failures)))
 
+
 def local_slots(workers: int = 1, threads: int | None = None) -> list[dict]:
     """The environment of each of `workers` parallel processes, `threads` CPU threads each (default `RUN_THREADS`, the
     count of a notebook's own runs: launched and sequential runs give the same bits)."""
-    if workers < 1: raise ValueError(f"workers must be at least 1; got {workers}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1; got {workers}")
     n = threads or RUN_THREADS
     return [{"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} for _ in range(workers)]
+
 
 def gpu_slots(gpus: Sequence[str | int] | None = None, threads: int | None = None) -> list[dict]:
     "One process per GPU (`gpus`, default: those visible, `$CUDA_VISIBLE_DEVICES` or every one torch sees), `threads` CPU threads each (default: the CPUs split between them)."
     if gpus is None:
         vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if vis is not None: gpus = [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
+        if vis is not None:
+            gpus = [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
         else:
             import torch
+
             gpus = list(range(torch.cuda.device_count()))
-    if not gpus: raise RuntimeError("multi_gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty, or torch sees none); "
-                                    "use the local launcher (--launch local --workers N) on this machine")
+    if not gpus:
+        raise RuntimeError(
+            "multi_gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty, or torch sees none); "
+            "use the local launcher (--launch local --workers N) on this machine"
+        )
     n = threads or max(1, (os.cpu_count() or 1) // len(gpus))
     return [{**s, "CUDA_VISIBLE_DEVICES": str(g)} for s, g in zip(local_slots(len(gpus), n), gpus)]
 
-def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping], progress: bool = True,
-             poll: float = 0.2) -> list[Failure]:
+
+def run_pool(
+    jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping], progress: bool = True, poll: float = 0.2
+) -> list[Failure]:
     """Run each job's `dml-train` command in a subprocess, one at a time per slot (its environment variables over
     this process's), its output in `plan_dir/logs/<hash>.log`. One progress bar over `jobs`; returns the failures."""
     todo = deque(j for j in jobs if j.status not in SETTLED)
@@ -77,186 +105,325 @@ def run_pool(jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping]
     try:
         while todo or running:
             for i, env in enumerate(slots):
-                if i in running or not todo: continue
+                if i in running or not todo:
+                    continue
                 job = todo.popleft()
-                log = job.log_file(plan_dir); log.parent.mkdir(parents=True, exist_ok=True)
+                log = job.log_file(plan_dir)
+                log.parent.mkdir(parents=True, exist_ok=True)
                 fh = open(log, "w")
                 cmd = [sys.executable, "-c", _DML_TRAIN, *job.command(plan_dir)[1:]]
-                running[i] = (subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT), job, fh, log)
+                running[i] = (
+                    subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT),
+                    job,
+                    fh,
+                    log,
+                )
             time.sleep(poll)
             for i, (p, job, fh, log) in list(running.items()):
-                if p.poll() is None: continue
-                fh.close(); del running[i]; bar.update()
-                if job.status not in SETTLED:   # a run that stopped by design (its `stopped` record) is no failure
+                if p.poll() is None:
+                    continue
+                fh.close()
+                del running[i]
+                bar.update()
+                if job.status not in SETTLED:  # a run that stopped by design (its `stopped` record) is no failure
                     failures.append(Failure(job, f"dml-train exit status {p.returncode}", log))
     finally:
-        for p, _, fh, _ in running.values():   # interrupted: the runs stop; their checkpoints resume on the next launch
-            p.terminate(); p.wait(); fh.close()
+        for p, _, fh, _ in running.values():  # interrupted: the runs stop; their checkpoints resume on the next launch
+            p.terminate()
+            p.wait()
+            fh.close()
         bar.close()
     return failures
-
 
 # %% ../../nbs/69_launch.ipynb #8256e91e
 def _train_job(command: Sequence[str], threads: int | None = RUN_THREADS) -> str:
     "A SLURM array task: `dml-train` with `command`'s arguments in this process, on `threads` CPU threads; returns the run folder."
     if threads:
         import torch
+
         torch.set_num_threads(threads)
     from dml_nb.reproduction.cli import main
+
     code = main(list(command[1:]))
-    if code != 0: raise RuntimeError(f"dml-train exit status {code}: {' '.join(command)}")
+    if code != 0:
+        raise RuntimeError(f"dml-train exit status {code}: {' '.join(command)}")
     return command[command.index("-o") + 1]
 
-def slurm_executor(folder: str | Path, partition: str | None = None, time_min: int = 60, gpus: int = 1, mem_gb: int = 32,
-                   cpus: int = 8, parallel: int | None = None, cluster: str | None = None, **extra):
+
+def slurm_executor(
+    folder: str | Path,
+    partition: str | None = None,
+    time_min: int = 60,
+    gpus: int = 1,
+    mem_gb: int = 32,
+    cpus: int = 8,
+    parallel: int | None = None,
+    cluster: str | None = None,
+    **extra,
+):
     """A `submitit.AutoExecutor` for the runs: one task per run, `gpus` GPUs, `cpus` CPUs and `mem_gb` GB each, on
     `partition` for at most `time_min` minutes; `parallel` caps the array's tasks at once (`cluster='local'`: submitit's
     local executor). Needs the `slurm` extra: pip install 'dml_nb[slurm]'."""
-    try: import submitit
+    try:
+        import submitit
     except ImportError as e:
-        raise ImportError("the slurm launcher needs submitit, an optional extra: pip install 'dml_nb[slurm]' (or pip install submitit)") from e
+        raise ImportError(
+            "the slurm launcher needs submitit, an optional extra: pip install 'dml_nb[slurm]' (or pip install submitit)"
+        ) from e
     ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
-    params = {"timeout_min": int(time_min), "gpus_per_node": int(gpus), "cpus_per_task": int(cpus), "mem_gb": int(mem_gb),
-              "tasks_per_node": 1, "nodes": 1, "name": "dml-train"}
-    if partition: params["slurm_partition"] = partition
-    if parallel: params["slurm_array_parallelism"] = int(parallel)
+    params = {
+        "timeout_min": int(time_min),
+        "gpus_per_node": int(gpus),
+        "cpus_per_task": int(cpus),
+        "mem_gb": int(mem_gb),
+        "tasks_per_node": 1,
+        "nodes": 1,
+        "name": "dml-train",
+    }
+    if partition:
+        params["slurm_partition"] = partition
+    if parallel:
+        params["slurm_array_parallelism"] = int(parallel)
     ex.update_parameters(**params, **extra)
     return ex
 
-def submit_slurm(jobs: Sequence[Job], plan_dir: str | Path, executor, threads: int | None = None,
-                 progress: bool = True, poll: float = 5.0) -> list[Failure]:
+
+def submit_slurm(
+    jobs: Sequence[Job],
+    plan_dir: str | Path,
+    executor,
+    threads: int | None = None,
+    progress: bool = True,
+    poll: float = 5.0,
+) -> list[Failure]:
     "Submit the pending `jobs` as one job array to `executor` (`slurm_executor`), wait with one progress bar; returns the failures."
     todo = [j for j in jobs if j.status not in SETTLED]
-    with executor.batch():   # one array
+    with executor.batch():  # one array
         handles = [executor.submit(_train_job, j.command(plan_dir), threads) for j in todo]
     failures, left = [], dict(zip(range(len(todo)), handles))
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="runs", disable=not progress)
     while left:
         for i, h in list(left.items()):
-            if not h.done(): continue
-            del left[i]; bar.update()
+            if not h.done():
+                continue
+            del left[i]
+            bar.update()
             err = h.exception()
             if todo[i].status not in SETTLED:
                 log = Path(getattr(h, "paths").stderr) if hasattr(h, "paths") else todo[i].log_file(plan_dir)
-                failures.append(Failure(todo[i], f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
-                                        if err else "no finished run", log))
-        if left: time.sleep(poll)
+                failures.append(
+                    Failure(
+                        todo[i],
+                        f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+                        if err
+                        else "no finished run",
+                        log,
+                    )
+                )
+        if left:
+            time.sleep(poll)
     bar.close()
     return failures
 
+
 LAUNCHERS = ("local", "multi_gpu", "slurm")
 
-def launch(plan: Plan, launcher: str = "local", workers: int = 1, threads: int | None = None,
-           gpus: Sequence[str] | None = None, progress: bool = True, **slurm) -> list[Failure]:
+
+def launch(
+    plan: Plan,
+    launcher: str = "local",
+    workers: int = 1,
+    threads: int | None = None,
+    gpus: Sequence[str] | None = None,
+    progress: bool = True,
+    **slurm,
+) -> list[Failure]:
     """Run the plan's pending runs into their run folders: `local` (`workers` processes), `multi_gpu` (one per GPU),
     `slurm` (a submitit job array; `slurm` options to `slurm_executor`). `local` and `multi_gpu` leave out the runs
     the plan found this machine cannot start (the notebook shows them as not run); `slurm` submits them, since its
     nodes may have what the submitting machine lacks. A run restored from a results folder that a figure needs the
     embeddings or weights of (`Job.rebuild`) is trained again. Raises `SweepFailed` naming the runs that
     failed and their logs. A run another process is training is waited for (its lock); a killed run resumes."""
-    if launcher not in LAUNCHERS: raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
-    for j in plan.jobs:   # restored from a results folder, needed with its embeddings or weights: trained again
-        if j.rebuild and restored(j.run_dir):   # on the thread count its results record (`RUN_THREADS` for older results)
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    for j in plan.jobs:  # restored from a results folder, needed with its embeddings or weights: trained again
+        if j.rebuild and restored(
+            j.run_dir
+        ):  # on the thread count its results record (`RUN_THREADS` for older results)
             j.threads = recorded_threads(j.run_dir) or RUN_THREADS
             clear_restored(j.run_dir)
     if launcher == "slurm":
         ex = slurm.pop("executor", None) or slurm_executor(Path(plan.plan_dir) / "slurm", **slurm)
         failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads or RUN_THREADS, progress)
-    else:   # this machine: a run it cannot start (no data, weights) is left out, as the notebook's own path leaves it out
+    else:  # this machine: a run it cannot start (no data, weights) is left out, as the notebook's own path leaves it out
         slots = local_slots(workers, threads) if launcher == "local" else gpu_slots(gpus, threads)
         here = [j for j in plan.jobs if not (j.unavailable and j.status != "done")]
         if len(here) < len(plan.jobs):
-            print(f"{len(plan.jobs) - len(here)} run(s) cannot start on this machine and are left out (the plan says why)", file=sys.stderr)
+            print(
+                f"{len(plan.jobs) - len(here)} run(s) cannot start on this machine and are left out (the plan says why)",
+                file=sys.stderr,
+            )
         failures = run_pool(here, plan.plan_dir, slots, progress)
-    if failures: raise SweepFailed(failures)
+    if failures:
+        raise SweepFailed(failures)
     return failures
 
-
 # %% ../../nbs/69_launch.ipynb #66c82573
-def collect(notebooks: Sequence[str | Path], params_file: str | Path | None = None, overrides: str | Mapping | None = None,
-            seeds: Sequence[int] | None = None, runs_dir: str | Path | None = None, root: str | Path | None = None,
-            progress: bool = True) -> list[Path]:
+def collect(
+    notebooks: Sequence[str | Path],
+    params_file: str | Path | None = None,
+    overrides: str | Mapping | None = None,
+    seeds: Sequence[int] | None = None,
+    runs_dir: str | Path | None = None,
+    root: str | Path | None = None,
+    progress: bool = True,
+) -> list[Path]:
     """Execute `notebooks` collect-only: they read the finished runs and write their figures; a run not finished stops
     the notebook with `MissingRunsError` (inside papermill's error). Returns the executed copies."""
     root = Path(root) if root is not None else project_root()
     out_dir = Path(tempfile.mkdtemp(prefix="dml_nb_collect_"))
     paths = [notebook_path(n, root) for n in notebooks]
-    return [execute(nb, notebook_parameters(params_file, overrides, seeds, runs_dir), out_dir / nb.name,
-                    **{COLLECT_ENV: "1", PLAN_ENV: None})
-            for nb in tqdm(paths, desc="notebooks", disable=not progress)]
+    return [
+        execute(
+            nb,
+            notebook_parameters(params_file, overrides, seeds, runs_dir),
+            out_dir / nb.name,
+            **{COLLECT_ENV: "1", PLAN_ENV: None},
+        )
+        for nb in tqdm(paths, desc="notebooks", disable=not progress)
+    ]
+
 
 def add_sweep_arguments(ap) -> None:
     "The sweep options of `dml-reproduce`: plan, launch, collect-only."
     g = ap.add_argument_group("sweeps (plan, launch, collect)")
-    g.add_argument("--plan", action="store_true", help="list every run the notebooks need (no training): a table, and JSON (--json)")
+    g.add_argument(
+        "--plan",
+        action="store_true",
+        help="list every run the notebooks need (no training): a table, and JSON (--json)",
+    )
     g.add_argument("--launch", choices=LAUNCHERS, help="train the plan's pending runs with this launcher, then collect")
-    g.add_argument("--collect-only", action="store_true", help="run the notebooks on finished runs only: a missing run is an error")
-    g.add_argument("-f", "--parameters-file", dest="params_file", help="papermill parameter file (YAML) for every notebook")
+    g.add_argument(
+        "--collect-only", action="store_true", help="run the notebooks on finished runs only: a missing run is an error"
+    )
+    g.add_argument(
+        "-f", "--parameters-file", dest="params_file", help="papermill parameter file (YAML) for every notebook"
+    )
     g.add_argument("-y", "--parameters-yaml", dest="overrides", help="papermill parameters as YAML, over the -f file")
     g.add_argument("--seeds", type=int, nargs="+", help="the seeds parameter")
     g.add_argument("--runs-dir", help="the shared run cache (output.runs_dir; default $DML_RUNS, else <project>/runs)")
-    g.add_argument("--plan-dir", help="where the plan, its configs and logs go (default <runs dir>/.plans/<notebook or all>)")
+    g.add_argument(
+        "--plan-dir", help="where the plan, its configs and logs go (default <runs dir>/.plans/<notebook or all>)"
+    )
     g.add_argument("--json", dest="json_out", help="also write the plan to this JSON file")
     g.add_argument("--from-plan", help="launch the runs of this plan JSON (from --plan) instead of planning again")
     g.add_argument("--no-collect", action="store_true", help="with --launch: stop after training")
     g.add_argument("--workers", type=int, default=1, help="local: parallel processes (default 1)")
-    g.add_argument("--threads", type=int, help="CPU threads per run (default: local and slurm 1, as a notebook's own runs; "
-                   "multi_gpu: the CPUs split between the GPUs); each run records its count in metrics.json")
+    g.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads per run (default: local and slurm 1, as a notebook's own runs; "
+        "multi_gpu: the CPUs split between the GPUs); each run records its count in metrics.json",
+    )
     g.add_argument("--gpus", help="multi_gpu: comma-separated GPU ids (default: $CUDA_VISIBLE_DEVICES or every GPU)")
-    for opt, kw in (("--partition", {}), ("--time", {"type": int, "default": 60, "help": "slurm: minutes per run (default 60)"}),
-                    ("--gpus-per-run", {"type": int, "default": 1}), ("--mem-gb", {"type": int, "default": 32}),
-                    ("--cpus-per-run", {"type": int, "default": 8}), ("--array-parallelism", {"type": int})):
+    for opt, kw in (
+        ("--partition", {}),
+        ("--time", {"type": int, "default": 60, "help": "slurm: minutes per run (default 60)"}),
+        ("--gpus-per-run", {"type": int, "default": 1}),
+        ("--mem-gb", {"type": int, "default": 32}),
+        ("--cpus-per-run", {"type": int, "default": 8}),
+        ("--array-parallelism", {"type": int}),
+    ):
         g.add_argument(opt, **{"help": f"slurm: {opt[2:].replace('-', ' ')}", **kw})
+
 
 def _default_plan_dir(args, root: Path) -> Path:
     runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
     return runs / ".plans" / ("all" if not args.notebooks else "+".join(Path(n).stem for n in args.notebooks))
 
+
 def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int | None:
     "`dml-reproduce` with a sweep option: plan, launch and/or collect; None when no sweep option was given."
-    if not (args.plan or args.launch or args.collect_only): return None
+    if not (args.plan or args.launch or args.collect_only):
+        return None
     root = Path(root) if root is not None else project_root()
     notebooks = list(args.notebooks) or [p.stem for p in _reproduction_notebooks(root)]
-    if not notebooks: raise FileNotFoundError(f"no reproduction notebooks in {root / 'nbs'}: run dml-reproduce in the project's folder")
-    pp = dict(params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root)
+    if not notebooks:
+        raise FileNotFoundError(
+            f"no reproduction notebooks in {root / 'nbs'}: run dml-reproduce in the project's folder"
+        )
+    pp = dict(
+        params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root
+    )
     plan = None
     if args.plan or (args.launch and not args.from_plan):
         plan = plan_notebook(notebooks, args.plan_dir or _default_plan_dir(args, root), **pp)
-    elif args.from_plan: plan = Plan.load(args.from_plan)
+    elif args.from_plan:
+        plan = Plan.load(args.from_plan)
     if plan is not None:
         import pandas as pd
+
         table = plan.table().drop(columns=["command"])
         table["uses"] = [j.uses[0] + (f" (+{len(j.uses) - 1} more)" if len(j.uses) > 1 else "") for j in plan.jobs]
         table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
-        with pd.option_context("display.max_colwidth", 80, "display.width", 200): print(table.to_string(index=False))
+        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
+            print(table.to_string(index=False))
         for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
-            print(f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)")
+            print(
+                f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)"
+            )
         print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
-        if args.json_out: plan.save(args.json_out)
+        if args.json_out:
+            plan.save(args.json_out)
     if args.launch:
         try:
-            launch(plan, args.launch, workers=args.workers, threads=args.threads,
-                   gpus=args.gpus.split(",") if args.gpus else None,
-                   **({"partition": args.partition, "time_min": args.time, "gpus": args.gpus_per_run, "mem_gb": args.mem_gb,
-                       "cpus": args.cpus_per_run, "parallel": args.array_parallelism} if args.launch == "slurm" else {}))
+            launch(
+                plan,
+                args.launch,
+                workers=args.workers,
+                threads=args.threads,
+                gpus=args.gpus.split(",") if args.gpus else None,
+                **(
+                    {
+                        "partition": args.partition,
+                        "time_min": args.time,
+                        "gpus": args.gpus_per_run,
+                        "mem_gb": args.mem_gb,
+                        "cpus": args.cpus_per_run,
+                        "parallel": args.array_parallelism,
+                    }
+                    if args.launch == "slurm"
+                    else {}
+                ),
+            )
         except SweepFailed as e:
-            print("dml-reproduce: these runs failed (their logs say why; launch again to resume them):", file=sys.stderr)
-            for f in e.failures: print(f"  {f}", file=sys.stderr)
+            print(
+                "dml-reproduce: these runs failed (their logs say why; launch again to resume them):", file=sys.stderr
+            )
+            for f in e.failures:
+                print(f"  {f}", file=sys.stderr)
             return 1
-        if args.no_collect: return 0
+        if args.no_collect:
+            return 0
     if args.collect_only or args.launch:
         import papermill
+
         defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
         names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
         try:
             if defaults and reproduce is None:
-                raise TypeError("sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
-                                "to collect the default reproduction; `dml-reproduce` passes it")
-            if defaults:   # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
-                with collecting(): reproduce(names, force=True, root=root)
-            else: collect(names, **pp)
+                raise TypeError(
+                    "sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
+                    "to collect the default reproduction; `dml-reproduce` passes it"
+                )
+            if (
+                defaults
+            ):  # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
+                with collecting():
+                    reproduce(names, force=True, root=root)
+            else:
+                collect(names, **pp)
         except papermill.PapermillExecutionError as e:
             print(f"dml-reproduce: collect-only stopped: {e.ename}: {e.evalue}", file=sys.stderr)
             return 2
     return 0
-

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/68_notebook.ipynb #cd1ab104
 from __future__ import annotations
-import os, sys
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -15,9 +16,21 @@ from ..core.base import in_test, project_root
 from .claims import Claims
 from .experiment import RUN_THREADS, load_result
 from ..methods.base import task_health
-from .repro import (
-    EMBEDDED, Row, base_config, compare, job_config, output_dirs, paper_numbers, paper_variant, reported_as, rows_from,
-    run_rows, summarize, write_table)
+from dml_nb.reproduction.repro import (
+    EMBEDDED,
+    Row,
+    base_config,
+    compare,
+    job_config,
+    output_dirs,
+    paper_numbers,
+    paper_variant,
+    reported_as,
+    rows_from,
+    run_rows,
+    summarize,
+    write_table,
+)
 from ..training.config import make_config
 from .viz import save_figure, set_style
 
@@ -29,44 +42,59 @@ __all__ = ['CONFIG_SECTIONS', 'OUTPUT_KEYS', 'Reproduction', 'params_base', 'set
 @dataclass
 class Reproduction:
     "A reproduction notebook's setting after `setup`: base config, seeds, folders, and the steps every notebook takes."
+
     stem: str
     dataset: str
-    shown: str            # the dataset whose paper numbers are shown: the paper's own when `dataset` is embedded
+    shown: str  # the dataset whose paper numbers are shown: the paper's own when `dataset` is embedded
     base: dict
     seeds: list
     figures: Path
     runs: Path
     progress: bool = True
-    threads: int = RUN_THREADS   # the CPU threads each run trains on (`output.threads`; recorded in its metrics.json)
+    threads: int = RUN_THREADS  # the CPU threads each run trains on (`output.threads`; recorded in its metrics.json)
 
     @property
-    def embedded(self) -> bool: return self.dataset in EMBEDDED
+    def embedded(self) -> bool:
+        return self.dataset in EMBEDDED
 
     def run(self, rows: Sequence[Row] | Mapping[str, Mapping], **kw) -> tuple[pd.DataFrame, dict]:
         "`run_rows` on this notebook's base, seeds and runs folder; `rows` are `Row`s or {name: spec} (`kw` to `Row`)."
         rows = rows_from(rows, **kw) if isinstance(rows, Mapping) else list(rows)
-        self.epochs_run = sorted({int(job_config(r, self.base, s).get("train", {}).get("epochs", 10))
-                                  for r in rows for s in self.seeds})   # what the note says: rows may set their own
-        per_seed, results = run_rows(rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress,
-                                     threads=self.threads)
-        prev = getattr(self, "per_seed", None)   # for `claims` (pairing by seed, cost, tasks): a row run again replaces its lines
-        self.per_seed = pd.concat([None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True)
+        self.epochs_run = sorted(
+            {int(job_config(r, self.base, s).get("train", {}).get("epochs", 10)) for r in rows for s in self.seeds}
+        )  # what the note says: rows may set their own
+        per_seed, results = run_rows(
+            rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress, threads=self.threads
+        )
+        prev = getattr(
+            self, "per_seed", None
+        )  # for `claims` (pairing by seed, cost, tasks): a row run again replaces its lines
+        self.per_seed = pd.concat(
+            [None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True
+        )
         return per_seed, results
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:
         "The paper's numbers on `dataset` (default: the shown one)."
         return paper_numbers(self.stem, dataset or self.shown)
 
-    def note(self, per_seed: pd.DataFrame | None = None, paper: str | None = None, compare: str | None = "the ordering",
-             ours: str = "", detail: str = "") -> str:
+    def note(
+        self,
+        per_seed: pd.DataFrame | None = None,
+        paper: str | None = None,
+        compare: str | None = "the ordering",
+        ours: str = "",
+        detail: str = "",
+    ) -> str:
         """The note under a table: what ran (dataset, backbone, epochs, `ours`: more of the setting, seeds, the epoch
         reported), a `detail` on the rows, the paper's dataset (`paper`: another text), and on embedded data what to
         `compare` (None: no such sentence)."""
         b = self.base
         e = getattr(self, "epochs_run", None) or [b["train"]["epochs"]]
-        epochs = f"{e[0]}" if len(e) == 1 else f"{e[0]}-{e[-1]}"     # the rows' own epochs (a paper file sets each row's)
+        epochs = f"{e[0]}" if len(e) == 1 else f"{e[0]}-{e[-1]}"  # the rows' own epochs (a paper file sets each row's)
         text = f"Ours: {self.dataset}, {b['model']['backbone']}, {epochs} epochs, {ours + ', ' if ours else ''}seeds {list(self.seeds)}"
-        if per_seed is not None: text += f", {reported_as(per_seed)}"
+        if per_seed is not None:
+            text += f", {reported_as(per_seed)}"
         if "nmi" in b["eval"].get("metrics", []):
             n = b["eval"].get("nmi_seeds", 1)
             text += f", NMI the mean over {n} k-means starts" if n > 1 else ", NMI from one k-means start"
@@ -76,24 +104,40 @@ class Reproduction:
     def write(self, table: pd.DataFrame, title: str, notes: str = "", suffix: str = "") -> pd.DataFrame:
         "Write `table` to `figures/<stem><suffix>.csv` and `.md` with its title and notes, print the notes; returns `table`."
         write_table(table, self.stem + suffix, self.figures, title=title, notes=notes)
-        if notes: print(notes)
+        if notes:
+            print(notes)
         return table
 
-    def report(self, table: pd.DataFrame, per_seed: pd.DataFrame, title: str, columns: Sequence[str] | None = None,
-               numbers: pd.DataFrame | None = None, notes: str | None = None, **note) -> pd.DataFrame:
+    def report(
+        self,
+        table: pd.DataFrame,
+        per_seed: pd.DataFrame,
+        title: str,
+        columns: Sequence[str] | None = None,
+        numbers: pd.DataFrame | None = None,
+        notes: str | None = None,
+        **note,
+    ) -> pd.DataFrame:
         """`table` (from `summarize`) beside the paper's `numbers` (default: `paper()`) on `columns` (default: all its
         metrics), written under `title` with `notes` (default: `note(per_seed, **note)`); returns the comparison."""
         out = compare(table, self.paper() if numbers is None else numbers, columns)
         return self.write(out, title, self.note(per_seed, **note) if notes is None else notes)
 
-    def table(self, per_seed: pd.DataFrame, metrics: Sequence[str] | None, title: str, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
+    def table(
+        self, per_seed: pd.DataFrame, metrics: Sequence[str] | None, title: str, **kw
+    ) -> tuple[pd.DataFrame, pd.DataFrame]:
         "`summarize` `per_seed` over `metrics` (None: the base config's eval metrics), then `report` it (`kw`): returns (summary, comparison)."
         table = summarize(per_seed, list(metrics or self.base["eval"]["metrics"]))
         return table, self.report(table, per_seed, title, **kw)
 
     def not_run(self, per_seed: pd.DataFrame, title: str, notes: str = "no row ran") -> pd.DataFrame:
         "For a table none of whose runs finished: print and write each row and seed with the reason it did not run."
-        print("not run:", "; ".join(f"{r} (seed {s}): {st}" for r, s, st in zip(per_seed["row"], per_seed["seed"], per_seed["status"])))
+        print(
+            "not run:",
+            "; ".join(
+                f"{r} (seed {s}): {st}" for r, s, st in zip(per_seed["row"], per_seed["seed"], per_seed["status"])
+            ),
+        )
         return self.write(per_seed.set_index("row")[["seed", "status"]], title, f"{self.dataset}: {notes}.")
 
     def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
@@ -104,66 +148,110 @@ class Reproduction:
         """The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper
         file), the per-seed values of every row `run` ran (each difference is also reported paired by seed), what ran
         (`note`) and whether each run's tasks were alive at the end (`tasks`)."""
-        try: paper = self.paper()
-        except FileNotFoundError: paper = None
-        return Claims(self.stem, self.figures, paper, per_seed=getattr(self, "per_seed", None), setting=self.note(compare=None),
-                      tasks=self.tasks())
+        try:
+            paper = self.paper()
+        except FileNotFoundError:
+            paper = None
+        return Claims(
+            self.stem,
+            self.figures,
+            paper,
+            per_seed=getattr(self, "per_seed", None),
+            setting=self.note(compare=None),
+            tasks=self.tasks(),
+        )
 
     def tasks(self) -> str:
         """Whether every task of every run `run` ran still had a non-zero loss and gradient in its last epoch
         (`task_health`), and for each row with an idle task: in how many seeds, why, and the task's own logs (DaNCE:
         the share of key weights that survive its cutoffs). '' when no run finished."""
         ps = getattr(self, "per_seed", None)
-        if ps is None or "run" not in ps: return ""
+        if ps is None or "run" not in ps:
+            return ""
         ok = ps[ps["status"] == "ok"].drop_duplicates("run")
-        if ok.empty: return ""
-        idle = {}   # (row, task) -> [health of that task in each seed where it idled]
+        if ok.empty:
+            return ""
+        idle = {}  # (row, task) -> [health of that task in each seed where it idled]
         for row, run in zip(ok["row"], ok["run"]):
             for task, h in task_health(load_result(self.runs / run).history_frame()).items():
-                if not h["alive"]: idle.setdefault((row, task), []).append(h)
+                if not h["alive"]:
+                    idle.setdefault((row, task), []).append(h)
         seeds = ok.groupby("row")["run"].count()
-        if not idle: return f"Every task of each of the {len(ok)} runs had a non-zero loss and gradient in its last epoch."
+        if not idle:
+            return f"Every task of each of the {len(ok)} runs had a non-zero loss and gradient in its last epoch."
         parts = []
         for (row, task), hs in idle.items():
-            logs = {k: sum(h[k] for h in hs) / len(hs) for k in hs[0] if k not in ("loss", "grad", "alive", "why", "relative_grad")
-                    and all(isinstance(h.get(k), float) for h in hs)}
-            parts.append(f"{row} {task} idle in {len(hs)} of {seeds[row]} seeds ({'; '.join(dict.fromkeys(h['why'] for h in hs))}"
-                         + "".join(f"; mean {k} {v:.2f}" for k, v in logs.items()) + ")")
-        return ("In the last epoch every other task had a non-zero loss and gradient; idle (`task_health`): "
-                + ", ".join(parts) + ".")
+            logs = {
+                k: sum(h[k] for h in hs) / len(hs)
+                for k in hs[0]
+                if k not in ("loss", "grad", "alive", "why", "relative_grad")
+                and all(isinstance(h.get(k), float) for h in hs)
+            }
+            parts.append(
+                f"{row} {task} idle in {len(hs)} of {seeds[row]} seeds ({'; '.join(dict.fromkeys(h['why'] for h in hs))}"
+                + "".join(f"; mean {k} {v:.2f}" for k, v in logs.items())
+                + ")"
+            )
+        return (
+            "In the last epoch every other task had a non-zero loss and gradient; idle (`task_health`): "
+            + ", ".join(parts)
+            + "."
+        )
+
 
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."
-    if callable(n): return n(value)
-    if isinstance(value, Mapping): return dict(list(value.items())[:n])
-    if isinstance(value, (list, tuple)): return value[:n]
+    if callable(n):
+        return n(value)
+    if isinstance(value, Mapping):
+        return dict(list(value.items())[:n])
+    if isinstance(value, (list, tuple)):
+        return value[:n]
     return min(value, n)
 
+
 _DIR, _SECTION = (str, Path, type(None)), (Mapping, type(None))
-CONFIG_SECTIONS = dict.fromkeys(("data", "model", "train", "eval"), _SECTION)   # `config`: overrides by section
-OUTPUT_KEYS = {"runs_dir": _DIR, "figures_dir": _DIR, "progress": (bool,), "threads": (int,)}   # `output`: folders, progress bars, CPU threads per run
+CONFIG_SECTIONS = dict.fromkeys(("data", "model", "train", "eval"), _SECTION)  # `config`: overrides by section
+OUTPUT_KEYS = {
+    "runs_dir": _DIR,
+    "figures_dir": _DIR,
+    "progress": (bool,),
+    "threads": (int,),
+}  # `output`: folders, progress bars, CPU threads per run
+
 
 def _parameter_dict(value, name: str, keys: Mapping[str, tuple], stem: str) -> dict:
     "`value` of the notebook parameter `name`: a dict with keys among `keys`, each value of its types (None: empty)."
     if not isinstance(value := {} if value is None else value, Mapping) or any(
-            k not in keys or not isinstance(v, keys[k]) for k, v in value.items()):
-        want = ", ".join(f"{k}: {' or '.join({Mapping: 'dict', type(None): 'None'}.get(t, t.__name__) for t in ts)}"
-                         for k, ts in keys.items())
-        raise ValueError(f"{stem}: the parameter {name!r} must be a dict with keys among {list(keys)}; got {value!r} "
-                         f"(each value: {want})")
+        k not in keys or not isinstance(v, keys[k]) for k, v in value.items()
+    ):
+        want = ", ".join(
+            f"{k}: {' or '.join({Mapping: 'dict', type(None): 'None'}.get(t, t.__name__) for t in ts)}"
+            for k, ts in keys.items()
+        )
+        raise ValueError(
+            f"{stem}: the parameter {name!r} must be a dict with keys among {list(keys)}; got {value!r} "
+            f"(each value: {want})"
+        )
     return dict(value)
+
 
 def params_base(params: Mapping, defaults: Mapping | None = None, stem: str = "the parameters") -> dict:
     "The base config of a notebook's parameters (a `-f` file, or its namespace): `dataset`'s, then `config` over `defaults`."
-    if flat := [k for k in (*CONFIG_SECTIONS, *OUTPUT_KEYS) if k in params]:   # a file written for the old flat form
+    if flat := [k for k in (*CONFIG_SECTIONS, *OUTPUT_KEYS) if k in params]:  # a file written for the old flat form
         moves = ", ".join(f"{k} -> {'config' if k in CONFIG_SECTIONS else 'output'}.{k}" for k in flat)
-        raise ValueError(f"{stem}: {', '.join(flat)} are no longer parameters of their own; move them ({moves}): in a papermill "
-                         "-f file, indent them under `config:` or `output:`, e.g. config: {train: {epochs: 5}}")
-    config = {**_parameter_dict(defaults, "defaults", CONFIG_SECTIONS, stem),
-              **_parameter_dict(params.get("config"), "config", CONFIG_SECTIONS, stem)}
+        raise ValueError(
+            f"{stem}: {', '.join(flat)} are no longer parameters of their own; move them ({moves}): in a papermill "
+            "-f file, indent them under `config:` or `output:`, e.g. config: {train: {epochs: 5}}"
+        )
+    config = {
+        **_parameter_dict(defaults, "defaults", CONFIG_SECTIONS, stem),
+        **_parameter_dict(params.get("config"), "config", CONFIG_SECTIONS, stem),
+    }
     base = base_config(params.get("dataset", "shapes"), *(config.get(k) for k in CONFIG_SECTIONS))
-    make_config(base)                                # a wrong value in a section stops here, not at the first run
+    make_config(base)  # a wrong value in a section stops here, not at the first run
     return base
+
 
 def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapping | None = None) -> Reproduction:
     """Start reproduction notebook `stem` from `params`, its namespace after the parameters cell (`globals()`): the
@@ -172,77 +260,114 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     `shrink` ({name: n or function}, see `_small`; `{"seeds": 2}` keeps two); the configs shrink in `run_rows`.
     Sets the figure style."""
     try:
-        base = params_base(params, defaults, stem)    # first: a wrong parameter stops before anything is shrunk
+        base = params_base(params, defaults, stem)  # first: a wrong parameter stops before anything is shrunk
         output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
         if isinstance(threads := output.get("threads", RUN_THREADS), bool) or threads < 1:
-            raise ValueError(f"output.threads must be a whole number of at least 1 (CPU threads per run); got {threads!r}")
+            raise ValueError(
+                f"output.threads must be a whole number of at least 1 (CPU threads per run); got {threads!r}"
+            )
         nb_defaults = notebook_defaults(stem)
         _check_parameters(stem, params, nb_defaults)
-        _check_data(base)                              # a paper dataset that is not here: no row could run
-    except (ValueError, KeyError, FileNotFoundError) as e: raise _one_line(stem, e) from None
+        _check_data(base)  # a paper dataset that is not here: no row could run
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise _one_line(stem, e) from None
     variant = paper_variant(base)
-    if not (in_test() or output.get("figures_dir")):   # a user's run: never the committed figures/
+    if not (in_test() or output.get("figures_dir")):  # a user's run: never the committed figures/
         variant = user_folder(params, nb_defaults, variant)
     if in_test():
         for k, n in {"seeds": 1, **(shrink or {})}.items():
-            if k not in params: raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
+            if k not in params:
+                raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
             params[k] = _small(params[k], n)
     dataset = params.get("dataset", "shapes")
-    try: figures, runs = _writable_dirs(stem, output, variant)
-    except ValueError as e: raise _one_line(stem, e) from None
+    try:
+        figures, runs = _writable_dirs(stem, output, variant)
+    except ValueError as e:
+        raise _one_line(stem, e) from None
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
     progress = output.get("progress", True)
-    if progress and not (in_test() or _watched()): text_progress()
+    if progress and not (in_test() or _watched()):
+        text_progress()
     set_style()
     return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, progress, threads)
 
 # %% ../../nbs/68_notebook.ipynb #ea32b450
 def _notebook_of(stem: str) -> Path | None:
     "The notebook that calls `setup(stem, ...)`: `nbs/<stem>.ipynb`, or the one whose source names `stem` (the regime's)."
-    try: nbs = project_root() / "nbs"
-    except Exception: return None
-    if (nbs / f"{stem}.ipynb").exists(): return nbs / f"{stem}.ipynb"
+    try:
+        nbs = project_root() / "nbs"
+    except Exception:
+        return None
+    if (nbs / f"{stem}.ipynb").exists():
+        return nbs / f"{stem}.ipynb"
     return next((p for p in sorted(nbs.glob("*.ipynb")) if f'setup(\\"{stem}\\"' in p.read_text()), None)
+
 
 def notebook_defaults(stem: str) -> dict | None:
     "The values of the `parameters` cell of `stem`'s notebook (what a run without parameters uses), or None if unreadable."
     import json
+
     path = _notebook_of(stem)
-    if path is None: return None
+    if path is None:
+        return None
     try:
         cells = json.loads(path.read_text())["cells"]
         k = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
         values: dict = {}
         exec(compile("".join(cells[k]["source"]), f"{path.name}: parameters", "exec"), {}, values)
-        if k + 1 < len(cells) and "defaults" in cells[k + 1].get("metadata", {}).get("tags", []):   # long defaults
+        if k + 1 < len(cells) and "defaults" in cells[k + 1].get("metadata", {}).get("tags", []):  # long defaults
             exec(compile("".join(cells[k + 1]["source"]), f"{path.name}: defaults", "exec"), {}, values)
         return {n: v for n, v in values.items() if not n.startswith("_") and not n.isupper()}
-    except Exception: return None
+    except Exception:
+        return None
 
-_KNOWN = ("dataset", "config", "seeds", "paper_dataset", "output")    # what `setup` reads, in every notebook
+
+_KNOWN = ("dataset", "config", "seeds", "paper_dataset", "output")  # what `setup` reads, in every notebook
+
 
 def _check_parameters(stem: str, params: Mapping, defaults: Mapping | None) -> None:
     "`seeds` a non-empty list of seeds, and no parameter the notebook does not have (papermill only warns of one)."
     seeds = params.get("seeds")
-    if not (isinstance(seeds, (list, tuple)) and seeds and all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)):
-        raise ValueError(f"{stem}: the parameter 'seeds' must be a non-empty list of integers from 0 to 4294967295, "
-                         f"e.g. [0, 1, 2]; got {seeds!r}")
-    if defaults is None: return
+    if not (
+        isinstance(seeds, (list, tuple))
+        and seeds
+        and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
+    ):
+        raise ValueError(
+            f"{stem}: the parameter 'seeds' must be a non-empty list of integers from 0 to 4294967295, "
+            f"e.g. [0, 1, 2]; got {seeds!r}"
+        )
+    if defaults is None:
+        return
     import types
+
     imported = set().union(*(vars(m) for n, m in list(sys.modules.items()) if n.startswith("dml_nb") and m is not None))
-    unknown = [k for k, v in params.items() if not k.startswith("_") and not k.isupper() and k not in defaults
-               and k not in _KNOWN
-               and k not in imported and k not in ("In", "Out", "exit", "quit", "open")
-               and not isinstance(v, (types.ModuleType, type)) and not callable(v)]
+    unknown = [
+        k
+        for k, v in params.items()
+        if not k.startswith("_")
+        and not k.isupper()
+        and k not in defaults
+        and k not in _KNOWN
+        and k not in imported
+        and k not in ("In", "Out", "exit", "quit", "open")
+        and not isinstance(v, (types.ModuleType, type))
+        and not callable(v)
+    ]
     if unknown:
-        raise ValueError(f"{stem}: unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of {stem} are: "
-                         f"{', '.join(dict.fromkeys([*defaults, *_KNOWN]))}")
+        raise ValueError(
+            f"{stem}: unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of {stem} are: "
+            f"{', '.join(dict.fromkeys([*defaults, *_KNOWN]))}"
+        )
+
 
 def _check_data(base: Mapping) -> None:
     "The data of a paper-scale `base` is on disk (root and index files), as `dml-train` checks it: else its error."
     from dml_nb.reproduction.experiment import check_data
-    if paper_variant(base) is not None: check_data(make_config(base), progress=False)
+
+    if paper_variant(base) is not None:
+        check_data(make_config(base), progress=False)
+
 
 def _one_line(stem: str, e: BaseException) -> BaseException:
     "`e` (a parameter or data error of `stem`) told on the terminal in one line, as `dml-train` does; returned to raise."
@@ -250,53 +375,77 @@ def _one_line(stem: str, e: BaseException) -> BaseException:
     print(f"{stem}: error: {msg.removeprefix(stem + ': ')}", file=_terminal())
     return e
 
+
 def _slug(name: str, value) -> str:
     "`name-value` for a folder name: the value when short, else its hash."
-    import hashlib, json, re
+    import hashlib
+    import json
+    import re
+
     text = json.dumps(value, sort_keys=True, default=str)
     short = re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
     return f"{name}-{short}" if len(short) <= 16 else f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
 
 def user_folder(params: Mapping, defaults: Mapping | None, variant: str | None) -> str:
     """The folder under `figures/` of a run that is not the maintainers' regeneration (`dml-reproduce`), named for
     what differs from the notebook's `parameters` cell: `local` (the plain notebook), `local-seeds-0-config-1a2b3c4d`,
     or a paper-scale run's `<dataset>-<backbone>` (`paper_variant`) and what else differs. Never `figures/` itself."""
-    made = ("output", "dataset", "config") if variant else ("output",)    # output: where, not what
-    if defaults is None: differs = [] if variant else [("parameters", {k: v for k, v in params.items() if k in _KNOWN[:-1]})]
-    else: differs = [(k, params[k]) for k in defaults if k in params and k not in made and params[k] != defaults[k]]
+    made = ("output", "dataset", "config") if variant else ("output",)  # output: where, not what
+    if defaults is None:
+        differs = [] if variant else [("parameters", {k: v for k, v in params.items() if k in _KNOWN[:-1]})]
+    else:
+        differs = [(k, params[k]) for k in defaults if k in params and k not in made and params[k] != defaults[k]]
     return "-".join([variant or "local", *(_slug(k, v) for k, v in differs)])
+
 
 def _writable_dirs(stem: str, output: Mapping, variant: str | None) -> tuple[Path, Path]:
     "`output_dirs`, with a folder that cannot be made or written to a one-line error before any row runs."
     import tempfile as tf
+
     try:
         figures, runs = output_dirs(output.get("figures_dir"), output.get("runs_dir"), variant)
         for d in (figures, runs):
-            with tf.NamedTemporaryFile(dir=d, prefix=".write-test-"): pass
+            with tf.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+                pass
     except OSError as e:
         where = getattr(e, "filename", None) or output.get("figures_dir")
-        raise ValueError(f"{stem}: cannot write to {where} ({e.strerror or e}): give output.figures_dir and "
-                         "output.runs_dir folders you can write to") from None
+        raise ValueError(
+            f"{stem}: cannot write to {where} ({e.strerror or e}): give output.figures_dir and "
+            "output.runs_dir folders you can write to"
+        ) from None
     return figures, runs
+
 
 def _watched() -> bool:
     "Whether a person watches this kernel's outputs live: a Jupyter server (JupyterLab, Notebook) or VS Code started it."
     return bool(os.environ.get("JPY_SESSION_NAME") or os.environ.get("VSCODE_PID"))
 
+
 def _terminal():
     "A text stream to the terminal that started this process; in a Jupyter kernel the one its stderr copies to, not the notebook."
     import io
-    try: return open(sys.stderr.fileno(), "w", buffering=1, closefd=False)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation): return sys.__stderr__
+
+    try:
+        return open(sys.stderr.fileno(), "w", buffering=1, closefd=False)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return sys.__stderr__
+
 
 def text_progress() -> None:
     """Progress bars as text on the terminal, for a notebook nobody watches (papermill, nbclient): there `tqdm.auto`'s
     widget bars reach no one and leave lines of `0it [00:00, ?it/s]` in the saved notebook."""
-    import tqdm.auto, tqdm.std
-    if getattr(tqdm.auto.tqdm, "to_terminal", False): return
+    import tqdm.auto
+    import tqdm.std
+
+    if getattr(tqdm.auto.tqdm, "to_terminal", False):
+        return
     out = _terminal()
+
     class TerminalBar(tqdm.std.tqdm):
         to_terminal = True
-        def __init__(self, *args, file=None, **kw): super().__init__(*args, file=file or out, **kw)
-    tqdm.auto.tqdm = TerminalBar            # `run_rows` reads it at each call
 
+        def __init__(self, *args, file=None, **kw):
+            super().__init__(*args, file=file or out, **kw)
+
+    tqdm.auto.tqdm = TerminalBar  # `run_rows` reads it at each call

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/64_repro.ipynb #84ec5f37
 from __future__ import annotations
-import copy, os, tempfile
+import copy
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -13,9 +15,8 @@ import numpy as np
 import pandas as pd
 import torch
 import yaml
-from tqdm.auto import tqdm
 
-from .claims import Claims, metric_label
+from .claims import metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
@@ -23,7 +24,7 @@ from .results import RunStopped, restored
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..training.config import ConfigError, make_config, merge_layers
-from .viz import markdown_table, save_figure, set_style
+from .viz import markdown_table
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'SECTIONS', 'paper_variant', 'output_dirs', 'base_config',
@@ -31,30 +32,47 @@ __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'SECTION
            'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs']
 
 # %% ../../nbs/64_repro.ipynb #485c4a64
-EMBEDDED = ("finegrained", "shapes", "digits", "finegrained_novel")   # the data sets made here: every notebook's default run
+EMBEDDED = (
+    "finegrained",
+    "shapes",
+    "digits",
+    "finegrained_novel",
+)  # the data sets made here: every notebook's default run
+
 
 def paper_variant(raw: Mapping) -> str | None:
     "None for a run on embedded data; else '<dataset>-<backbone>': the folder a paper-scale run's figures go to."
     name = raw.get("data", {}).get("name", "shapes")
-    if name in EMBEDDED: return None
+    if name in EMBEDDED:
+        return None
     return f"{name}-{raw.get('model', {}).get('backbone', 'small_cnn')}"
 
-def output_dirs(figures_dir: str | Path | None = None, runs_dir: str | Path | None = None,
-                variant: str | None = None) -> tuple[Path, Path]:
+
+def output_dirs(
+    figures_dir: str | Path | None = None, runs_dir: str | Path | None = None, variant: str | None = None
+) -> tuple[Path, Path]:
     """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs` (`$DML_RUNS` when set: a
     run cache on shared storage); a temporary pair
     under `nbdev_test`. A paper-scale run (`variant`, see `paper_variant`) writes to `figures/<variant>/`, so it never
     overwrites the committed figures of the embedded defaults."""
     smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{source_hash()}"
-    if in_test(): base_f, base_r = smoke / "figures", smoke / "runs"
+    if in_test():
+        base_f, base_r = smoke / "figures", smoke / "runs"
     else:
         root = project_root()
-        base_f, base_r = root / "figures", Path(os.environ.get("DML_RUNS") or root / "runs")   # $DML_RUNS: a shared run cache
-    if variant: base_f = base_f / variant
-    given = lambda d: d and (not in_test() or Path(d).resolve().is_relative_to(smoke.resolve()))   # tests: only inside the smoke folder
+        base_f, base_r = (
+            root / "figures",
+            Path(os.environ.get("DML_RUNS") or root / "runs"),
+        )  # $DML_RUNS: a shared run cache
+    if variant:
+        base_f = base_f / variant
+    given = lambda d: (
+        d and (not in_test() or Path(d).resolve().is_relative_to(smoke.resolve()))
+    )  # tests: only inside the smoke folder
     f = Path(figures_dir) if given(figures_dir) else base_f
     r = Path(runs_dir) if given(runs_dir) else base_r
-    f.mkdir(parents=True, exist_ok=True); r.mkdir(parents=True, exist_ok=True)
+    f.mkdir(parents=True, exist_ok=True)
+    r.mkdir(parents=True, exist_ok=True)
     return f, r
 
 # %% ../../nbs/64_repro.ipynb #9d2de1ed
@@ -65,32 +83,57 @@ SHAPES_BASE = {
     "eval": {"every": 3, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"]},
 }
 
-FINEGRAINED_BASE = {   # the miniature regime (#17), chosen on the margin baseline alone: nbs/67_regime.ipynb
+FINEGRAINED_BASE = {  # the miniature regime (#17), chosen on the margin baseline alone: nbs/67_regime.ipynb
     "data": {"name": "finegrained", "images_per_class": 16, "size": 32},
     "model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 32, "feature_dim": 256}},
     "train": {"epochs": 4, "batch_size": 60, "samples_per_class": 4, "lr": 3e-5, "weight_decay": 4e-4},
     "eval": {"every": 4, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"], "nmi_seeds": 3},
 }
 
-def base_config(dataset: str = "shapes", data: Mapping | None = None, model: Mapping | None = None,
-                train: Mapping | None = None, eval: Mapping | None = None) -> dict:
+
+def base_config(
+    dataset: str = "shapes",
+    data: Mapping | None = None,
+    model: Mapping | None = None,
+    train: Mapping | None = None,
+    eval: Mapping | None = None,
+) -> dict:
     """The notebook's base config: `FINEGRAINED_BASE` for `finegrained`, `SHAPES_BASE` for the other embedded sets (and
     the model and schedule of the paper datasets until their parameter files replace them), overridden by the given sections."""
-    raw = copy.deepcopy(FINEGRAINED_BASE if dataset == "finegrained" else NOVEL_BASE if dataset == "finegrained_novel"
-                        else SHAPES_BASE)
-    if dataset not in ("shapes", "finegrained", "finegrained_novel"): raw["data"] = {"name": dataset}
-    if dataset == "digits":   # five training classes: a batch of 40 = 5 classes x 8 images
+    raw = copy.deepcopy(
+        FINEGRAINED_BASE if dataset == "finegrained" else NOVEL_BASE if dataset == "finegrained_novel" else SHAPES_BASE
+    )
+    if dataset not in ("shapes", "finegrained", "finegrained_novel"):
+        raw["data"] = {"name": dataset}
+    if dataset == "digits":  # five training classes: a batch of 40 = 5 classes x 8 images
         raw["train"].update(batch_size=40, samples_per_class=8)
     for sec, upd in (("data", data), ("model", model), ("train", train), ("eval", eval)):
-        if upd: raw = merge_layers(raw, {sec: dict(upd)})
+        if upd:
+            raw = merge_layers(raw, {sec: dict(upd)})
     return raw
 
 # %% ../../nbs/64_repro.ipynb #bf4283d8
-NOVEL_BASE = {   # regime v2 (#37): training matters; chosen on the margin baseline alone, nbs/67_regime.ipynb
-    "data": {"name": "finegrained_novel", "images_per_class": 16, "size": 32, "cache": True},   # uint8 batches, augmented in bulk
-    "model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 32, "feature_dim": 256, "weights": "novelpool"}},
-    "train": {"epochs": 8, "batch_size": 60, "samples_per_class": 4, "lr": 1e-3, "weight_decay": 4e-4, "schedule": {"kind": "cosine"},
-              "channels_last": "on"},   # with the cache: 2.2x cheaper a step on the CPU (benchmarks/step.py)
+NOVEL_BASE = {  # regime v2 (#37): training matters; chosen on the margin baseline alone, nbs/67_regime.ipynb
+    "data": {
+        "name": "finegrained_novel",
+        "images_per_class": 16,
+        "size": 32,
+        "cache": True,
+    },  # uint8 batches, augmented in bulk
+    "model": {
+        "backbone": "small_cnn",
+        "pretrained": True,
+        "options": {"width": 32, "feature_dim": 256, "weights": "novelpool"},
+    },
+    "train": {
+        "epochs": 8,
+        "batch_size": 60,
+        "samples_per_class": 4,
+        "lr": 1e-3,
+        "weight_decay": 4e-4,
+        "schedule": {"kind": "cosine"},
+        "channels_last": "on",
+    },  # with the cache: 2.2x cheaper a step on the CPU (benchmarks/step.py)
     "eval": {"every": 8, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"], "nmi_seeds": 3},
 }
 
@@ -98,19 +141,25 @@ NOVEL_BASE = {   # regime v2 (#37): training matters; chosen on the margin basel
 def _shrink_options(cls, m: dict) -> None:
     "Cut the method options `m` down in place to the smoke sizes its class declares (`SMOKE`, `SMOKE_IF_SET`, `SMOKE_UNLESS`)."
     unless = getattr(cls, "SMOKE_UNLESS", {})
-    for k, cap in getattr(cls, "SMOKE", {}).items():      # capped, and set to the cap when not given
-        if unless.get(k) not in m: m[k] = min(m.get(k, cap), cap)
-    for k, cap in getattr(cls, "SMOKE_IF_SET", {}).items():   # capped only where the config sets them
-        if m.get(k): m[k] = min(m[k], cap)
+    for k, cap in getattr(cls, "SMOKE", {}).items():  # capped, and set to the cap when not given
+        if unless.get(k) not in m:
+            m[k] = min(m.get(k, cap), cap)
+    for k, cap in getattr(cls, "SMOKE_IF_SET", {}).items():  # capped only where the config sets them
+        if m.get(k):
+            m[k] = min(m[k], cap)
+
 
 def smoke(raw: Mapping, force: bool = False) -> dict:
     "`raw` shrunk to a smoke size under `nbdev_test` (or with `force`); unchanged otherwise."
     raw = copy.deepcopy(dict(raw))
-    if not (force or in_test()): return raw
+    if not (force or in_test()):
+        return raw
     data = raw.setdefault("data", {})
-    if data.get("name", "shapes") in ("shapes", "finegrained", "finegrained_novel"): data["images_per_class"] = 6
+    if data.get("name", "shapes") in ("shapes", "finegrained", "finegrained_novel"):
+        data["images_per_class"] = 6
     t = raw.setdefault("train", {})
-    t["epochs"] = min(int(t.get("epochs", 2)), 2); t["batches_per_epoch"] = 2
+    t["epochs"] = min(int(t.get("epochs", 2)), 2)
+    t["batches_per_epoch"] = 2
     raw.setdefault("eval", {})["every"] = t["epochs"]
     m = raw.get("method", {})
     _shrink_options(METHODS.get(m.get("name", "baseline")), m.setdefault("options", {}) if "options" in m else m)
@@ -119,9 +168,11 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
 # %% ../../nbs/64_repro.ipynb #daca783a
 SECTIONS = ("seed", "data", "model", "method", "train", "eval")
 
+
 @dataclass
 class Row:
     "One line of a results table: a name, a partial config layered on the base, optionally one head of the run."
+
     name: str
     spec: Mapping
     head: str | None = None
@@ -129,16 +180,21 @@ class Row:
 
     def config(self, base: Mapping) -> dict:
         spec = dict(self.spec)
-        if not set(spec) & set(SECTIONS): spec = {"method": spec}
+        if not set(spec) & set(SECTIONS):
+            spec = {"method": spec}
         unknown = set(spec) - set(SECTIONS)
         if unknown:
-            raise ConfigError(f"row {self.name!r}: unknown section(s) {sorted(unknown)}; a row spec has the sections "
-                              f"{', '.join(SECTIONS)} (or is a bare method section)")
+            raise ConfigError(
+                f"row {self.name!r}: unknown section(s) {sorted(unknown)}; a row spec has the sections "
+                f"{', '.join(SECTIONS)} (or is a bare method section)"
+            )
         return merge_layers(dict(base), spec)
+
 
 def rows_from(spec: Mapping[str, Mapping], **kw) -> list[Row]:
     "Rows from a {name: spec} mapping (the form the notebooks' parameters use)."
     return [Row(name, s, **kw) for name, s in spec.items()]
+
 
 def availability(raw: Mapping) -> str | None:
     "Why the run of `raw` cannot start on this machine (no GPU, dataset or weights missing), or None."
@@ -146,14 +202,20 @@ def availability(raw: Mapping) -> str | None:
     if str(cfg.train.device).startswith("cuda") and not torch.cuda.is_available():
         return "needs a GPU (train.device is cuda) and none is available"
     if cfg.data.name not in EMBEDDED:
-        try: root = data_root(cfg.data.name, cfg.data.root)
-        except FileNotFoundError as e: return f"dataset {cfg.data.name} not on disk: {e}"
-        if not root.is_dir(): return f"dataset {cfg.data.name} not on disk: {root} does not exist (the README's 'Data' section lists the expected files)"
+        try:
+            root = data_root(cfg.data.name, cfg.data.root)
+        except FileNotFoundError as e:
+            return f"dataset {cfg.data.name} not on disk: {e}"
+        if not root.is_dir():
+            return f"dataset {cfg.data.name} not on disk: {root} does not exist (the README's 'Data' section lists the expected files)"
     if cfg.model.pretrained not in (None, False):
         cls = BACKBONES.get(cfg.model.backbone)
-        try: cls.weights_for(cfg.model.pretrained, cfg.model.backbone, **cfg.model.options)
-        except (FileNotFoundError, ValueError) as e: return f"backbone weights missing: {e}"
+        try:
+            cls.weights_for(cfg.model.pretrained, cfg.model.backbone, **cfg.model.options)
+        except (FileNotFoundError, ValueError) as e:
+            return f"backbone weights missing: {e}"
     return None
+
 
 def run_one(raw: Mapping, runs_dir: str | Path, progress: bool = True, threads: int | None = RUN_THREADS) -> RunResult:
     """`experiment.run` on `threads` CPU threads (default `RUN_THREADS`, as the launchers), waiting for the run folder's
@@ -165,72 +227,106 @@ def load_learner(result: RunResult | str | Path):
     """The `Learner` of a finished run with its final weights, for what the run did not save (features, heads, clusters).
     A run restored from a results folder is trained again first (`RunResult.train_again`)."""
     run_dir = Path(result.run_dir if isinstance(result, RunResult) else result)
-    if restored(run_dir):   # restored from a results folder: no weights
+    if restored(run_dir):  # restored from a results folder: no weights
         run_dir = (result if isinstance(result, RunResult) else load_result(run_dir)).train_again().run_dir
-    if not (run_dir / "checkpoint.pt").exists(): raise FileNotFoundError(f"{run_dir} has no checkpoint.pt to load")
+    if not (run_dir / "checkpoint.pt").exists():
+        raise FileNotFoundError(f"{run_dir} has no checkpoint.pt to load")
     learner = build_learner(make_config(yaml.safe_load((run_dir / "config.yaml").read_text())), run_dir, progress=False)
-    learner.prepare_fit()   # restores the checkpoint
+    learner.prepare_fit()  # restores the checkpoint
     return learner
 
 # %% ../../nbs/64_repro.ipynb #d0385411
 def _metrics_of(result: RunResult, head: str | None, split: str = "test") -> dict:
     pre = f"{split}/{head}/" if head else f"{split}/"
-    out = {k[len(pre):]: v for k, v in result.metrics.items() if k.startswith(pre) and "/" not in k[len(pre):]}
+    out = {k[len(pre) :]: v for k, v in result.metrics.items() if k.startswith(pre) and "/" not in k[len(pre) :]}
     if head and not out:
         heads = sorted({k.split("/")[1] for k in result.metrics if k.count("/") == 2})
-        raise KeyError(f"run {result.run_dir.name} has no metrics for head {head!r}; heads: {', '.join(heads) or '(none)'}")
+        raise KeyError(
+            f"run {result.run_dir.name} has no metrics for head {head!r}; heads: {', '.join(heads) or '(none)'}"
+        )
     return out
+
 
 def portable(message: str) -> str:
     "`message` with this machine's folders (torch hub, data root, home) named symbolically, for committed tables."
     import torch.hub
+
     subs = [(str(Path(torch.hub.get_dir())), "$TORCH_HOME/hub")]
-    if os.environ.get("DML_DATA"): subs.append((str(Path(os.environ["DML_DATA"])), "$DML_DATA"))
+    if os.environ.get("DML_DATA"):
+        subs.append((str(Path(os.environ["DML_DATA"])), "$DML_DATA"))
     subs.append((str(Path.home()), "~"))
-    for path, name in subs: message = message.replace(path, name)
+    for path, name in subs:
+        message = message.replace(path, name)
     return message
+
 
 def job_config(row: Row, base: Mapping, seed: int) -> dict:
     "The config that runs `row` with `seed` on `base` (smoke size under nbdev_test)."
     return smoke({**row.config(base), "seed": int(seed)})
 
-def run_rows(rows: Sequence[Row], base: Mapping, seeds: Sequence[int] = (0,), runs_dir: str | Path | None = None,
-             progress: bool = True, threads: int | None = RUN_THREADS) -> tuple[pd.DataFrame, dict]:
+
+def run_rows(
+    rows: Sequence[Row],
+    base: Mapping,
+    seeds: Sequence[int] = (0,),
+    runs_dir: str | Path | None = None,
+    progress: bool = True,
+    threads: int | None = RUN_THREADS,
+) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
     reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.reproduction.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained."""
     from dml_nb.reproduction.sweep import sweep_mode
+
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
     results, skipped, mode = {}, {}, sweep_mode()
-    from tqdm.auto import tqdm as bar_class       # read at each call: `text_progress` may have replaced it
+    from tqdm.auto import tqdm as bar_class  # read at each call: `text_progress` may have replaced it
+
     bar = bar_class([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
     for row, seed in bar:
         raw = job_config(row, base, seed)
         why = availability(raw)
         if mode is not None and (got := mode.job(row, seed, raw, runs_dir, why)) is not None:
-            if isinstance(got, RunResult): results[(row.name, seed)] = got
-            else: skipped[(row.name, seed)] = portable(got)
+            if isinstance(got, RunResult):
+                results[(row.name, seed)] = got
+            else:
+                skipped[(row.name, seed)] = portable(got)
             continue
         if why:
-            skipped[(row.name, seed)] = f"not run: {portable(why)}"; continue
+            skipped[(row.name, seed)] = f"not run: {portable(why)}"
+            continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
-        try: results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress, threads=threads)
-        except FileNotFoundError as e:   # a dataset file or weights file that is not here: listed, not dropped
+        try:
+            results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress, threads=threads)
+        except FileNotFoundError as e:  # a dataset file or weights file that is not here: listed, not dropped
             skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
-        except (BatchFormationError, NoTuplesError, RunStopped) as e:   # the method cannot train on this data: shown with the reason
+        except (
+            BatchFormationError,
+            NoTuplesError,
+            RunStopped,
+        ) as e:  # the method cannot train on this data: shown with the reason
             skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
-    if mode is not None: mode.finish()   # collect-only: every run not finished, named in one error
+    if mode is not None:
+        mode.finish()  # collect-only: every run not finished, named in one error
     return collect_runs(runs_dir, rows, base, seeds, skipped), results
+
 
 def reported_as(per_seed: pd.DataFrame) -> str:
     "Which epoch the finished runs of a table report: 'last epoch', 'best epoch by test/recall@1', or a mix."
     kinds = list(dict.fromkeys(per_seed["reported"].dropna())) if "reported" in per_seed else []
-    if not kinds: return "last epoch"
-    return kinds[0] if len(kinds) == 1 else "mixed: " + " / ".join(
-        f"{k} ({', '.join(dict.fromkeys(per_seed.loc[per_seed['reported'] == k, 'row']))})" for k in kinds)
+    if not kinds:
+        return "last epoch"
+    return (
+        kinds[0]
+        if len(kinds) == 1
+        else "mixed: "
+        + " / ".join(f"{k} ({', '.join(dict.fromkeys(per_seed.loc[per_seed['reported'] == k, 'row']))})" for k in kinds)
+    )
 
 # %% ../../nbs/64_repro.ipynb #a5f1edbd
-def summarize(per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "recall@2", "nmi"), percent: bool = True) -> pd.DataFrame:
+def summarize(
+    per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "recall@2", "nmi"), percent: bool = True
+) -> pd.DataFrame:
     "Mean and std over seeds per row (rows keep their order): columns '<metric>' and '<metric> std', 'seeds', 'status'."
     out = []
     for name, g in per_seed.groupby("row", sort=False):
@@ -243,13 +339,19 @@ def summarize(per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "rec
         out.append(rec)
     return pd.DataFrame(out).set_index("row")
 
+
 def paper_numbers(stem: str, dataset: str | None = None) -> pd.DataFrame:
     "The paper's numbers for notebook `stem` (`params/<stem>/paper.csv`), optionally for one dataset."
     path = project_root() / "params" / stem / "paper.csv"
-    if not path.exists(): raise FileNotFoundError(f"{path} not found: the paper's numbers of {stem} go there (columns row, dataset, metrics, source)")
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: the paper's numbers of {stem} go there (columns row, dataset, metrics, source)"
+        )
     df = pd.read_csv(path, comment="#")
-    if dataset is not None: df = df[df["dataset"] == dataset]
+    if dataset is not None:
+        df = df[df["dataset"] == dataset]
     return df.set_index("row")
+
 
 def compare(ours: pd.DataFrame, paper: pd.DataFrame, metrics: Sequence[str] | None = None) -> pd.DataFrame:
     """Our summary beside the paper's numbers: for each metric 'ours' (mean ± std) and 'paper' columns; rows of
@@ -260,12 +362,18 @@ def compare(ours: pd.DataFrame, paper: pd.DataFrame, metrics: Sequence[str] | No
     for m in metrics:
         mean = ours[m].reindex(names) if m in ours else pd.Series(np.nan, index=names)
         std = ours[f"{m} std"].reindex(names) if f"{m} std" in ours else pd.Series(np.nan, index=names)
-        out[f"{m} ours"] = [("" if np.isnan(a) else f"{a:.1f}" + ("" if np.isnan(s) else f" ± {s:.1f}")) for a, s in zip(mean, std)]
-        if m in paper: out[f"{m} paper"] = [("" if pd.isna(v) else f"{float(v):.1f}") for v in paper[m].reindex(names)]
+        out[f"{m} ours"] = [
+            ("" if np.isnan(a) else f"{a:.1f}" + ("" if np.isnan(s) else f" ± {s:.1f}")) for a, s in zip(mean, std)
+        ]
+        if m in paper:
+            out[f"{m} paper"] = [("" if pd.isna(v) else f"{float(v):.1f}") for v in paper[m].reindex(names)]
     out["status"] = ours["status"].reindex(names).fillna("not in this notebook's rows").values
     return out
 
-def write_table(table: pd.DataFrame, stem: str, figures_dir: str | Path | None = None, title: str = "", notes: str = "") -> list[Path]:
+
+def write_table(
+    table: pd.DataFrame, stem: str, figures_dir: str | Path | None = None, title: str = "", notes: str = ""
+) -> list[Path]:
     "Write `table` as `<figures>/<stem>.csv` and `<stem>.md` (a title and notes around the Markdown table)."
     fdir = output_dirs(figures_dir=figures_dir)[0]
     csv, md = fdir / f"{stem}.csv", fdir / f"{stem}.md"
@@ -282,27 +390,55 @@ def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None) -> dict
         return {**rec, "status": skipped or f"not run: no finished run in {run_dir.name}"}
     res = load_result(run_dir)
     test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
-    return {**rec, "status": "ok", **test, **{f"train/{k}": v for k, v in train.items()},
-            "wall_time_s": res.info.get("wall_time_s"), "reported": res.info.get("reported", "last epoch"), "run": run_dir.name}
+    return {
+        **rec,
+        "status": "ok",
+        **test,
+        **{f"train/{k}": v for k, v in train.items()},
+        "wall_time_s": res.info.get("wall_time_s"),
+        "reported": res.info.get("reported", "last epoch"),
+        "run": run_dir.name,
+    }
 
-def collect_runs(runs_dir: str | Path, rows: Sequence[Row] | None = None, base: Mapping | None = None,
-                 seeds: Sequence[int] = (0,), skipped: Mapping | None = None) -> pd.DataFrame:
+
+def collect_runs(
+    runs_dir: str | Path,
+    rows: Sequence[Row] | None = None,
+    base: Mapping | None = None,
+    seeds: Sequence[int] = (0,),
+    skipped: Mapping | None = None,
+) -> pd.DataFrame:
     """The collector: run folders under `runs_dir` into a frame.
     Without `rows`: one line per finished run (run, method, dataset, seed, epochs, wall time, every stored metric).
     With `rows` (layered on `base`, over `seeds`): one line per row and seed in that order, read from the folder of
     its config: row, group, seed, status (`ok`, the reason `skipped[(row, seed)]` gives, or no finished run), the
     test metrics of the row's head, its `train/` metrics, wall time, the epoch reported and the run folder."""
     runs_dir = Path(runs_dir)
-    if not runs_dir.is_dir(): raise FileNotFoundError(f"{runs_dir} is not a folder of runs")
+    if not runs_dir.is_dir():
+        raise FileNotFoundError(f"{runs_dir} is not a folder of runs")
     if rows is not None:
         jobs = [(r, int(s)) for r in rows for s in seeds]
-        return pd.DataFrame([_row_record(r, s, run_dir_for(make_config(job_config(r, base, s)), runs_dir),
-                                         (skipped or {}).get((r.name, s))) for r, s in jobs])
+        return pd.DataFrame(
+            [
+                _row_record(
+                    r, s, run_dir_for(make_config(job_config(r, base, s)), runs_dir), (skipped or {}).get((r.name, s))
+                )
+                for r, s in jobs
+            ]
+        )
     recs = []
     for d in sorted(p for p in runs_dir.iterdir() if (p / "done").exists()):
         r = load_result(d)
-        recs.append({"run": d.name, "method": r.config.get("method", {}).get("name"), "dataset": r.config.get("data", {}).get("name"),
-                     "seed": r.config.get("seed"), "epochs": r.info.get("epochs"), "wall_time_s": r.info.get("wall_time_s"),
-                     **r.metrics})
+        recs.append(
+            {
+                "run": d.name,
+                "method": r.config.get("method", {}).get("name"),
+                "dataset": r.config.get("data", {}).get("name"),
+                "seed": r.config.get("seed"),
+                "epochs": r.info.get("epochs"),
+                "wall_time_s": r.info.get("wall_time_s"),
+                **r.metrics,
+            }
+        )
     cols = ["run", "method", "dataset", "seed", "epochs", "wall_time_s"]
     return pd.DataFrame(recs, columns=cols + sorted({k for r in recs for k in r} - set(cols)))

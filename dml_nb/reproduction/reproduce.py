@@ -4,7 +4,14 @@
 
 # %% ../../nbs/65_reproduce.ipynb #669734e5
 from __future__ import annotations
-import copy, hashlib, json, os, re, sys, tempfile, time
+import copy
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -29,13 +36,17 @@ def notebook_hash(nb: Path) -> str:
     h.update(source_hash().encode())
     return h.hexdigest()[:12]
 
+
 def _provenance(state: Mapping, stem: str) -> str:
     "Which recipes (`RECIPES_VERSION`) and day a notebook's committed figures come from, as `dml-reproduce` recorded."
     e = state.get(stem)
-    if not e or "recipes" not in e: return "1 (before the fidelity fixes)"
+    if not e or "recipes" not in e:
+        return "1 (before the fidelity fixes)"
     return f"{e['recipes']} ({e.get('date', '?')})"
 
+
 VERDICTS = ("holds", "fails", "unresolved", "not tested")
+
 
 def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
     "The (claim, verdict, numbers) lines of a claims file, and whether it was judged by the rule of `dml_nb.reproduction.claims`."
@@ -44,9 +55,11 @@ def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
     cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
     return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
 
+
 def judged_by(text: str) -> str:
     "The rule a claims file states: Welch's t over seeds (since the t rule), or the earlier 2 SE."
     return "Welch t over seeds" if "Welch" in text else "2 SE over seeds"
+
 
 def resolution(path: Path) -> str:
     """The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), and
@@ -56,13 +69,16 @@ def resolution(path: Path) -> str:
     p = re.search(r"the same seeds would resolve (.*?) points", text)
     return (m.group(1) if m else "") + (f"; paired {p.group(1)}" if m and p else "")
 
+
 def _sentence(text: str, pattern: str) -> str:
     m = re.search(pattern, text)
     return m.group(1) if m else ""
 
+
 def _ran_on(text: str) -> str:
     "The dataset a claims file's **Setting.** line names ('not recorded' in a file written before that line)."
     return _sentence(text, r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+
 
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
     """A Markdown table of `figures/*_claims.md` (notebook, the dataset it ran on and the recipes and day of its figures,
@@ -70,25 +86,38 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
     of the previous regime from `figures/.claims_before.json`, the claims that hold), and the totals by verdict."""
     fdir = Path(figures_dir)
     state = json.loads((fdir / ".reproduced.json").read_text()) if (fdir / ".reproduced.json").exists() else {}
-    before = json.loads((fdir / ".claims_before.json").read_text())["notebooks"] if (fdir / ".claims_before.json").exists() else {}
+    before = (
+        json.loads((fdir / ".claims_before.json").read_text())["notebooks"]
+        if (fdir / ".claims_before.json").exists()
+        else {}
+    )
     rows, total = [], dict.fromkeys(VERDICTS, 0)
     for f in sorted(fdir.glob("repro_*_claims.md")):
         cells, ruled = _verdicts(f)
         text = f.read_text()
         count = {k: sum(1 for c in cells if c[1] == k) for k in VERDICTS}
-        for k in VERDICTS: total[k] += count[k]
-        stem = f.name[:-len("_claims.md")]
+        for k in VERDICTS:
+            total[k] += count[k]
+        stem = f.name[: -len("_claims.md")]
         held = "; ".join(c[0] for c in cells if c[1] == "holds") or "-"
         b = before.get(stem)
         was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
-        runs, minutes = _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"), _sentence(text, r"runs, ([\d.]+) minutes of training")
-        rows.append(f"| [`{stem}`](figures/{f.name}) | {_ran_on(text)} | "
-                    f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(text) if ruled else 'plain comparison'} | "
-                    + " | ".join(str(count[k]) for k in VERDICTS)
-                    + f" | {resolution(f)} | {was} | {held} |")
-    head = ("| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
-            "smallest difference resolved | before: hold / fail / unresolved | claims that hold |\n" + "| --- " * 13 + "|\n")
+        runs, minutes = (
+            _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"),
+            _sentence(text, r"runs, ([\d.]+) minutes of training"),
+        )
+        rows.append(
+            f"| [`{stem}`](figures/{f.name}) | {_ran_on(text)} | "
+            f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(text) if ruled else 'plain comparison'} | "
+            + " | ".join(str(count[k]) for k in VERDICTS)
+            + f" | {resolution(f)} | {was} | {held} |"
+        )
+    head = (
+        "| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
+        "smallest difference resolved | before: hold / fail / unresolved | claims that hold |\n" + "| --- " * 13 + "|\n"
+    )
     return head + "\n".join(rows) + "\n", total
+
 
 def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
     "{the dataset the claims files say they ran on ('not recorded' before the setting line): (notebooks, totals by verdict)}."
@@ -96,14 +125,17 @@ def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
     for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
         key = _ran_on(f.read_text())
         n, t = out.setdefault(key, (0, dict.fromkeys(VERDICTS, 0)))
-        for _, v in _verdicts(f)[0]: t[v] = t.get(v, 0) + 1
+        for _, v in _verdicts(f)[0]:
+            t[v] = t.get(v, 0) + 1
         out[key] = (n + 1, t)
     return out
+
 
 def _before_what(figures_dir: str | Path) -> str:
     "What the 'before' column holds: the `short` line of `figures/.claims_before.json` (else 'the verdicts of the previous regime')."
     f = Path(figures_dir) / ".claims_before.json"
     return (json.loads(f.read_text()).get("short") if f.exists() else None) or "the verdicts of the previous regime"
+
 
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
@@ -111,95 +143,154 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     text = readme.read_text()
     start, end = "<!-- claims -->", "<!-- /claims -->"
     if start not in text or end not in text:
-        raise ValueError(f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes")
+        raise ValueError(
+            f"{readme} has no '{start}' ... '{end}' section to rewrite; add the two markers where the claim table goes"
+        )
     table, total = claims_summary(figures_dir)
     by = totals_by_setting(figures_dir)
-    count = lambda t: f"{t['holds']} hold, {t['fails']} fail, {t['unresolved']} unresolved, {t['not tested']} not tested"
-    on = lambda k: "whose claims files do not record their setting (an earlier regime)" if k == "not recorded" else f"on {k}"
-    split = "" if len(by) < 2 else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
-    lead = (f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
-            f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
-            f"time of the notebook's runs, summed (each run one process). 'before': {_before_what(figures_dir)} "
-            "(`figures/.claims_before.json`). 'plain comparison': a claims file written "
-            "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n")
-    atomic_write(readme, text[:text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end):])
+    count = lambda t: (
+        f"{t['holds']} hold, {t['fails']} fail, {t['unresolved']} unresolved, {t['not tested']} not tested"
+    )
+    on = lambda k: (
+        "whose claims files do not record their setting (an earlier regime)" if k == "not recorded" else f"on {k}"
+    )
+    split = (
+        ""
+        if len(by) < 2
+        else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
+    )
+    lead = (
+        f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
+        f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
+        f"time of the notebook's runs, summed (each run one process). 'before': {_before_what(figures_dir)} "
+        "(`figures/.claims_before.json`). 'plain comparison': a claims file written "
+        "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n"
+    )
+    atomic_write(readme, text[: text.index(start) + len(start)] + "\n" + lead + table + text[text.index(end) :])
     return total
 
-def reproduce(notebooks: Sequence[str] | None = None, force: bool = False, root: str | Path | None = None,
-              progress: bool = True, write_notebooks: bool = False) -> dict:
+
+def reproduce(
+    notebooks: Sequence[str] | None = None,
+    force: bool = False,
+    root: str | Path | None = None,
+    progress: bool = True,
+    write_notebooks: bool = False,
+) -> dict:
     """Run the regime notebook and the reproduction notebooks (default: all, in dependency order), skipping those
     already run on this source; returns the state. `write_notebooks`: each executed notebook is written back over
     its source with its outputs (`write_executed`), so that it shows its table, figures and claims when opened."""
     import papermill
+
     root = Path(root) if root is not None else project_root()
     # dependency order: the regime's baseline-only sweep, then the flagship, then the rest
     nbs = [p for p in [root / "nbs" / "67_regime.ipynb"] if p.exists()] + sorted(
-        (root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem))
-    if notebooks: nbs = [p for p in nbs if p.stem in set(notebooks)] or [root / "nbs" / f"{n}.ipynb" for n in notebooks]
+        (root / "nbs").glob("repro_*.ipynb"), key=lambda p: (p.stem != "repro_table3", p.stem)
+    )
+    if notebooks:
+        nbs = [p for p in nbs if p.stem in set(notebooks)] or [root / "nbs" / f"{n}.ipynb" for n in notebooks]
     missing = [str(p) for p in nbs if not p.exists()]
-    if missing: raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
+    if missing:
+        raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
     state_path = root / "figures" / ".reproduced.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    out_dir = Path(tempfile.gettempdir()) / "dml_nb_reproduce"; out_dir.mkdir(exist_ok=True)
+    out_dir = Path(tempfile.gettempdir()) / "dml_nb_reproduce"
+    out_dir.mkdir(exist_ok=True)
     bar = tqdm(nbs, desc="notebooks", disable=not progress)
     for nb in bar:
         h = notebook_hash(nb)
-        if not force and state.get(nb.stem, {}).get("hash") == h: continue
+        if not force and state.get(nb.stem, {}).get("hash") == h:
+            continue
         bar.set_postfix_str(nb.stem)
         t0 = time.time()
-        papermill.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(root / "nbs"), progress_bar=False,
-                                   parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}})   # the one writer of figures/
-        if write_notebooks: write_executed(out_dir / nb.name, nb, root)
-        state[nb.stem] = {"hash": h, "seconds": round(time.time() - t0, 1), "recipes": RECIPES_VERSION,
-                          "date": time.strftime("%Y-%m-%d")}
+        papermill.execute_notebook(
+            str(nb),
+            str(out_dir / nb.name),
+            cwd=str(root / "nbs"),
+            progress_bar=False,
+            parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}},
+        )  # the one writer of figures/
+        if write_notebooks:
+            write_executed(out_dir / nb.name, nb, root)
+        state[nb.stem] = {
+            "hash": h,
+            "seconds": round(time.time() - t0, 1),
+            "recipes": RECIPES_VERSION,
+            "date": time.strftime("%Y-%m-%d"),
+        }
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
-    if (root / "README.md").exists(): update_readme_claims(root / "README.md", root / "figures")
+    if (root / "README.md").exists():
+        update_readme_claims(root / "README.md", root / "figures")
     return state
+
 
 def results_folder(given: str | None, root: str | Path) -> Path | None:
     """The results folder of `dml-reproduce` (`results.save_result`): `given` ('none': no folder), else
     `$DML_RESULTS` (empty: none), else `<project>/results`. None under tests: smoke runs never reach the committed one."""
-    if given is not None: out = None if given.strip().lower() in ("", "none") else Path(given)
-    elif (env := os.environ.get(RESULTS_ENV)) is not None: out = Path(env) if env.strip() else None
-    else: out = None if in_test() else Path(root) / "results"
-    if out is not None and out.exists() and not out.is_dir():   # before anything is trained or written
-        raise ValueError(f"results folder {out} is a file, not a folder: name a folder with --results-dir DIR (or "
-                         f"${RESULTS_ENV}), or switch it off with --results-dir none")
+    if given is not None:
+        out = None if given.strip().lower() in ("", "none") else Path(given)
+    elif (env := os.environ.get(RESULTS_ENV)) is not None:
+        out = Path(env) if env.strip() else None
+    else:
+        out = None if in_test() else Path(root) / "results"
+    if out is not None and out.exists() and not out.is_dir():  # before anything is trained or written
+        raise ValueError(
+            f"results folder {out} is a file, not a folder: name a folder with --results-dir DIR (or "
+            f"${RESULTS_ENV}), or switch it off with --results-dir none"
+        )
     return out
+
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
     "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.launch`)."
-    import argparse, functools
+    import argparse
+    import functools
     from .launch import add_sweep_arguments, sweep_command
-    ap = argparse.ArgumentParser(prog="dml-reproduce", description="Re-run the reproduction notebooks (resumable) and "
-                                 "rewrite the README's claim table.")
+
+    ap = argparse.ArgumentParser(
+        prog="dml-reproduce",
+        description="Re-run the reproduction notebooks (resumable) and rewrite the README's claim table.",
+    )
     ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
     ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
-    ap.add_argument("--write-notebooks", action="store_true", help="write each executed notebook back over nbs/<name>.ipynb "
-                    "with its outputs (table, figures, claims), without machine paths, timings or progress bars")
-    ap.add_argument("--results-dir", help="the results folder: every finished run read is saved there (config, metrics, "
-                    "history; never checkpoints or embeddings), and the runs saved there are restored into the run cache "
-                    "first (default $DML_RESULTS, else <project>/results; 'none': neither)")
+    ap.add_argument(
+        "--write-notebooks",
+        action="store_true",
+        help="write each executed notebook back over nbs/<name>.ipynb "
+        "with its outputs (table, figures, claims), without machine paths, timings or progress bars",
+    )
+    ap.add_argument(
+        "--results-dir",
+        help="the results folder: every finished run read is saved there (config, metrics, "
+        "history; never checkpoints or embeddings), and the runs saved there are restored into the run cache "
+        "first (default $DML_RESULTS, else <project>/results; 'none': neither)",
+    )
     add_sweep_arguments(ap)
     args = ap.parse_args(argv)
     from .sweep import env_vars
+
     root = project_root()
-    try: results = results_folder(args.results_dir, root)
-    except ValueError as e: ap.error(str(e))
-    if results is not None:   # what an earlier machine finished: read, not trained again
+    try:
+        results = results_folder(args.results_dir, root)
+    except ValueError as e:
+        ap.error(str(e))
+    if results is not None:  # what an earlier machine finished: read, not trained again
         runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
         if got := restore_results(results, runs):
             print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
     with env_vars(**{RESULTS_ENV: str(results.resolve()) if results is not None else ""}):
         run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
-        if (code := sweep_command(args, reproduce=run)) is not None: return code   # no import circle
+        if (code := sweep_command(args, reproduce=run)) is not None:
+            return code  # no import circle
         state = run(args.notebooks or None, force=args.force)
-    for k, v in sorted(state.items()): print(f"{k}: {v['seconds']} s")
+    for k, v in sorted(state.items()):
+        print(f"{k}: {v['seconds']} s")
     return 0
 
 # %% ../../nbs/65_reproduce.ipynb #9f6fd7b6
-WIDGET = "application/vnd.jupyter.widget-view+json"   # a progress widget: nothing to see in a saved notebook
-_ADDRESS = re.compile(r"(<.*?)( at 0x[0-9a-fA-F]+)(>)")   # as nbdev_clean's clean_ids
+WIDGET = "application/vnd.jupyter.widget-view+json"  # a progress widget: nothing to see in a saved notebook
+_ADDRESS = re.compile(r"(<.*?)( at 0x[0-9a-fA-F]+)(>)")  # as nbdev_clean's clean_ids
+
 
 def machine_paths(root: str | Path, runs_dir: str | Path | None = None) -> list[tuple[str, str]]:
     "(this machine's folder, its name in a committed notebook), longest first: project, run cache, temporary folder, home."
@@ -208,32 +299,43 @@ def machine_paths(root: str | Path, runs_dir: str | Path | None = None) -> list[
     names = {runs: "<runs>", root: "<project>", Path(tempfile.gettempdir()): "<tmp>", Path.home(): "~"}
     subs = {}
     for path, name in names.items():
-        for p in (path, path.resolve()): subs.setdefault(str(p), name)
+        for p in (path, path.resolve()):
+            subs.setdefault(str(p), name)
     return sorted(subs.items(), key=lambda kv: -len(kv[0]))
+
 
 def _text(value, subs) -> str:
     text = "".join(value) if isinstance(value, list) else value
-    for path, name in subs: text = text.replace(path, name)
+    for path, name in subs:
+        text = text.replace(path, name)
     return _ADDRESS.sub(r"\1\3", text)
+
 
 def scrub_output(output: Mapping, subs: Sequence[tuple[str, str]]) -> dict | None:
     "One cell output for a committed notebook (None: drop it): no stderr, widget or execution count; paths named (`machine_paths`)."
     o = copy.deepcopy(dict(output))
     kind = o.get("output_type")
     if kind == "stream":
-        if o.get("name") == "stderr": return None
+        if o.get("name") == "stderr":
+            return None
         text = "".join(l for l in _text(o["text"], subs).splitlines(keepends=True) if "\r" not in l)
-        if not text: return None
+        if not text:
+            return None
         o["text"] = text
-    if WIDGET in o.get("data", {}): return None
-    if "execution_count" in o: o["execution_count"] = None
+    if WIDGET in o.get("data", {}):
+        return None
+    if "execution_count" in o:
+        o["execution_count"] = None
     for k, v in o.get("data", {}).items():
-        if k.startswith("text/"): o["data"][k] = _text(v, subs)
-        elif k.startswith("image/") and "svg" not in k: o["data"][k] = "".join(v).rstrip() if isinstance(v, list) else v.rstrip()
+        if k.startswith("text/"):
+            o["data"][k] = _text(v, subs)
+        elif k.startswith("image/") and "svg" not in k:
+            o["data"][k] = "".join(v).rstrip() if isinstance(v, list) else v.rstrip()
     if kind == "error":
         o["evalue"] = _text(o.get("evalue", ""), subs)
         o["traceback"] = [_text(t, subs) for t in o.get("traceback", [])]
     return o
+
 
 def scrub_notebook(executed: Mapping, source: Mapping, root: str | Path, runs_dir: str | Path | None = None) -> dict:
     """`source` (a notebook as JSON) with the outputs of its `executed` copy (papermill's), scrubbed (`scrub_output`);
@@ -241,17 +343,23 @@ def scrub_notebook(executed: Mapping, source: Mapping, root: str | Path, runs_di
     cells = [c for c in executed["cells"] if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
     key = lambda cs: [(c["cell_type"], "".join(c["source"])) for c in cs]
     if key(cells) != key(source["cells"]):
-        raise ValueError("the executed notebook's cells differ from the notebook's own (it was run from another version "
-                         "of it): run it again (dml-reproduce --force NAME --write-notebooks); nothing was written")
+        raise ValueError(
+            "the executed notebook's cells differ from the notebook's own (it was run from another version "
+            "of it): run it again (dml-reproduce --force NAME --write-notebooks); nothing was written"
+        )
     subs = machine_paths(root, runs_dir)
     out = copy.deepcopy(dict(source))
     for c, e in zip(out["cells"], cells):
-        if c["cell_type"] != "code": continue
+        if c["cell_type"] != "code":
+            continue
         c["outputs"] = [s for o in e.get("outputs", []) if (s := scrub_output(o, subs)) is not None]
         c["execution_count"] = None
     return out
 
-def write_executed(executed: str | Path, notebook: str | Path, root: str | Path, runs_dir: str | Path | None = None) -> Path:
+
+def write_executed(
+    executed: str | Path, notebook: str | Path, root: str | Path, runs_dir: str | Path | None = None
+) -> Path:
     "Write the executed copy `executed` of `notebook` over `notebook`, scrubbed (`scrub_notebook`), as `nbdev_clean` writes notebooks."
     notebook = Path(notebook)
     nb = scrub_notebook(json.loads(Path(executed).read_text()), json.loads(notebook.read_text()), root, runs_dir)

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/60a_results.ipynb #5b68017c
 from __future__ import annotations
-import datetime, json, os
+import datetime
+import json
+import os
 from pathlib import Path
 
 from ..core.base import atomic_json, atomic_write, lock_dir
@@ -18,48 +20,72 @@ __all__ = ['RESULTS_ENV', 'RESULT_FILES', 'RunStopped', 'stopped_record', 'recor
 class RunStopped(RuntimeError):
     "This config's run stopped by design before (its recipe cannot form the batches it needs on this data): raised again from its `stopped` record, without training."
 
+
 def stopped_record(run_dir: str | Path, key: str | None = None) -> dict | None:
     """The `stopped` record of `run_dir` (error, message, config key, time) when it holds a run that stopped by design
     and no finished run; with `key` (`experiment.run_key`), only a record of that config."""
     run_dir = Path(run_dir)
-    if (run_dir / "done").exists() or not (run_dir / "stopped").is_file(): return None
-    try: rec = json.loads((run_dir / "stopped").read_text())
-    except (OSError, ValueError): return None
-    if not isinstance(rec, dict) or key is not None and rec.get("config_key") != key: return None
+    if (run_dir / "done").exists() or not (run_dir / "stopped").is_file():
+        return None
+    try:
+        rec = json.loads((run_dir / "stopped").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or key is not None and rec.get("config_key") != key:
+        return None
     return rec
+
 
 def _stops_by_design(e: BaseException) -> bool:
     "Whether the recipe cannot train on this data (`BatchFormationError`, `NoTuplesError`): the same on every try."
     from dml_nb.training.context import BatchFormationError
     from dml_nb.training.learner import NoTuplesError
+
     return isinstance(e, (BatchFormationError, NoTuplesError))
+
 
 def record_stopped(run_dir: str | Path, e: BaseException, key: str) -> bool:
     """If `e` stops the run of config `key` by design, write its `stopped` record in `run_dir` (and save the run in
     the results folder, when one is set); whether it did."""
-    if not _stops_by_design(e): return False
+    if not _stops_by_design(e):
+        return False
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    atomic_json({"error": type(e).__name__, "message": str(e), "config_key": key, "finished": now}, Path(run_dir) / "stopped")
-    if (keep := results_dir()) is not None: save_result(run_dir, keep)
+    atomic_json(
+        {"error": type(e).__name__, "message": str(e), "config_key": key, "finished": now}, Path(run_dir) / "stopped"
+    )
+    if (keep := results_dir()) is not None:
+        save_result(run_dir, keep)
     return True
+
 
 def check_stopped(run_dir: str | Path, key: str) -> None:
     "`RunStopped` with the recorded reason if `run_dir` holds the run of config `key` that stopped by design (saved in the results folder first, when one is set)."
-    if (rec := stopped_record(run_dir, key)) is None: return
-    if (keep := results_dir()) is not None: save_result(run_dir, keep)
+    if (rec := stopped_record(run_dir, key)) is None:
+        return
+    if (keep := results_dir()) is not None:
+        save_result(run_dir, keep)
     raise RunStopped(rec["message"])
 
-
 # %% ../../nbs/60a_results.ipynb #cb3a1dff
-RESULTS_ENV = "DML_RESULTS"   # a results folder: the finished runs read are saved there (`dml-reproduce` sets it)
-RESULT_FILES = ("config.yaml", "metrics.json", "history.csv", "stopped", "done")   # what a results folder keeps of a run, `done` last
+RESULTS_ENV = "DML_RESULTS"  # a results folder: the finished runs read are saved there (`dml-reproduce` sets it)
+RESULT_FILES = (
+    "config.yaml",
+    "metrics.json",
+    "history.csv",
+    "stopped",
+    "done",
+)  # what a results folder keeps of a run, `done` last
 
-def _saved(folder: Path) -> bool: return (folder / "done").is_file() or stopped_record(folder) is not None
+
+def _saved(folder: Path) -> bool:
+    return (folder / "done").is_file() or stopped_record(folder) is not None
+
 
 def results_dir() -> Path | None:
     "The results folder `$DML_RESULTS` names (None when unset or empty)."
     v = os.environ.get(RESULTS_ENV, "").strip()
     return Path(v) if v else None
+
 
 def save_result(run_dir: str | Path, results: str | Path) -> Path | None:
     """Copy the finished run in `run_dir` (or one that stopped by design: `stopped_record`) to `results/<run folder
@@ -67,39 +93,56 @@ def save_result(run_dir: str | Path, results: str | Path) -> Path | None:
     Returns the folder written, or None."""
     run_dir, results = Path(run_dir), Path(results)
     dest = results / run_dir.name
-    if not _saved(run_dir) or _saved(dest): return None
-    if dest.resolve() == run_dir.resolve(): return None
+    if not _saved(run_dir) or _saved(dest):
+        return None
+    if dest.resolve() == run_dir.resolve():
+        return None
     if dest.exists() and not dest.is_dir():
-        raise ConfigError(f"results folder {results}: {dest} is a file, not a run's folder; move it away, or choose "
-                          f"another results folder (${RESULTS_ENV}, dml-reproduce --results-dir)")
+        raise ConfigError(
+            f"results folder {results}: {dest} is a file, not a run's folder; move it away, or choose "
+            f"another results folder (${RESULTS_ENV}, dml-reproduce --results-dir)"
+        )
     for name in RESULT_FILES:
-        if (run_dir / name).exists(): atomic_write(dest / name, (run_dir / name).read_text())
+        if (run_dir / name).exists():
+            atomic_write(dest / name, (run_dir / name).read_text())
     return dest
+
 
 def restore_results(results: str | Path, runs_dir: str | Path) -> list[Path]:
     """Copy every run saved in `results` (`save_result`) into the run cache `runs_dir`, where the cache has no
     folder of that name (a run there, finished or not, is never touched). Returns the run folders written."""
     results, out = Path(results), []
-    if not results.is_dir(): return out
+    if not results.is_dir():
+        return out
     for src in sorted(p for p in results.iterdir() if _saved(p)):
         dest = Path(runs_dir) / src.name
-        try: dest.mkdir(parents=True)
-        except FileExistsError: continue
+        try:
+            dest.mkdir(parents=True)
+        except FileExistsError:
+            continue
         for name in RESULT_FILES:
-            if (src / name).exists(): atomic_write(dest / name, (src / name).read_text())
+            if (src / name).exists():
+                atomic_write(dest / name, (src / name).read_text())
         out.append(dest)
     return out
+
 
 def restored(run_dir: str | Path) -> bool:
     "Whether `run_dir` holds a finished run without its checkpoint and embeddings: one restored from a results folder."
     run_dir = Path(run_dir)
-    return (run_dir / "done").exists() and not (run_dir / "checkpoint.pt").exists() and not (run_dir / "embeddings.pt").exists()
+    return (
+        (run_dir / "done").exists()
+        and not (run_dir / "checkpoint.pt").exists()
+        and not (run_dir / "embeddings.pt").exists()
+    )
+
 
 def clear_restored(run_dir: str | Path) -> bool:
     "Under the run's lock, remove a restored run's results from the cache (its `config.yaml` stays), so that `run` trains it; whether it did."
     run_dir = Path(run_dir)
     with lock_dir(run_dir, wait=True):
-        if not restored(run_dir): return False
-        for name in ("done", "metrics.json", "history.csv"): (run_dir / name).unlink(missing_ok=True)
+        if not restored(run_dir):
+            return False
+        for name in ("done", "metrics.json", "history.csv"):
+            (run_dir / name).unlink(missing_ok=True)
     return True
-

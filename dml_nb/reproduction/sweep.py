@@ -4,21 +4,22 @@
 
 # %% ../../nbs/66_sweep.ipynb #978cfa7a
 from __future__ import annotations
-import json, os, shutil, subprocess, sys, tempfile, time
-from collections import deque
+import json
+import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import yaml
 from tqdm.auto import tqdm
 
-from ..core.base import atomic_write, in_test, project_root
+from ..core.base import atomic_write, project_root
 from ..training.config import config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
 from .results import restored, stopped_record
-
 
 # %% auto #0
 __all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MissingRunsError', 'PlanStop', 'SweepMode', 'SweepResult', 'sweep_mode',
@@ -26,17 +27,24 @@ __all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MissingRunsError', 'PlanStop',
            'plan_notebook']
 
 # %% ../../nbs/66_sweep.ipynb #76aba256
-PLAN_ENV, COLLECT_ENV = "DML_PLAN", "DML_COLLECT_ONLY"   # set by the planner / for collect-only; read by `repro.run_rows`
+PLAN_ENV, COLLECT_ENV = (
+    "DML_PLAN",
+    "DML_COLLECT_ONLY",
+)  # set by the planner / for collect-only; read by `repro.run_rows`
+
 
 class MissingRunsError(RuntimeError):
     "Collect-only: runs a notebook needs are not finished in the run cache."
 
+
 class PlanStop(RuntimeError):
     "Planning: the notebook's runs are listed and some are not finished; what follows needs them, so the notebook stops here."
+
 
 @dataclass
 class SweepMode:
     "What `repro.run_rows` does with a run that is not finished: list it in `plan` (a JSON-lines file), or (`collect`) report it missing."
+
     plan: Path | None = None
     collect: bool = False
     missing: list = field(default_factory=list)
@@ -48,14 +56,27 @@ class SweepMode:
         cfg = make_config(raw)
         run_dir = run_dir_for(cfg, runs_dir)
         done = (run_dir / "done").exists()
-        stopped = None if done else stopped_record(run_dir, run_key(config_to_dict(cfg)))   # settled: the recipe cannot train here
+        stopped = (
+            None if done else stopped_record(run_dir, run_key(config_to_dict(cfg)))
+        )  # settled: the recipe cannot train here
         if self.plan is not None:
-            rec = {"row": row.name, "group": row.group, "seed": int(seed), "run_dir": str(run_dir), "done": done or bool(stopped),
-                   "config": config_to_dict(cfg), "unavailable": why}
-            with open(self.plan, "a") as f: f.write(json.dumps(rec) + "\n")
-        if done: return SweepResult(**vars(load_result(run_dir)), mode=self)
-        if stopped is not None: return f"stopped: {stopped['message']}"
-        if why: return None
+            rec = {
+                "row": row.name,
+                "group": row.group,
+                "seed": int(seed),
+                "run_dir": str(run_dir),
+                "done": done or bool(stopped),
+                "config": config_to_dict(cfg),
+                "unavailable": why,
+            }
+            with open(self.plan, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if done:
+            return SweepResult(**vars(load_result(run_dir)), mode=self)
+        if stopped is not None:
+            return f"stopped: {stopped['message']}"
+        if why:
+            return None
         if self.plan is not None:
             self.planned += 1
             return "planned: not trained yet (dml-reproduce --plan lists it)"
@@ -69,43 +90,71 @@ class SweepMode:
         finished (the cells after `nb.run` need them); collect-only raises `MissingRunsError` naming every run not finished."""
         if self.plan is not None and self.planned:
             n, self.planned = self.planned, 0
-            raise PlanStop(f"planned: {n} run(s) of this notebook are not finished; the plan ({self.plan}) lists them, "
-                           "and the notebook stops here since what follows reads them")
+            raise PlanStop(
+                f"planned: {n} run(s) of this notebook are not finished; the plan ({self.plan}) lists them, "
+                "and the notebook stops here since what follows reads them"
+            )
         if self.missing and self.plan is None:
             n, self.missing = self.missing, []
-            raise MissingRunsError(f"collect-only ({COLLECT_ENV} is set): {len(n)} run(s) this notebook needs are not finished: "
-                                   + "; ".join(n) + ". Train them first (dml-reproduce --launch local|multi_gpu|slurm with the "
-                                   f"same notebook and parameters), or unset {COLLECT_ENV} to train them here")
+            raise MissingRunsError(
+                f"collect-only ({COLLECT_ENV} is set): {len(n)} run(s) this notebook needs are not finished: "
+                + "; ".join(n)
+                + ". Train them first (dml-reproduce --launch local|multi_gpu|slurm with the "
+                f"same notebook and parameters), or unset {COLLECT_ENV} to train them here"
+            )
+
 
 @dataclass
 class SweepResult(RunResult):
     """A finished run read in a sweep. One restored from a results folder (`results.restored`) is not trained
     again here for its embeddings or weights: a plan lists it, with the notebook's other restored runs, to be trained
     again (`Job.rebuild`), and stops the notebook (`PlanStop`); collect-only names it (`MissingRunsError`)."""
+
     mode: SweepMode | None = None
 
     def train_again(self) -> RunResult:
         run_dir, mode = Path(self.run_dir), self.mode
         why = f"{run_dir.name} was restored from a results folder, without the embeddings and weights a figure needs"
         if mode is None or mode.plan is None:
-            raise MissingRunsError(f"collect-only ({COLLECT_ENV} is set): {why}. Train it again first (dml-reproduce "
-                                   "--launch with the same notebook and parameters: its plan lists it)")
-        records = [json.loads(l) for l in mode.plan.read_text().splitlines() if l.strip()]   # which the later cells read is not known
+            raise MissingRunsError(
+                f"collect-only ({COLLECT_ENV} is set): {why}. Train it again first (dml-reproduce "
+                "--launch with the same notebook and parameters: its plan lists it)"
+            )
+        records = [
+            json.loads(l) for l in mode.plan.read_text().splitlines() if l.strip()
+        ]  # which the later cells read is not known
         again = dict.fromkeys([r["run_dir"] for r in records if restored(r["run_dir"])] + [str(run_dir)])
         with open(mode.plan, "a") as f:
             for d in again:
                 cfg = load_result(d).config
-                f.write(json.dumps({"row": "(restored: trained again for its embeddings and weights)", "group": None,
-                                    "seed": cfg.get("seed"), "run_dir": d, "done": True, "config": cfg, "rebuild": True}) + "\n")
-        raise PlanStop(f"planned: {why}; the plan lists it and the notebook's {len(again) - 1} other restored run(s) to be "
-                       "trained again, and the notebook stops here")
+                f.write(
+                    json.dumps(
+                        {
+                            "row": "(restored: trained again for its embeddings and weights)",
+                            "group": None,
+                            "seed": cfg.get("seed"),
+                            "run_dir": d,
+                            "done": True,
+                            "config": cfg,
+                            "rebuild": True,
+                        }
+                    )
+                    + "\n"
+                )
+        raise PlanStop(
+            f"planned: {why}; the plan lists it and the notebook's {len(again) - 1} other restored run(s) to be "
+            "trained again, and the notebook stops here"
+        )
+
 
 def sweep_mode() -> SweepMode | None:
     "The mode `run_rows` is in: a plan (`$DML_PLAN` names the file its jobs go to), collect-only (`$DML_COLLECT_ONLY`), or None."
     plan = os.environ.get(PLAN_ENV)
     collect = os.environ.get(COLLECT_ENV, "").strip().lower() not in ("", "0", "false", "no")
-    if not plan and not collect: return None
+    if not plan and not collect:
+        return None
     return SweepMode(Path(plan) if plan else None, collect)
+
 
 @contextmanager
 def env_vars(**values):
@@ -113,71 +162,104 @@ def env_vars(**values):
     old = {k: os.environ.get(k) for k in values}
     try:
         for k, v in values.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = str(v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
         yield
     finally:
         for k, v in old.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 def collecting():
     "Collect-only for the block: `run_rows` reads finished runs and raises `MissingRunsError` for the others."
     return env_vars(**{COLLECT_ENV: "1", PLAN_ENV: None})
 
-
 # %% ../../nbs/66_sweep.ipynb #e09ae89f
-SETTLED = ("done", "stopped")   # the statuses a launcher has nothing left to do for
+SETTLED = ("done", "stopped")  # the statuses a launcher has nothing left to do for
+
 
 @dataclass
 class Job:
     "One run of a plan: the rows (notebook, row, seed) that use it, its config, run folder and status."
+
     hash: str
     run_dir: str
     config: dict
-    uses: list                 # ["notebook: row (seed s)", ...]
-    done: bool = False         # finished when planned
-    unavailable: str | None = None   # why this machine cannot start it (no GPU, data or weights here); a launcher elsewhere may
-    rebuild: bool = False      # restored from a results folder, and a figure needs its embeddings or weights: trained again
-    threads: int | None = None   # the CPU threads a rebuilt run trains on again (those its results record), else the slot's
+    uses: list  # ["notebook: row (seed s)", ...]
+    done: bool = False  # finished when planned
+    unavailable: str | None = (
+        None  # why this machine cannot start it (no GPU, data or weights here); a launcher elsewhere may
+    )
+    rebuild: bool = False  # restored from a results folder, and a figure needs its embeddings or weights: trained again
+    threads: int | None = (
+        None  # the CPU threads a rebuilt run trains on again (those its results record), else the slot's
+    )
 
     @property
     def status(self) -> str:
         "'done', 'stopped', 'pending', 'pending (not here: why)' or 'pending (restored: ...)', read from the run folder each time."
-        if self.rebuild and restored(self.run_dir): return "pending (restored without embeddings or weights: trained again)"
-        if (Path(self.run_dir) / "done").exists(): return "done"
-        if stopped_record(self.run_dir) is not None: return "stopped"   # by design (`results.RunStopped`): settled
+        if self.rebuild and restored(self.run_dir):
+            return "pending (restored without embeddings or weights: trained again)"
+        if (Path(self.run_dir) / "done").exists():
+            return "done"
+        if stopped_record(self.run_dir) is not None:
+            return "stopped"  # by design (`results.RunStopped`): settled
         return f"pending (not here: {self.unavailable})" if self.unavailable else "pending"
 
-    def config_file(self, plan_dir: str | Path) -> Path: return Path(plan_dir) / "configs" / f"{self.hash}.yaml"
-    def log_file(self, plan_dir: str | Path) -> Path: return Path(plan_dir) / "logs" / f"{self.hash}.log"
+    def config_file(self, plan_dir: str | Path) -> Path:
+        return Path(plan_dir) / "configs" / f"{self.hash}.yaml"
+
+    def log_file(self, plan_dir: str | Path) -> Path:
+        return Path(plan_dir) / "logs" / f"{self.hash}.log"
 
     def command(self, plan_dir: str | Path) -> list[str]:
         "The `dml-train` command that produces this run (it waits for another process holding the run's lock)."
         cmd = ["dml-train", str(self.config_file(plan_dir)), "-o", self.run_dir, "--wait", "--no-progress"]
         return cmd + (["--threads", str(self.threads)] if self.threads else [])
 
+
 @dataclass
 class Plan:
     "Every run a set of notebooks needs (`plan_notebook`), with the configs written under `plan_dir/configs/`."
+
     plan_dir: Path
     jobs: list
     notebooks: list
 
-    def pending(self) -> list[Job]: return [j for j in self.jobs if j.status not in SETTLED]
+    def pending(self) -> list[Job]:
+        return [j for j in self.jobs if j.status not in SETTLED]
 
     def table(self):
         "One line per run: hash, status, the rows that use it, run folder and command."
         import pandas as pd
-        return pd.DataFrame([{"hash": j.hash, "status": j.status, "uses": "; ".join(j.uses), "run_dir": j.run_dir,
-                              "command": " ".join(j.command(self.plan_dir))} for j in self.jobs],
-                            columns=["hash", "status", "uses", "run_dir", "command"])
+
+        return pd.DataFrame(
+            [
+                {
+                    "hash": j.hash,
+                    "status": j.status,
+                    "uses": "; ".join(j.uses),
+                    "run_dir": j.run_dir,
+                    "command": " ".join(j.command(self.plan_dir)),
+                }
+                for j in self.jobs
+            ],
+            columns=["hash", "status", "uses", "run_dir", "command"],
+        )
 
     def save(self, path: str | Path | None = None) -> Path:
         "Write the plan as JSON (default `plan_dir/plan.json`); `Plan.load` reads it back."
         path = Path(path) if path else self.plan_dir / "plan.json"
-        data = {"plan_dir": str(self.plan_dir), "notebooks": self.notebooks,
-                "jobs": [{**asdict(j), "status": j.status, "command": j.command(self.plan_dir)} for j in self.jobs]}
+        data = {
+            "plan_dir": str(self.plan_dir),
+            "notebooks": self.notebooks,
+            "jobs": [{**asdict(j), "status": j.status, "command": j.command(self.plan_dir)} for j in self.jobs],
+        }
         atomic_write(path, json.dumps(data, indent=1) + "\n")
         return path
 
@@ -185,38 +267,54 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         data = json.loads(Path(path).read_text())
         keys = set(Job.__dataclass_fields__)
-        return cls(Path(data["plan_dir"]), [Job(**{k: v for k, v in j.items() if k in keys}) for j in data["jobs"]],
-                   data["notebooks"])
-
+        return cls(
+            Path(data["plan_dir"]),
+            [Job(**{k: v for k, v in j.items() if k in keys}) for j in data["jobs"]],
+            data["notebooks"],
+        )
 
 # %% ../../nbs/66_sweep.ipynb #e078d09d
-def notebook_parameters(params_file: str | Path | None = None, overrides: str | Mapping | None = None,
-                        seeds: Sequence[int] | None = None, runs_dir: str | Path | None = None) -> dict:
+def notebook_parameters(
+    params_file: str | Path | None = None,
+    overrides: str | Mapping | None = None,
+    seeds: Sequence[int] | None = None,
+    runs_dir: str | Path | None = None,
+) -> dict:
     """The papermill parameters of a notebook run: the `-f` file, the `-y` YAML (or dict) over it (as papermill
     merges them: key by key), `seeds`, and `output.runs_dir` (the given one, else `$DML_RUNS` when set)."""
     params = {}
     if params_file is not None:
         p = Path(params_file)
-        if not p.is_file(): raise FileNotFoundError(f"parameter file {p} not found (-f names a YAML file of notebook parameters)")
+        if not p.is_file():
+            raise FileNotFoundError(f"parameter file {p} not found (-f names a YAML file of notebook parameters)")
         params.update(yaml.safe_load(p.read_text()) or {})
     if overrides:
         extra = yaml.safe_load(overrides) if isinstance(overrides, str) else dict(overrides)
-        if not isinstance(extra, Mapping): raise ValueError(f"-y must be a YAML mapping of notebook parameters, e.g. 'seeds: [0, 1]'; got {overrides!r}")
+        if not isinstance(extra, Mapping):
+            raise ValueError(
+                f"-y must be a YAML mapping of notebook parameters, e.g. 'seeds: [0, 1]'; got {overrides!r}"
+            )
         params.update(extra)
-    if seeds is not None: params["seeds"] = [int(s) for s in seeds]
+    if seeds is not None:
+        params["seeds"] = [int(s) for s in seeds]
     runs = runs_dir or (params.get("output") or {}).get("runs_dir") or os.environ.get("DML_RUNS")
     params["output"] = {**(params.get("output") or {}), "progress": False, **({"runs_dir": str(runs)} if runs else {})}
     return params
 
+
 def notebook_path(nb: str | Path, root: Path) -> Path:
     p = Path(nb)
-    if p.suffix != ".ipynb": p = root / "nbs" / f"{p.name}.ipynb"
-    if not p.exists(): raise FileNotFoundError(f"no such notebook: {p} (give a path, or a name such as repro_table3)")
+    if p.suffix != ".ipynb":
+        p = root / "nbs" / f"{p.name}.ipynb"
+    if not p.exists():
+        raise FileNotFoundError(f"no such notebook: {p} (give a path, or a name such as repro_table3)")
     return p
+
 
 def execute(nb: str | Path, params: Mapping, out: str | Path | None = None, **env) -> Path:
     "Execute notebook `nb` with papermill parameters `params` and environment variables `env` (None: unset); returns the executed copy."
     import papermill
+
     nb = Path(nb)
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="dml_nb_sweep_")) / nb.name
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,36 +322,63 @@ def execute(nb: str | Path, params: Mapping, out: str | Path | None = None, **en
         papermill.execute_notebook(str(nb), str(out), parameters=dict(params), cwd=str(nb.parent), progress_bar=False)
     return out
 
+
 def _add_jobs(jobs: dict, records: Sequence[Mapping], stem: str, plan_dir: Path) -> None:
     "Add the plan records of notebook `stem` to `jobs` ({run folder: Job}), writing each new config to `plan_dir/configs/`."
     for r in records:
         use = f"{stem}: {r['row']} (seed {r['seed']})"
         if r["run_dir"] in jobs:
-            jobs[r["run_dir"]].uses.append(use); jobs[r["run_dir"]].rebuild |= bool(r.get("rebuild")); continue
+            jobs[r["run_dir"]].uses.append(use)
+            jobs[r["run_dir"]].rebuild |= bool(r.get("rebuild"))
+            continue
         h = Path(r["run_dir"]).name.rsplit("-", 1)[-1]
-        job = jobs[r["run_dir"]] = Job(h, r["run_dir"], r["config"], [use], r["done"], r.get("unavailable"), bool(r.get("rebuild")))
-        f = job.config_file(plan_dir); f.parent.mkdir(parents=True, exist_ok=True)
+        job = jobs[r["run_dir"]] = Job(
+            h, r["run_dir"], r["config"], [use], r["done"], r.get("unavailable"), bool(r.get("rebuild"))
+        )
+        f = job.config_file(plan_dir)
+        f.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(f, yaml.safe_dump(r["config"], sort_keys=True))
         again = run_dir_for(load_config(f), Path(r["run_dir"]).parent)
-        if str(again) != r["run_dir"]:   # the written file must train the very run the notebook reads
-            raise RuntimeError(f"{f} does not round-trip: dml-train would write {again}, the notebook reads {r['run_dir']}")
+        if str(again) != r["run_dir"]:  # the written file must train the very run the notebook reads
+            raise RuntimeError(
+                f"{f} does not round-trip: dml-train would write {again}, the notebook reads {r['run_dir']}"
+            )
 
-def plan_configs(configs: Mapping[str, Mapping], plan_dir: str | Path, runs_dir: str | Path, stem: str = "configs") -> Plan:
+
+def plan_configs(
+    configs: Mapping[str, Mapping], plan_dir: str | Path, runs_dir: str | Path, stem: str = "configs"
+) -> Plan:
     "A plan of the runs of `configs` ({name: config}, seed included) in `runs_dir`, without a notebook."
     plan_dir, jobs = Path(plan_dir), {}
     recs = []
     for name, raw in configs.items():
-        cfg = make_config(raw); run_dir = run_dir_for(cfg, runs_dir)
-        recs.append({"row": name, "seed": cfg.seed, "run_dir": str(run_dir), "done": (run_dir / "done").exists(),
-                     "config": config_to_dict(cfg)})
+        cfg = make_config(raw)
+        run_dir = run_dir_for(cfg, runs_dir)
+        recs.append(
+            {
+                "row": name,
+                "seed": cfg.seed,
+                "run_dir": str(run_dir),
+                "done": (run_dir / "done").exists(),
+                "config": config_to_dict(cfg),
+            }
+        )
     _add_jobs(jobs, recs, stem, plan_dir)
     plan = Plan(plan_dir, list(jobs.values()), [stem])
     plan.save()
     return plan
 
-def plan_notebook(notebooks: Sequence[str | Path] | str | Path, plan_dir: str | Path, params_file: str | Path | None = None,
-                  overrides: str | Mapping | None = None, seeds: Sequence[int] | None = None,
-                  runs_dir: str | Path | None = None, root: str | Path | None = None, progress: bool = True) -> Plan:
+
+def plan_notebook(
+    notebooks: Sequence[str | Path] | str | Path,
+    plan_dir: str | Path,
+    params_file: str | Path | None = None,
+    overrides: str | Mapping | None = None,
+    seeds: Sequence[int] | None = None,
+    runs_dir: str | Path | None = None,
+    root: str | Path | None = None,
+    progress: bool = True,
+) -> Plan:
     """Every run `notebooks` need with these parameters, without training: each is executed by papermill with
     `$DML_PLAN` set, so `run_rows` lists its jobs: finished runs are read as usual, and where some are not finished
     the notebook stops after listing them (`PlanStop`: what follows needs them). Figures go to a temporary folder.
@@ -262,7 +387,8 @@ def plan_notebook(notebooks: Sequence[str | Path] | str | Path, plan_dir: str | 
     `plan_dir/configs/<hash>.yaml`, the plan to `plan_dir/plan.json`."""
     root = Path(root) if root is not None else project_root()
     notebooks = [notebooks] if isinstance(notebooks, (str, Path)) else list(notebooks)
-    plan_dir = Path(plan_dir); (plan_dir / "configs").mkdir(parents=True, exist_ok=True)
+    plan_dir = Path(plan_dir)
+    (plan_dir / "configs").mkdir(parents=True, exist_ok=True)
     jobs: dict[str, Job] = {}
     paths = [notebook_path(n, root) for n in notebooks]
     for nb in tqdm(paths, desc="planning", disable=not progress, leave=False):
@@ -270,13 +396,17 @@ def plan_notebook(notebooks: Sequence[str | Path] | str | Path, plan_dir: str | 
         figures = Path(tempfile.mkdtemp(prefix="dml_nb_plan_figures_"))
         params["output"]["figures_dir"] = str(figures)
         records = plan_dir / "records" / f"{nb.stem}.jsonl"
-        records.parent.mkdir(exist_ok=True); records.unlink(missing_ok=True); records.touch()
-        try: execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
-        except Exception as e:   # papermill's error for an exception in a cell: `PlanStop` is the expected end
-            if getattr(e, "ename", None) != "PlanStop": raise
-        finally: shutil.rmtree(figures, ignore_errors=True)
+        records.parent.mkdir(exist_ok=True)
+        records.unlink(missing_ok=True)
+        records.touch()
+        try:
+            execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
+        except Exception as e:  # papermill's error for an exception in a cell: `PlanStop` is the expected end
+            if getattr(e, "ename", None) != "PlanStop":
+                raise
+        finally:
+            shutil.rmtree(figures, ignore_errors=True)
         _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], nb.stem, plan_dir)
     plan = Plan(plan_dir, list(jobs.values()), [p.stem for p in paths])
     plan.save()
     return plan
-

@@ -23,16 +23,29 @@ __all__ = ['PALETTE', 'VERDICT_COLOURS', 'set_style', 'save_figure', 'plot_spect
 # %% ../../nbs/62_viz.ipynb #de3ce5b2
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 
+
 def set_style() -> None:
     "The house style for every figure: white grid, colour-blind safe cycle, readable font sizes."
     import seaborn as sns
+
     sns.set_theme(style="whitegrid", context="notebook", palette=PALETTE)
-    plt.rcParams.update({"figure.dpi": 100, "savefig.bbox": "tight", "axes.titlesize": 11, "axes.labelsize": 10,
-                         "legend.fontsize": 9, "legend.frameon": False})
+    plt.rcParams.update(
+        {
+            "figure.dpi": 100,
+            "savefig.bbox": "tight",
+            "axes.titlesize": 11,
+            "axes.labelsize": 10,
+            "legend.fontsize": 9,
+            "legend.frameon": False,
+        }
+    )
+
 
 def _axes(ax=None, figsize=(5, 3.5)):
-    if ax is None: fig, ax = plt.subplots(figsize=figsize)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
     return ax.figure, ax
+
 
 def save_figure(fig, path: str | Path, pdf: bool = False, dpi: int = 150) -> list[Path]:
     "Write `fig` to `path` (.png added; .pdf too with `pdf=True`) atomically; returns the written paths."
@@ -55,32 +68,49 @@ def plot_spectra(embeddings: Mapping[str, object], ax=None, top: int | None = No
         s = singular_value_spectrum(emb)
         s = s[:top] if top else s
         ax.plot(np.arange(1, len(s) + 1), s, label=f"{name} ($\\rho$ = {spectral_decay(emb):.3f})", lw=1.8)
-    if log: ax.set_yscale("log")
-    ax.set_xlabel("singular value index"); ax.set_ylabel("normalised singular value")
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("singular value index")
+    ax.set_ylabel("normalised singular value")
     ax.legend()
     return fig
 
 # %% ../../nbs/62_viz.ipynb #9b3a2c85
-def tsne_coordinates(emb, n: int | None = 1000, seed: int = 0, perplexity: float = 30.0) -> tuple[np.ndarray, np.ndarray]:
+def tsne_coordinates(
+    emb, n: int | None = 1000, seed: int = 0, perplexity: float = 30.0
+) -> tuple[np.ndarray, np.ndarray]:
     "2-D t-SNE coordinates of at most `n` rows of `emb` (seeded subset); returns (coordinates, row indices)."
     from sklearn.manifold import TSNE
+
     x = torch.as_tensor(emb).float().cpu().numpy()
     idx = np.arange(len(x))
-    if n is not None and len(x) > n: idx = np.sort(np.random.default_rng(seed).choice(len(x), n, replace=False))
+    if n is not None and len(x) > n:
+        idx = np.sort(np.random.default_rng(seed).choice(len(x), n, replace=False))
     perplexity = min(perplexity, max(2.0, (len(idx) - 1) / 3))
     xy = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(x[idx])
     return xy, idx
 
-def plot_tsne(emb, labels, n: int | None = 1000, ax=None, title: str | None = None, seed: int = 0,
-              coordinates: tuple | None = None, s: float = 8):
+
+def plot_tsne(
+    emb,
+    labels,
+    n: int | None = 1000,
+    ax=None,
+    title: str | None = None,
+    seed: int = 0,
+    coordinates: tuple | None = None,
+    s: float = 8,
+):
     "Scatter of a t-SNE map of `emb`, one colour per class (classes beyond 20 reuse colours)."
     xy, idx = coordinates if coordinates is not None else tsne_coordinates(emb, n=n, seed=seed)
     y = np.asarray(torch.as_tensor(labels).cpu())[idx]
     fig, ax = _axes(ax, figsize=(4, 4))
     cmap = matplotlib.colormaps["tab20"]
     ax.scatter(xy[:, 0], xy[:, 1], c=[cmap(int(c) % 20) for c in y], s=s, linewidths=0)
-    ax.set_xticks([]); ax.set_yticks([])
-    if title: ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title)
     return fig
 
 # %% ../../nbs/62_viz.ipynb #85e31b84
@@ -89,9 +119,11 @@ def _image(ds, i: int) -> np.ndarray:
     x = ds[int(i)]
     x = x[0] if isinstance(x, (tuple, list)) else x
     x = torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x).float()
-    if x.ndim == 3 and x.shape[0] in (1, 3): x = x.permute(1, 2, 0)
+    if x.ndim == 3 and x.shape[0] in (1, 3):
+        x = x.permute(1, 2, 0)
     x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-8)
     return x.expand(*x.shape[:2], 3).numpy() if x.shape[-1] == 1 else x.numpy()
+
 
 def gallery_neighbours(emb, labels, queries: Sequence[int], k: int = 5, exclude_same_class: bool = False) -> np.ndarray:
     "Indices (len(queries), k) of each query's nearest neighbours in `emb`, the query itself excluded."
@@ -100,12 +132,23 @@ def gallery_neighbours(emb, labels, queries: Sequence[int], k: int = 5, exclude_
     q = torch.as_tensor(list(queries))
     d = torch.cdist(emb[q], emb)
     d[torch.arange(len(q)), q] = float("inf")
-    if exclude_same_class: d[labels[q][:, None] == labels[None, :]] = float("inf")
-    if torch.isinf(d).all(1).any(): raise ValueError("a query has no candidate neighbour (one class only?)")
+    if exclude_same_class:
+        d[labels[q][:, None] == labels[None, :]] = float("inf")
+    if torch.isinf(d).all(1).any():
+        raise ValueError("a query has no candidate neighbour (one class only?)")
     return d.topk(min(k, emb.shape[0] - 1), largest=False).indices.numpy()
 
-def plot_gallery(dataset, emb, labels, queries: Sequence[int], k: int = 5, exclude_same_class: bool = False,
-                 title: str | None = None, size: float = 1.1):
+
+def plot_gallery(
+    dataset,
+    emb,
+    labels,
+    queries: Sequence[int],
+    k: int = 5,
+    exclude_same_class: bool = False,
+    title: str | None = None,
+    size: float = 1.1,
+):
     "Query images (first column) and their `k` nearest neighbours; green frame: same class, red: other class."
     labels = np.asarray(torch.as_tensor(labels))
     nn_idx = gallery_neighbours(emb, labels, queries, k, exclude_same_class)
@@ -113,21 +156,31 @@ def plot_gallery(dataset, emb, labels, queries: Sequence[int], k: int = 5, exclu
     for r, q in enumerate(queries):
         for c, i in enumerate([q, *nn_idx[r]]):
             ax = axes[r, c]
-            ax.imshow(_image(dataset, i)); ax.set_xticks([]); ax.set_yticks([])
+            ax.imshow(_image(dataset, i))
+            ax.set_xticks([])
+            ax.set_yticks([])
             colour = "black" if c == 0 else ("#009E73" if labels[i] == labels[q] else "#D55E00")
-            for sp in ax.spines.values(): sp.set_edgecolor(colour); sp.set_linewidth(2.5); sp.set_visible(True)
+            for sp in ax.spines.values():
+                sp.set_edgecolor(colour)
+                sp.set_linewidth(2.5)
+                sp.set_visible(True)
     axes[0, 0].set_title("query", fontsize=9)
-    if title: fig.suptitle(title, fontsize=10)
+    if title:
+        fig.suptitle(title, fontsize=10)
     return fig
 
 # %% ../../nbs/62_viz.ipynb #60a66e1b
-def negative_distances(emb, labels, clusters, max_pairs: int = 2_000_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def negative_distances(
+    emb, labels, clusters, max_pairs: int = 2_000_000, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     "Distances of negative pairs (i < j, different labels): (within one cluster, across clusters); at most `max_pairs` pairs, drawn at random beyond that."
-    emb = torch.as_tensor(emb).float(); y = torch.as_tensor(labels); c = torch.as_tensor(clusters)
+    emb = torch.as_tensor(emb).float()
+    y = torch.as_tensor(labels)
+    c = torch.as_tensor(clusters)
     n = len(emb)
     if n * (n - 1) // 2 <= max_pairs:
         i, j = torch.triu_indices(n, n, offset=1)
-    else:   # too many pairs to list (SOP: ~1.8e9): draw pairs at random instead, never building all of them
+    else:  # too many pairs to list (SOP: ~1.8e9): draw pairs at random instead, never building all of them
         g = torch.Generator().manual_seed(seed)
         i, j = torch.randint(n, (max_pairs,), generator=g), torch.randint(n, (max_pairs,), generator=g)
         i, j = torch.minimum(i, j), torch.maximum(i, j)
@@ -139,6 +192,7 @@ def negative_distances(emb, labels, clusters, max_pairs: int = 2_000_000, seed: 
     same = (c[i] == c[j]).numpy()
     return d[same], d[~same]
 
+
 def plot_distance_histograms(emb, labels, clusters, ax=None, bins: int = 50, title: str | None = None):
     "Normalised histograms of negative-pair distances within one cluster vs across clusters, with their means."
     within, across = negative_distances(emb, labels, clusters)
@@ -146,42 +200,75 @@ def plot_distance_histograms(emb, labels, clusters, ax=None, bins: int = 50, tit
     lo, hi = min(within.min(initial=2), across.min(initial=2)), max(within.max(initial=0), across.max(initial=0))
     edges = np.linspace(lo, hi, bins + 1)
     for d, name, col in ((within, "within a cluster", PALETTE[0]), (across, "across clusters", PALETTE[1])):
-        if len(d): ax.hist(d, bins=edges, density=True, alpha=0.55, color=col, label=f"{name} (mean {d.mean():.3f})")
-    ax.set_xlabel("distance of a negative pair"); ax.set_ylabel("density"); ax.legend()
-    if title: ax.set_title(title)
+        if len(d):
+            ax.hist(d, bins=edges, density=True, alpha=0.55, color=col, label=f"{name} (mean {d.mean():.3f})")
+    ax.set_xlabel("distance of a negative pair")
+    ax.set_ylabel("density")
+    ax.legend()
+    if title:
+        ax.set_title(title)
     return fig
 
 # %% ../../nbs/62_viz.ipynb #cbdfa2c9
-def plot_curves(histories: Mapping[str, object], y: str = "test/recall@1", x: str = "epoch", ax=None,
-                ylabel: str | None = None, title: str | None = None, marker: str = "o"):
+def plot_curves(
+    histories: Mapping[str, object],
+    y: str = "test/recall@1",
+    x: str = "epoch",
+    ax=None,
+    ylabel: str | None = None,
+    title: str | None = None,
+    marker: str = "o",
+):
     "One line per run (mean over seeds with a min-max band when given a list of frames) of column `y` against `x`."
     fig, ax = _axes(ax)
     for name, frames in histories.items():
         frames = frames if isinstance(frames, (list, tuple)) else [frames]
         parts = [f[[x, y]].dropna() for f in frames if y in f]
         if not parts:
-            raise KeyError(f"no history of {name!r} has a column {y!r}; columns: {', '.join(map(str, frames[0].columns))}")
+            raise KeyError(
+                f"no history of {name!r} has a column {y!r}; columns: {', '.join(map(str, frames[0].columns))}"
+            )
         table = pd.concat(parts).groupby(x)[y]
         mean = table.mean()
-        line, = ax.plot(mean.index, mean.values, marker=marker, ms=3, label=name)
-        if len(parts) > 1: ax.fill_between(mean.index, table.min().values, table.max().values, alpha=0.2, color=line.get_color())
-    ax.set_xlabel(x); ax.set_ylabel(ylabel or y); ax.legend()
-    if title: ax.set_title(title)
+        (line,) = ax.plot(mean.index, mean.values, marker=marker, ms=3, label=name)
+        if len(parts) > 1:
+            ax.fill_between(mean.index, table.min().values, table.max().values, alpha=0.2, color=line.get_color())
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel or y)
+    ax.legend()
+    if title:
+        ax.set_title(title)
     return fig
 
 # %% ../../nbs/62_viz.ipynb #cfa01571
-def plot_gap_bars(frame: pd.DataFrame, train: str = "train", test: str = "test", ax=None, ylabel: str = "Recall@1",
-                  title: str | None = None):
+def plot_gap_bars(
+    frame: pd.DataFrame,
+    train: str = "train",
+    test: str = "test",
+    ax=None,
+    ylabel: str = "Recall@1",
+    title: str | None = None,
+):
     "Grouped bars of train and test values per row of `frame` (index: model names), gap annotated."
     fig, ax = _axes(ax, figsize=(1.4 * len(frame) + 2, 3.5))
     x = np.arange(len(frame))
     ax.bar(x - 0.2, frame[train], width=0.4, label="train", color=PALETTE[0])
     ax.bar(x + 0.2, frame[test], width=0.4, label="test", color=PALETTE[1])
     for xi, (tr, te) in zip(x, zip(frame[train], frame[test])):
-        ax.annotate(f"gap {te - tr:+.3f}", (xi, max(tr, te)), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(x, [str(i) for i in frame.index]); ax.set_ylabel(ylabel); ax.legend(loc="lower right")
-    if title: ax.set_title(title)
+        ax.annotate(
+            f"gap {te - tr:+.3f}",
+            (xi, max(tr, te)),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
+    ax.set_xticks(x, [str(i) for i in frame.index])
+    ax.set_ylabel(ylabel)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
     return fig
 
 # %% ../../nbs/62_viz.ipynb #9f9ebb94
@@ -190,39 +277,72 @@ def hides_spread(values: np.ndarray, err: np.ndarray | None = None, share: float
     v = np.asarray(values, dtype=float)
     e = np.zeros_like(v) if err is None else np.nan_to_num(np.asarray(err, dtype=float))
     ran = np.isfinite(v)
-    if ran.sum() < 2: return False
+    if ran.sum() < 2:
+        return False
     lo, hi = float(np.min(v[ran] - e[ran])), float(np.max(v[ran] + e[ran]))
     return hi > 0 and lo > 0 and hi - lo < share * hi
 
-def _bar_panel(ax, values: np.ndarray, err: np.ndarray | None, names: list[str], color, label: str, ylabel: str,
-               rotate: int, err_label: str | None = None, zoom: bool = False) -> None:
+
+def _bar_panel(
+    ax,
+    values: np.ndarray,
+    err: np.ndarray | None,
+    names: list[str],
+    color,
+    label: str,
+    ylabel: str,
+    rotate: int,
+    err_label: str | None = None,
+    zoom: bool = False,
+) -> None:
     """Bars from zero, or (`zoom`) points on an axis fitted to the values, where zero would hide their spread; NaN
     values are rows that did not run, marked 'not run'; error bars only where `err` is finite."""
     x = np.arange(len(values))
     ran = np.isfinite(values)
     e = np.zeros(len(values)) if err is None else np.where(np.isfinite(err), err, 0.0)
-    if zoom: ax.plot(x[ran], values[ran], "o", color=color, ms=7, label=f"{label}; axis not from 0")
-    else: ax.bar(x[ran], values[ran], color=color, label=label)
+    if zoom:
+        ax.plot(x[ran], values[ran], "o", color=color, ms=7, label=f"{label}; axis not from 0")
+    else:
+        ax.bar(x[ran], values[ran], color=color, label=label)
     if err is not None and np.isfinite(err[ran]).any():
         ax.errorbar(x[ran], values[ran], yerr=e[ran], fmt="none", ecolor="black", capsize=3, label=err_label)
     if zoom:
         lo, hi = float(np.min(values[ran] - e[ran])), float(np.max(values[ran] + e[ran]))
         pad = 0.15 * (hi - lo) or 0.05 * abs(hi) or 1.0
-        bottom, top = lo - pad, hi + 0.6 * (hi - lo + pad)            # headroom for the legend
+        bottom, top = lo - pad, hi + 0.6 * (hi - lo + pad)  # headroom for the legend
     else:
         bottom = 0.0
         hi = float(np.nanmax(values)) if ran.any() else 1.0
         top = 1.35 * hi if hi > 0 else 1.0
     for i in np.flatnonzero(~ran):
-        ax.text(x[i], bottom + 0.02 * (top - bottom), "not run", rotation=90, ha="center", va="bottom", fontsize=8, color="0.4")
+        ax.text(
+            x[i],
+            bottom + 0.02 * (top - bottom),
+            "not run",
+            rotation=90,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="0.4",
+        )
     ax.set_ylim(bottom, top)
     ax.set_xticks(x, names, rotation=rotate, ha="right" if rotate else "center")
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right", fontsize=8)
 
-def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: str = "Recall@1", title: str | None = None,
-              paper: pd.Series | None = None, rotate: int = 30, paper_label: str = "paper",
-              seeds: pd.Series | int | None = None, zoom: bool | None = None):
+
+def plot_bars(
+    means: pd.Series,
+    stds: pd.Series | None = None,
+    ax=None,
+    ylabel: str = "Recall@1",
+    title: str | None = None,
+    paper: pd.Series | None = None,
+    rotate: int = 30,
+    paper_label: str = "paper",
+    seeds: pd.Series | int | None = None,
+    zoom: bool | None = None,
+):
     """`means` (index: row names; NaN = the row did not run, shown as such) with error bars where several seeds gave
     one: the standard error std/sqrt(seeds) when `seeds` is given (the unit the claims judge in), else `stds`. Bars
     from zero, or points on a fitted axis where zero would hide the spread (`zoom`; None: `hides_spread` decides).
@@ -232,7 +352,9 @@ def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: 
     vals = np.asarray(means, dtype=float)
     err = None if stds is None else np.asarray(stds.reindex(means.index), dtype=float)
     if err is not None and seeds is not None:
-        n = np.asarray(seeds.reindex(means.index) if isinstance(seeds, pd.Series) else np.full(len(vals), seeds), dtype=float)
+        n = np.asarray(
+            seeds.reindex(means.index) if isinstance(seeds, pd.Series) else np.full(len(vals), seeds), dtype=float
+        )
         err = err / np.sqrt(n)
     err_label = "± 1 SE over seeds (std/√n)" if seeds is not None else "± std over seeds"
     p = None if paper is None else np.asarray(paper.reindex(means.index), dtype=float)
@@ -247,19 +369,40 @@ def plot_bars(means: pd.Series, stds: pd.Series | None = None, ax=None, ylabel: 
     z = hides_spread(vals, err) if zoom is None else zoom
     _bar_panel(axes[0], vals, err, names, PALETTE[0], "ours (mean over seeds)", ylabel, rotate, err_label, zoom=z)
     if two and len(axes) > 1:
-        _bar_panel(axes[1], p, None, names, PALETTE[3], paper_label, ylabel, rotate, zoom=hides_spread(p) if zoom is None else zoom)
-        axes[1].set_title(paper_label, fontsize=10); axes[0].set_title("ours", fontsize=10)
-    if title: fig.suptitle(title, fontsize=11)
+        _bar_panel(
+            axes[1],
+            p,
+            None,
+            names,
+            PALETTE[3],
+            paper_label,
+            ylabel,
+            rotate,
+            zoom=hides_spread(p) if zoom is None else zoom,
+        )
+        axes[1].set_title(paper_label, fontsize=10)
+        axes[0].set_title("ours", fontsize=10)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
 
 # %% ../../nbs/62_viz.ipynb #6d9b3b5b
 VERDICT_COLOURS = {"holds": PALETTE[2], "fails": PALETTE[3], "unresolved": "0.45", "not tested": "0.75"}
 
-def plot_forest(labels: Sequence[str], diffs: Sequence[float], ses: Sequence[float], paper: Sequence[float] | None = None,
-                verdicts: Sequence[str] | None = None, resolves: Sequence[float] | None = None,
-                z: float | Sequence[float] = 2.0, ax=None,
-                xlabel: str = "difference of the two rows (points)", title: str | None = None):
+
+def plot_forest(
+    labels: Sequence[str],
+    diffs: Sequence[float],
+    ses: Sequence[float],
+    paper: Sequence[float] | None = None,
+    verdicts: Sequence[str] | None = None,
+    resolves: Sequence[float] | None = None,
+    z: float | Sequence[float] = 2.0,
+    ax=None,
+    xlabel: str = "difference of the two rows (points)",
+    title: str | None = None,
+):
     """One row per claim (top to bottom): the difference `diffs` (dot, coloured by its verdict) with ± `z` `ses`
     (line; none where the SE is NaN; `z` one multiple, or one per claim: the rule's t), the paper's difference
     (`paper`, diamond; NaN: the paper gives none), zero (vertical line) and, in grey, ± `resolves`: differences
@@ -270,25 +413,45 @@ def plot_forest(labels: Sequence[str], diffs: Sequence[float], ses: Sequence[flo
     r = np.full(n, np.nan) if resolves is None else np.asarray(resolves, dtype=float)
     v = list(verdicts) if verdicts is not None else ["unresolved"] * n
     zs = np.broadcast_to(np.asarray(z, dtype=float), (n,))
-    if ax is None: fig, ax = plt.subplots(figsize=(10, 0.45 * n + 1.4))
-    else: fig = ax.figure
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.45 * n + 1.4))
+    else:
+        fig = ax.figure
     y = np.arange(n)[::-1]
     for i in range(n):
-        if np.isfinite(r[i]): ax.fill_betweenx([y[i] - 0.35, y[i] + 0.35], -r[i], r[i], color="0.9", lw=0,
-                                               label="smaller than the seeds resolve" if i == np.flatnonzero(np.isfinite(r))[0] else None)
-        if np.isfinite(s[i]): ax.plot([d[i] - zs[i] * s[i], d[i] + zs[i] * s[i]], [y[i]] * 2, color="black", lw=1.5)
+        if np.isfinite(r[i]):
+            ax.fill_betweenx(
+                [y[i] - 0.35, y[i] + 0.35],
+                -r[i],
+                r[i],
+                color="0.9",
+                lw=0,
+                label="smaller than the seeds resolve" if i == np.flatnonzero(np.isfinite(r))[0] else None,
+            )
+        if np.isfinite(s[i]):
+            ax.plot([d[i] - zs[i] * s[i], d[i] + zs[i] * s[i]], [y[i]] * 2, color="black", lw=1.5)
     ax.axvline(0, color="black", lw=0.8)
-    ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference ± {zs[0]:g} SE" if np.ndim(z) == 0 else "ours: difference ± t SE (the rule's threshold)")
+    ax.errorbar(
+        [],
+        [],
+        xerr=[],
+        color="black",
+        label=f"ours: difference ± {zs[0]:g} SE"
+        if np.ndim(z) == 0
+        else "ours: difference ± t SE (the rule's threshold)",
+    )
     for verdict in dict.fromkeys(v):
         k = [i for i in range(n) if v[i] == verdict]
         ax.plot(d[k], y[k], "o", color=VERDICT_COLOURS.get(verdict, "0.45"), ms=7, label=verdict)
-    if np.isfinite(pp).any(): ax.plot(pp, y, "D", color="black", mfc="white", ms=6, label="the paper's difference")
+    if np.isfinite(pp).any():
+        ax.plot(pp, y, "D", color="black", mfc="white", ms=6, label="the paper's difference")
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_ylim(-0.7, n - 0.3)
     ax.set_xlabel(xlabel)
     ax.margins(x=0.08)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
-    if title: ax.set_title(title, fontsize=10)
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -297,6 +460,7 @@ def _cell(v, digits: int) -> str:
     if isinstance(v, float):
         return "" if np.isnan(v) else f"{v:.{digits}f}"
     return str(v).replace("|", "\\|")
+
 
 def markdown_table(frame: pd.DataFrame, digits: int = 1, index: bool = True) -> str:
     "`frame` as a Markdown table; floats with `digits` decimals, NaN as an empty cell."

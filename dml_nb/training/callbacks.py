@@ -4,7 +4,8 @@
 
 # %% ../../nbs/32_callbacks.ipynb #6c63b3e5
 from __future__ import annotations
-import csv, io
+import csv
+import io
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -16,85 +17,146 @@ __all__ = ['Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCall
 # %% ../../nbs/32_callbacks.ipynb #2481e8e1
 class Callback:
     "Hooks the learner calls; `order` sorts them (lower first). State in `state_dict` goes into checkpoints."
+
     order = 0
-    def before_fit(self, learner): pass
-    def before_epoch(self, learner): pass
-    def after_step(self, learner, logs: dict): pass
-    def after_epoch(self, learner): pass
-    def after_fit(self, learner): pass
-    def state_dict(self) -> dict: return {}
-    def load_state_dict(self, state: dict) -> None: pass
+
+    def before_fit(self, learner):
+        pass
+
+    def before_epoch(self, learner):
+        pass
+
+    def after_step(self, learner, logs: dict):
+        pass
+
+    def after_epoch(self, learner):
+        pass
+
+    def after_fit(self, learner):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     @property
-    def name(self) -> str: return type(self).__name__
+    def name(self) -> str:
+        return type(self).__name__
+
 
 class EvalCallback(Callback):
     "Evaluate `learner.eval_sets` every `every` epochs and after the last epoch."
+
     order = 10
+
     def __init__(self, every: int = 1):
-        if every < 1: raise ValueError(f"eval.every must be >= 1 (evaluate every that many epochs), got {every}")
+        if every < 1:
+            raise ValueError(f"eval.every must be >= 1 (evaluate every that many epochs), got {every}")
         self.every = every
+
     def after_epoch(self, learner):
         done = learner.epoch + 1
         if learner.eval_sets and (done % self.every == 0 or done == learner.epochs):
             learner.row.update(learner.evaluate())
 
+
 class CSVLogger(Callback):
     "Write `learner.history` to `run_dir/history.csv` after every epoch (atomically)."
+
     order = 20
-    def __init__(self, filename: str = "history.csv"): self.filename = filename
+
+    def __init__(self, filename: str = "history.csv"):
+        self.filename = filename
+
     def after_epoch(self, learner):
-        if learner.run_dir is None or not learner.is_main: return
+        if learner.run_dir is None or not learner.is_main:
+            return
         atomic_write(Path(learner.run_dir) / self.filename, history_csv(learner.history))
+
 
 def history_csv(history: Sequence[Mapping]) -> str:
     "Rows as CSV text; the columns are the union of the rows' keys in first-seen order."
     cols = list(dict.fromkeys(k for row in history for k in row))
     out = io.StringIO()
     w = csv.DictWriter(out, fieldnames=cols, lineterminator="\n")
-    w.writeheader(); w.writerows(history)
+    w.writeheader()
+    w.writerows(history)
     return out.getvalue()
+
 
 class ProgressCallback(Callback):
     "One bar per fit (epochs x steps): the epoch in its description, the running loss and the latest Recall@1."
+
     order = 30
-    def __init__(self, file=None, mininterval: float = 30.0): self.file, self.mininterval, self.bar = file, mininterval, None
+
+    def __init__(self, file=None, mininterval: float = 30.0):
+        self.file, self.mininterval, self.bar = file, mininterval, None
+
     def _close(self):
-        if self.bar is not None: self.bar.close(); self.bar = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
     def _postfix(self, learner) -> dict:
         out = {"loss": f"{learner.running('loss'):.4f}"}
         r1 = learner.headline_recall()
-        if r1 is not None: out["R@1"] = f"{r1:.4f}"
+        if r1 is not None:
+            out["R@1"] = f"{r1:.4f}"
         return out
+
     def _open(self, learner):
-        if self.file is None: from tqdm.auto import tqdm     # a widget in JupyterLab, text on stderr elsewhere
-        else: from tqdm import tqdm
+        if self.file is None:
+            from tqdm.auto import tqdm  # a widget in JupyterLab, text on stderr elsewhere
+        else:
+            from tqdm import tqdm
         self.bar, self.epoch = tqdm(total=0, file=self.file, mininterval=self.mininterval, dynamic_ncols=True), None
+
     def after_step(self, learner, logs):
-        if not learner.is_main: return
-        if self.bar is None: self._open(learner)
-        if self.epoch != learner.epoch:    # the steps left, from this epoch's length (a recipe may change it)
+        if not learner.is_main:
+            return
+        if self.bar is None:
+            self._open(learner)
+        if self.epoch != learner.epoch:  # the steps left, from this epoch's length (a recipe may change it)
             self.epoch, done = learner.epoch, learner.step - 1
             self.bar.total = self.bar.n + (learner.epochs - learner.epoch) * learner.steps_in_epoch - done
-            if self.bar.n == 0: self.bar.n = self.bar.last_print_n = learner.epoch * learner.steps_in_epoch + done
+            if self.bar.n == 0:
+                self.bar.n = self.bar.last_print_n = learner.epoch * learner.steps_in_epoch + done
             self.bar.set_description(f"epoch {learner.epoch + 1}/{learner.epochs}", refresh=False)
         self.bar.update(1)
         self.bar.set_postfix(self._postfix(learner), refresh=False)
+
     def after_epoch(self, learner):
-        if self.bar is not None: self.bar.set_postfix(self._postfix(learner), refresh=False)
-    def after_fit(self, learner): self._close()
+        if self.bar is not None:
+            self.bar.set_postfix(self._postfix(learner), refresh=False)
+
+    def after_fit(self, learner):
+        self._close()
+
 
 class EmptyTuplesStop(Callback):
     "Stop the run (`NoTuplesError`) when a `tuples` log was 0 at every step of the epoch (see `Learner.check_tuples`)."
+
     order = 90
-    def after_epoch(self, learner): learner.check_tuples(learner.epoch)
+
+    def after_epoch(self, learner):
+        learner.check_tuples(learner.epoch)
+
 
 class CheckpointCallback(Callback):
     "Save `run_dir/checkpoint.pt` after every epoch (the epoch counted as done) and, with `every_steps`, every `every_steps` steps."
-    order = 100      # the highest: every other hook has written its part of the epoch's row
+
+    order = 100  # the highest: every other hook has written its part of the epoch's row
+
     def __init__(self, every_steps: int | None = None):
-        if every_steps is not None and every_steps < 1: raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         self.every_steps = every_steps
+
     def after_step(self, learner, logs):
         if self.every_steps and learner.step % self.every_steps == 0 and learner.step < learner.steps_in_epoch:
             learner.save_checkpoint()
-    def after_epoch(self, learner): learner.save_checkpoint(epoch_done=True)
+
+    def after_epoch(self, learner):
+        learner.save_checkpoint(epoch_done=True)

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/34_checkpoint.ipynb #82f363b9
 from __future__ import annotations
-import math, random
+import math
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -12,7 +13,9 @@ import numpy as np
 import torch
 
 from ..core.base import atomic_torch_save
-if TYPE_CHECKING: from dml_nb.training.callbacks import Callback   # annotations only
+
+if TYPE_CHECKING:
+    from dml_nb.training.callbacks import Callback  # annotations only
 
 # %% auto #0
 __all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'NonFiniteLossError', 'DivergedError', 'rng_state',
@@ -22,8 +25,10 @@ __all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'No
 class NonFiniteLossError(RuntimeError):
     "Training stopped because the loss or the gradient norm became NaN or infinite."
 
+
 class DivergedError(NonFiniteLossError):
     "Training stopped because the weights or the loss left the sane range (`MAX_WEIGHT`, `MAX_LOSS`): the run diverged."
+
 
 # a checkpoint is written only while the model is sane: every parameter finite with |value| <= MAX_WEIGHT and the
 # epoch's mean loss (so far) finite with |loss| <= MAX_LOSS; beyond that the run stops as diverged. Embeddings are
@@ -38,10 +43,13 @@ CHECKPOINT_FORMAT = 1
 def rng_state() -> dict:
     "The global RNG states (torch CPU and CUDA, NumPy, Python), in a form `torch.load(weights_only=True)` reads."
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": random.getstate(),
+    }
+
 
 def set_rng_state(state: dict) -> None:
     "Restore what `rng_state` returned."
@@ -56,59 +64,103 @@ def set_rng_state(state: dict) -> None:
 # %% ../../nbs/34_checkpoint.ipynb #3d40ec07
 def to_safe(obj):
     "Convert NumPy values inside `obj` to tensors / Python numbers so that weights_only loading accepts it."
-    if isinstance(obj, torch.Tensor): return obj.detach().cpu() if obj.device.type != "cpu" else obj
-    if isinstance(obj, np.ndarray): return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic): return obj.item()
-    if isinstance(obj, Mapping): return {k: to_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return type(obj)(to_safe(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, Mapping):
+        return {k: to_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_safe(v) for v in obj)
     return obj
+
 
 class CheckpointError(ValueError):
     "A checkpoint file that cannot be read, or is not a learner checkpoint; `problem` says which, the message also how to go on."
-    def __init__(self, problem: str, how: str = "delete it (or build the Learner with resume=False) to start the run over"):
+
+    def __init__(
+        self, problem: str, how: str = "delete it (or build the Learner with resume=False) to start the run over"
+    ):
         self.problem = problem
         super().__init__(f"{problem}; {how}")
+
 
 def load_checkpoint(path: str | Path) -> dict:
     "Read a learner checkpoint with `torch.load(weights_only=True)` on the CPU; a `CheckpointError` for bad files."
     path = Path(path)
-    try: ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
+        raise CheckpointError(
+            f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{str(path)!r} is not a dml_nb learner checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt
 
-CHECKPOINT_KEYS = ("epoch", "step", "global_step", "method", "optimizer", "sampler", "rng", "history", "latest_metrics",
-                    "sums", "counts", "callbacks")   # what `CheckpointMixin.load_state_dict` reads
+
+CHECKPOINT_KEYS = (
+    "epoch",
+    "step",
+    "global_step",
+    "method",
+    "optimizer",
+    "sampler",
+    "rng",
+    "history",
+    "latest_metrics",
+    "sums",
+    "counts",
+    "callbacks",
+)  # what `CheckpointMixin.load_state_dict` reads
+
 
 def insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
     "Why these parameters are not sane (a non-finite value, or |value| > MAX_WEIGHT), or None; one device sync."
     named = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if not named: return None
+    if not named:
+        return None
     peaks = torch.stack([v.detach().abs().max().float().cpu() for v in named.values()]).tolist()
     for (k, _), m in zip(named.items(), peaks):
-        if not math.isfinite(m): return f"parameter {k!r} holds non-finite values"
+        if not math.isfinite(m):
+            return f"parameter {k!r} holds non-finite values"
     k, m = max(zip(named, peaks), key=lambda kv: kv[1])
     return f"the largest |parameter| is {m:.3g} (in {k!r}), above the bound {MAX_WEIGHT:g}" if m > MAX_WEIGHT else None
 
 # %% ../../nbs/34_checkpoint.ipynb #29661db0
 class CheckpointMixin:
     "State, restore and save of a `Learner` (reads its method, optimiser, sampler, schedule, position and callbacks)."
+
     def state_dict(self, epoch_done: bool = False) -> dict:
         "Everything needed to continue this run (tensors and plain Python values only); `epoch_done`: the epoch counted as done."
         self.prepare_fit()
         epoch, step = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.step)
-        return to_safe({
-            "format": CHECKPOINT_FORMAT, "epoch": epoch, "step": step, "global_step": self.global_step,
-            "epochs": self.epochs, "seed": self.seed, "run_key": getattr(self, "run_key", None),  # experiment.run_key
-            "threads": getattr(self, "threads", None),  # the CPU threads experiment.run trains on (a resume keeps them)
-            "method": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
-            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "rng": rng_state(), "history": self.history, "latest_metrics": self.latest_metrics,
-            "sums": self._sums, "counts": self._counts,
-            "callbacks": {key: cb.state_dict() for key, cb in self._callback_keys()}})
+        return to_safe(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "epoch": epoch,
+                "step": step,
+                "global_step": self.global_step,
+                "epochs": self.epochs,
+                "seed": self.seed,
+                "run_key": getattr(self, "run_key", None),  # experiment.run_key
+                "threads": getattr(
+                    self, "threads", None
+                ),  # the CPU threads experiment.run trains on (a resume keeps them)
+                "method": self.method.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
+                "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+                "rng": rng_state(),
+                "history": self.history,
+                "latest_metrics": self.latest_metrics,
+                "sums": self._sums,
+                "counts": self._counts,
+                "callbacks": {key: cb.state_dict() for key, cb in self._callback_keys()},
+            }
+        )
 
     def load_state_dict(self, ckpt: dict) -> None:
         "Restore a `state_dict` (e.g. from `load_checkpoint`)."
@@ -118,20 +170,24 @@ class CheckpointMixin:
         missing = [k for k in own if k not in ckpt["method"]]
         unexpected = [k for k in ckpt["method"] if k not in own]
         if missing or unexpected:
-            raise ValueError(f"the checkpoint was written by a different method or model (missing: {missing[:5]}, "
-                             f"unexpected: {unexpected[:5]}); use another run_dir or resume=False")
+            raise ValueError(
+                f"the checkpoint was written by a different method or model (missing: {missing[:5]}, "
+                f"unexpected: {unexpected[:5]}); use another run_dir or resume=False"
+            )
         self.method.load_state_dict(ckpt["method"])
         settings = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(ckpt["optimizer"])   # moments from the checkpoint, settings from here
-        for g, (lr, wd) in zip(self.optimizer.param_groups, settings): g["base_lr"], g["weight_decay"] = lr, wd
-        self._sampler_state = ckpt["sampler"]   # applied in fit, after on_fit_start may have rebuilt the sampler
+        self.optimizer.load_state_dict(ckpt["optimizer"])  # moments from the checkpoint, settings from here
+        for g, (lr, wd) in zip(self.optimizer.param_groups, settings):
+            g["base_lr"], g["weight_decay"] = lr, wd
+        self._sampler_state = ckpt["sampler"]  # applied in fit, after on_fit_start may have rebuilt the sampler
         self.epoch, self.step, self.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
         self.history, self.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
         self._sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
         self._counts = dict(ckpt["counts"])
         for key, cb in self._callback_keys():
             state = ckpt["callbacks"].get(key)
-            if state is not None: cb.load_state_dict(state)
+            if state is not None:
+                cb.load_state_dict(state)
         set_rng_state(ckpt["rng"])
 
     def _callback_keys(self) -> list[tuple[str, Callback]]:
@@ -146,8 +202,10 @@ class CheckpointMixin:
     def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
         "Write `run_dir/checkpoint.pt` atomically (rank 0 only) if the model is sane (else `DivergedError`); returns its path."
         problem = self._divergence()
-        if problem is not None: self._stop_diverged(problem)
-        if self.checkpoint_path is None or not self.is_main: return None
+        if problem is not None:
+            self._stop_diverged(problem)
+        if self.checkpoint_path is None or not self.is_main:
+            return None
         return atomic_torch_save(self.state_dict(epoch_done), self.checkpoint_path)
 
     def _divergence(self) -> str | None:
@@ -169,9 +227,13 @@ class CheckpointMixin:
         raise DivergedError(
             f"training stopped: the run diverged by epoch {self.epoch} (0-based), step {self.step}: {problem}. This "
             f"state was not saved; {self._kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) or set grad_clip "
-            f"(train.grad_clip). {self._rerun()}")
+            f"(train.grad_clip). {self._rerun()}"
+        )
 
     def _rerun(self) -> str:
         has = self.checkpoint_path is not None and self.checkpoint_path.exists()
-        return ("Re-running the same config " + ("resumes from that checkpoint and " if has else "") +
-                "repeats the same steps: change the config (a new run directory).")
+        return (
+            "Re-running the same config "
+            + ("resumes from that checkpoint and " if has else "")
+            + "repeats the same steps: change the config (a new run directory)."
+        )

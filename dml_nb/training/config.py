@@ -4,12 +4,15 @@
 
 # %% ../../nbs/30_config.ipynb #791891d8
 from __future__ import annotations
-import copy, dataclasses, difflib, typing
+import copy
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
-from ..core.params import ConfigError, MAX_YAML_NODES, parse_yaml   # the reader of every parameter file
+from ..core.params import ConfigError, parse_yaml  # the reader of every parameter file
 from ..core.registry import BACKBONES, LOSSES, METHODS, MINERS, PRESETS, parse_metric, unknown_name_error
 from ..data.formats import DATASETS, SPLITS
 
@@ -19,53 +22,68 @@ __all__ = ['HASH_RULES', 'RANGES', 'hashed', 'added_later', 'choices', 'DataConf
            'read_yaml', 'apply_override', 'load_config']
 
 # %% ../../nbs/30_config.ipynb #dd7b8c31
-HASH_RULES = ("always", "omit_at_default")   # how a field enters `config_to_dict` (config.yaml) and so the run hash
+HASH_RULES = ("always", "omit_at_default")  # how a field enters `config_to_dict` (config.yaml) and so the run hash
+
 
 def hashed(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
     "A field that is always in `config_to_dict`, and so in the run hash (the fields that keyed the first runs)."
     return field(default=default, default_factory=factory, metadata={"hash": "always"})
 
+
 def added_later(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
     "A field added after runs were cached: out of `config_to_dict` (and the hash) at its default. Every new field is one."
     return field(default=default, default_factory=factory, metadata={"hash": "omit_at_default"})
+
 
 def choices(section, name: str) -> tuple:
     "The values a `Literal` field of a section may take (e.g. `choices(EvalConfig, 'nmi_average')`): their one list."
     return typing.get_args(typing.get_type_hints(section)[name])
 
+
 @dataclass
 class DataConfig:
     "Which dataset and how it is read."
+
     name: str = hashed("shapes")
-    root: Optional[str] = hashed(None)      # None: $DML_DATA/<name> (real data only)
-    size: Optional[int] = hashed(None)      # image side for embedded sets; crop size for the real-data presets
-    preset: Optional[str] = hashed(None)    # the backbone whose transforms to use; None: model.backbone
+    root: Optional[str] = hashed(None)  # None: $DML_DATA/<name> (real data only)
+    size: Optional[int] = hashed(None)  # image side for embedded sets; crop size for the real-data presets
+    preset: Optional[str] = hashed(None)  # the backbone whose transforms to use; None: model.backbone
     images_per_class: Optional[int] = hashed(None)  # shapes and finegrained only
-    label_noise: float = hashed(0.0)        # BSPML protocol: fraction of each training class relabelled
-    test_split: str = hashed("test")        # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
-    eval_train: bool = hashed(True)         # also evaluate on the training set (generalisation gap)
-    cache: bool = added_later(False)        # decode once into a uint8 cache; augment in batches on the device
-    cache_dir: Optional[str] = added_later(None)    # where the cache goes (None: .dml_nb_cache beside the images)
-    on_unreadable: Literal["error", "skip"] = added_later("error")  # images that cannot be decoded (checked up front): stop or leave out
-    decode: Literal["pil", "jpeg_batch"] = added_later("pil")   # image files: PIL per item in the workers, or JPEG batches
-                                                # decoded on the device with the PIL path's crops (dml_nb.data.batches.JpegImages)
+    label_noise: float = hashed(0.0)  # BSPML protocol: fraction of each training class relabelled
+    test_split: str = hashed("test")  # inshop: query vs gallery; vehicleid: test800 / test1600 / test2400
+    eval_train: bool = hashed(True)  # also evaluate on the training set (generalisation gap)
+    cache: bool = added_later(False)  # decode once into a uint8 cache; augment in batches on the device
+    cache_dir: Optional[str] = added_later(None)  # where the cache goes (None: .dml_nb_cache beside the images)
+    on_unreadable: Literal["error", "skip"] = added_later(
+        "error"
+    )  # images that cannot be decoded (checked up front): stop or leave out
+    decode: Literal["pil", "jpeg_batch"] = added_later(
+        "pil"
+    )  # image files: PIL per item in the workers, or JPEG batches
+    # decoded on the device with the PIL path's crops (dml_nb.data.batches.JpegImages)
+
 
 @dataclass
 class ModelConfig:
     "The backbone; the recipe builds its heads on it."
+
     backbone: str = hashed("small_cnn")
-    pretrained: Any = hashed(None)          # None/False, True (torchvision's cache) or a file path
+    pretrained: Any = hashed(None)  # None/False, True (torchvision's cache) or a file path
     options: dict = hashed(factory=dict)
+
 
 @dataclass
 class MethodConfig:
     "The recipe (`METHODS` name) and its options."
+
     name: str = hashed("baseline")
     options: dict = hashed(factory=dict)
+
 
 @dataclass
 class TrainConfig:
     "The optimisation; defaults follow the papers' protocol (Adam 1e-5, wd 4e-4) scaled for a small CPU run."
+
     epochs: int = hashed(10)
     batch_size: int = hashed(60)
     samples_per_class: int = hashed(4)
@@ -73,36 +91,60 @@ class TrainConfig:
     lr: float = hashed(1e-3)
     weight_decay: float = hashed(4e-4)
     optimizer: Literal["adam", "adamw", "sgd"] = hashed("adam")
-    schedule: Optional[dict] = hashed(None)  # {"kind": "multistep", "milestones": [..], "gamma": 0.2}, or "cosine" (+ "min_factor")
+    schedule: Optional[dict] = hashed(
+        None
+    )  # {"kind": "multistep", "milestones": [..], "gamma": 0.2}, or "cosine" (+ "min_factor")
     grad_clip: Optional[float] = hashed(None)
     amp: Literal["auto", "bf16", "none"] = hashed("auto")
-    sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = added_later("balanced")  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
-    zero_grad: Literal["none", "zeros"] = added_later("none")  # learner.ZERO_GRADS: torch >= 2.0's clearing, or torch 1.x's (the authors')
+    sampler: Literal["balanced", "class_random", "reshuffle", "mic"] = added_later(
+        "balanced"
+    )  # samplers.SAMPLER_DRAWS: dml_nb's, DiVA's, D&C's, MIC's
+    zero_grad: Literal["none", "zeros"] = added_later(
+        "none"
+    )  # learner.ZERO_GRADS: torch >= 2.0's clearing, or torch 1.x's (the authors')
     channels_last: Literal["auto", "on", "off"] = hashed("auto")
     num_workers: int = hashed(0)
     device: str = hashed("auto")
     checkpoint_every_steps: Optional[int] = hashed(None)
     compile: Union[bool, dict] = added_later(False)  # torch.compile the backbone(s); a dict: torch.compile's options
-    stop_on_empty_tuples: bool = added_later(True)  # stop when a task gets no tuples for a whole epoch (it cannot learn)
-    group_options: dict = added_later(factory=dict)  # per parameter group (name or prefix): {"lr": .., "weight_decay": ..}
+    stop_on_empty_tuples: bool = added_later(
+        True
+    )  # stop when a task gets no tuples for a whole epoch (it cannot learn)
+    group_options: dict = added_later(
+        factory=dict
+    )  # per parameter group (name or prefix): {"lr": .., "weight_decay": ..}
+
 
 @dataclass
 class EvalConfig:
     "What is measured and how often."
+
     every: int = hashed(1)
     metrics: list = hashed(factory=lambda: ["recall@1", "recall@2", "recall@4", "recall@8", "nmi"])
     batch_size: int = hashed(256)
     save_embeddings: bool = hashed(True)
-    report: Literal["last", "best", "best_each"] = added_later("last")  # the run reports the last epoch, the best test R@1's epoch, or each metric's best
-    nmi_seeds: int = added_later(1)         # NMI: the mean over this many k-means starts
-    nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = added_later("dml_nb")  # NMI's k-means: dml_nb's, or the authors' faiss run
-    nmi_average: Literal["arithmetic", "geometric"] = added_later("arithmetic")  # NMI's normalisation (scikit-learn < 0.22: geometric)
-    nmi_on: Literal["query", "query_gallery"] = added_later("query")  # NMI of a query/gallery pair: the queries, or both
-    self_match: Literal["index", "first"] = added_later("index")   # a query leaves its own neighbours: by index, or first
+    report: Literal["last", "best", "best_each"] = added_later(
+        "last"
+    )  # the run reports the last epoch, the best test R@1's epoch, or each metric's best
+    nmi_seeds: int = added_later(1)  # NMI: the mean over this many k-means starts
+    nmi_kmeans: Literal["dml_nb", "faiss", "faiss_100"] = added_later(
+        "dml_nb"
+    )  # NMI's k-means: dml_nb's, or the authors' faiss run
+    nmi_average: Literal["arithmetic", "geometric"] = added_later(
+        "arithmetic"
+    )  # NMI's normalisation (scikit-learn < 0.22: geometric)
+    nmi_on: Literal["query", "query_gallery"] = added_later(
+        "query"
+    )  # NMI of a query/gallery pair: the queries, or both
+    self_match: Literal["index", "first"] = added_later(
+        "index"
+    )  # a query leaves its own neighbours: by index, or first
+
 
 @dataclass
 class Config:
     "One run."
+
     seed: int = hashed(0)
     data: DataConfig = hashed(factory=DataConfig)
     model: ModelConfig = hashed(factory=ModelConfig)
@@ -113,32 +155,51 @@ class Config:
 # %% ../../nbs/30_config.ipynb #b2d0cb76
 def _type_ok(value, tp) -> bool:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any: return True
-    if origin is typing.Union: return any(_type_ok(value, a) for a in args)
-    if origin is Literal: return value in args
-    if tp is type(None): return value is None
-    if tp is float: return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:   # 100 or 100.0 (YAML reads 1e2 as a float)
-        return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) and not isinstance(value, bool)
-    if tp is list: return isinstance(value, (list, tuple))     # a tuple from Python code is stored as a list
-    if tp in (dict, str, bool): return isinstance(value, tp)
-    if origin in (list, dict): return isinstance(value, origin)
+    if tp is Any:
+        return True
+    if origin is typing.Union:
+        return any(_type_ok(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:  # 100 or 100.0 (YAML reads 1e2 as a float)
+        return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) and not isinstance(
+            value, bool
+        )
+    if tp is list:
+        return isinstance(value, (list, tuple))  # a tuple from Python code is stored as a list
+    if tp in (dict, str, bool):
+        return isinstance(value, tp)
+    if origin in (list, dict):
+        return isinstance(value, origin)
     return isinstance(value, tp)
+
 
 def _describe(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union: return " or ".join(_describe(a) for a in args)
-    if origin is Literal: return "one of " + ", ".join(map(repr, args))
-    if tp is type(None): return "null"
+    if origin is typing.Union:
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", str(tp))
+
 
 def _hint(key: str, valid: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.5)
     return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
 
+
 def _unknown_key(section: str, key: str, valid: Sequence[str]) -> ConfigError:
-    return ConfigError(f"unknown key {section + '.' if section else ''}{key!r}.{_hint(key, valid)} "
-                       f"Valid keys{' of ' + section if section else ''}: {', '.join(valid)}")
+    return ConfigError(
+        f"unknown key {section + '.' if section else ''}{key!r}.{_hint(key, valid)} "
+        f"Valid keys{' of ' + section if section else ''}: {', '.join(valid)}"
+    )
+
 
 def _build_section(cls, values: dict, section: str):
     if not isinstance(values, dict):
@@ -147,45 +208,70 @@ def _build_section(cls, values: dict, section: str):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
-        if key not in names: raise _unknown_key(section, key, names)
+        if key not in names:
+            raise _unknown_key(section, key, names)
         tp, path = hints[key], f"{section + '.' if section else ''}{key}"
-        if dataclasses.is_dataclass(tp): kwargs[key] = _build_section(tp, value or {}, path); continue
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build_section(tp, value or {}, path)
+            continue
         if not _type_ok(value, tp):
             raise ConfigError(f"bad value for {path}: {value!r} ({type(value).__name__}); expected {_describe(tp)}")
-        kwargs[key] = (float(value) if tp is float else int(value) if tp is int and isinstance(value, float)
-                       else list(value) if tp is list else value)
+        kwargs[key] = (
+            float(value)
+            if tp is float
+            else int(value)
+            if tp is int and isinstance(value, float)
+            else list(value)
+            if tp is list
+            else value
+        )
     return cls(**kwargs)
 
+
 _FLAT = {"model": ("backbone", "pretrained"), "method": ("name",)}
+
 
 def _unflatten(raw: dict) -> dict:
     "Move the flat recipe/backbone options of YAML into `options`."
     raw = copy.deepcopy(raw)
     for sec, keep in _FLAT.items():
         if isinstance(raw.get(sec), dict):
-            s = raw[sec]; opts = dict(s.pop("options", None) or {})
+            s = raw[sec]
+            opts = dict(s.pop("options", None) or {})
             opts.update({k: s.pop(k) for k in list(s) if k not in keep})
-            if opts: s["options"] = opts
+            if opts:
+                s["options"] = opts
     return raw
+
 
 def make_config(raw: dict | Config | None = None) -> Config:
     "Validate a nested mapping (YAML layout) into a `Config`; every problem is a `ConfigError` naming the key."
-    if isinstance(raw, Config): raw = config_to_dict(raw)
+    if isinstance(raw, Config):
+        raw = config_to_dict(raw)
     cfg = _build_section(Config, PRESETS.resolve(_unflatten(raw or {}), MethodConfig.name, ConfigError), "")
     _check_ranges(cfg)
     _check_names(cfg)
     return cfg
 
+
 def _check_options(kind: str, name: str, given: dict, valid: Sequence[str]) -> None:
     for k in given:
         if k not in valid:
-            raise ConfigError(f"{kind} {name!r} has no option {k!r}.{_hint(k, valid)} Valid options: {', '.join(valid)}")
+            raise ConfigError(
+                f"{kind} {name!r} has no option {k!r}.{_hint(k, valid)} Valid options: {', '.join(valid)}"
+            )
+
 
 def _proxy_only(cfg: Config) -> bool:
     "The recipe's class loss learns from proxies (it trains on any batch shape; Sharing's phi* then uses triplets of 3 classes)."
     loss = cfg.method.options.get("loss", "margin")
-    return (isinstance(loss, str) and loss in LOSSES and "num_classes" in LOSSES.options(loss)
-            and "embedding_dim" in LOSSES.options(loss))
+    return (
+        isinstance(loss, str)
+        and loss in LOSSES
+        and "num_classes" in LOSSES.options(loss)
+        and "embedding_dim" in LOSSES.options(loss)
+    )
+
 
 def _check_parts(cfg: Config) -> None:
     "The loss and miner the recipe's options name, and their options (read from the sources: nothing is imported)."
@@ -195,83 +281,130 @@ def _check_parts(cfg: Config) -> None:
     if "loss" in takes:
         if not isinstance(loss, str):
             raise ConfigError(f"bad value for method.loss: {loss!r}; expected a loss name: {', '.join(LOSSES)}")
-        if loss not in LOSSES: raise ConfigError(str(unknown_name_error("loss (method.loss)", loss, LOSSES)))
+        if loss not in LOSSES:
+            raise ConfigError(str(unknown_name_error("loss (method.loss)", loss, LOSSES)))
         lopts = opts.get("loss_options") or {}
         if not isinstance(lopts, dict):
-            raise ConfigError(f"bad value for method.loss_options: {lopts!r}; expected a mapping of options of loss {loss!r}")
-        try: LOSSES.check_options(loss, lopts)
-        except TypeError as e: raise ConfigError(f"method.loss_options: {e}") from None
+            raise ConfigError(
+                f"bad value for method.loss_options: {lopts!r}; expected a mapping of options of loss {loss!r}"
+            )
+        try:
+            LOSSES.check_options(loss, lopts)
+        except TypeError as e:
+            raise ConfigError(f"method.loss_options: {e}") from None
     if "miner" in takes:
         miner = opts.get("miner", METHODS.default(name, "miner"))
         mopts = opts.get("miner_options") or {}
         if not isinstance(mopts, dict):
-            raise ConfigError(f"bad value for method.miner_options: {mopts!r}; expected a mapping of options of the miner")
-        if miner == "auto": miner = LOSSES.attr(loss, "default_miner") if isinstance(loss, str) else None
+            raise ConfigError(
+                f"bad value for method.miner_options: {mopts!r}; expected a mapping of options of the miner"
+            )
+        if miner == "auto":
+            miner = LOSSES.attr(loss, "default_miner") if isinstance(loss, str) else None
         elif miner is not None and not isinstance(miner, str):
             raise ConfigError(f"bad value for method.miner: {miner!r}; expected a miner name, 'auto' or null")
         elif miner is not None and miner not in MINERS:
             raise ConfigError(str(unknown_name_error("miner (method.miner)", miner, ["auto", *MINERS])))
         if miner is None and mopts:
-            raise ConfigError(f"method.miner_options {mopts} are given but no miner is used (loss {loss!r} has no default "
-                              "miner): name one with method.miner, or drop method.miner_options")
+            raise ConfigError(
+                f"method.miner_options {mopts} are given but no miner is used (loss {loss!r} has no default "
+                "miner): name one with method.miner, or drop method.miner_options"
+            )
         if miner is not None:
-            try: MINERS.check_options(miner, mopts)
-            except TypeError as e: raise ConfigError(f"method.miner_options: {e}") from None
+            try:
+                MINERS.check_options(miner, mopts)
+            except TypeError as e:
+                raise ConfigError(f"method.miner_options: {e}") from None
+
 
 def _check_names(cfg: Config) -> None:
     d = cfg.data
-    if d.name not in DATASETS: raise ConfigError(str(unknown_name_error("dataset (data.name)", d.name, DATASETS)))
+    if d.name not in DATASETS:
+        raise ConfigError(str(unknown_name_error("dataset (data.name)", d.name, DATASETS)))
     if d.test_split not in SPLITS[d.name] or d.test_split == "train":
-        raise ConfigError(str(unknown_name_error(f"data.test_split of {d.name!r}", d.test_split,
-                                                 [s for s in SPLITS[d.name] if s != "train"])))
+        raise ConfigError(
+            str(
+                unknown_name_error(
+                    f"data.test_split of {d.name!r}", d.test_split, [s for s in SPLITS[d.name] if s != "train"]
+                )
+            )
+        )
     if d.cache_dir is not None and not d.cache:
-        raise ConfigError(f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
-                          "to use the image cache, or remove data.cache_dir")
+        raise ConfigError(
+            f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
+            "to use the image cache, or remove data.cache_dir"
+        )
     if d.decode == "jpeg_batch" and d.cache:
-        raise ConfigError("data.decode: jpeg_batch and data.cache: true are two different image paths: the cache crops "
-                          "from 256-px copies, the JPEG path from the full images; choose one")
+        raise ConfigError(
+            "data.decode: jpeg_batch and data.cache: true are two different image paths: the cache crops "
+            "from 256-px copies, the JPEG path from the full images; choose one"
+        )
     if cfg.model.backbone not in BACKBONES:
         raise ConfigError(str(unknown_name_error("backbone (model.backbone)", cfg.model.backbone, BACKBONES)))
-    _check_options("backbone", cfg.model.backbone, cfg.model.options,
-                   [o for o in BACKBONES.options(cfg.model.backbone) if o != "pretrained"])
+    _check_options(
+        "backbone",
+        cfg.model.backbone,
+        cfg.model.options,
+        [o for o in BACKBONES.options(cfg.model.backbone) if o != "pretrained"],
+    )
     if cfg.method.name not in METHODS:
         raise ConfigError(str(unknown_name_error("method (method.name)", cfg.method.name, METHODS)))
-    _check_options("method", cfg.method.name, cfg.method.options,
-                   [o for o in METHODS.options(cfg.method.name) if o not in ("backbone", "num_classes", "train_labels")])
+    _check_options(
+        "method",
+        cfg.method.name,
+        cfg.method.options,
+        [o for o in METHODS.options(cfg.method.name) if o not in ("backbone", "num_classes", "train_labels")],
+    )
     _check_parts(cfg)
     _check_run_sections(cfg)
     t = cfg.train
     if t.batch_size % t.samples_per_class:
-        raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of train.samples_per_class "
-                          f"({t.samples_per_class})")
-    if t.stop_on_empty_tuples and not _proxy_only(cfg) and (t.samples_per_class < 2 or t.batch_size // t.samples_per_class < 2):
-        raise ConfigError(f"train.batch_size {t.batch_size} with train.samples_per_class {t.samples_per_class} gives "
-                          f"{t.batch_size // t.samples_per_class} class(es) x {t.samples_per_class} image(s) per batch: "
-                          "a ranking loss needs at least 2 classes (negatives) and 2 images of a class (positives) in "
-                          "a batch, so the run could not learn. Use e.g. train.samples_per_class: 2 or 4 and a "
-                          "batch_size of at least twice that.")
+        raise ConfigError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of train.samples_per_class ({t.samples_per_class})"
+        )
+    if (
+        t.stop_on_empty_tuples
+        and not _proxy_only(cfg)
+        and (t.samples_per_class < 2 or t.batch_size // t.samples_per_class < 2)
+    ):
+        raise ConfigError(
+            f"train.batch_size {t.batch_size} with train.samples_per_class {t.samples_per_class} gives "
+            f"{t.batch_size // t.samples_per_class} class(es) x {t.samples_per_class} image(s) per batch: "
+            "a ranking loss needs at least 2 classes (negatives) and 2 images of a class (positives) in "
+            "a batch, so the run could not learn. Use e.g. train.samples_per_class: 2 or 4 and a "
+            "batch_size of at least twice that."
+        )
+
 
 def _check_run_sections(cfg: Config) -> None:
     "The names inside the train and eval sections: the schedule's kind and options, the metrics."
     s = cfg.train.schedule
     if s is not None:
         kinds = {"multistep": ["milestones", "gamma"], "cosine": ["min_factor"], "constant": []}
-        if s.get("kind") not in kinds: raise ConfigError(str(unknown_name_error("train.schedule.kind", s.get("kind"), kinds)))
+        if s.get("kind") not in kinds:
+            raise ConfigError(str(unknown_name_error("train.schedule.kind", s.get("kind"), kinds)))
         _check_options("schedule", s["kind"], {k: v for k, v in s.items() if k != "kind"}, kinds[s["kind"]])
     for m in cfg.eval.metrics:
-        try: parse_metric(m)
-        except ValueError as e: raise ConfigError(f"eval.metrics: {e}") from None
+        try:
+            parse_metric(m)
+        except ValueError as e:
+            raise ConfigError(f"eval.metrics: {e}") from None
+
 
 def make_section(name: str, values=None, **fields):
     """One validated section of a `Config` (`"train"`, `"eval"`, ...) from a mapping or a section (None: its defaults)
     and single `fields`, with every check of `make_config` that needs no other section (keys, types, ranges, schedule,
     metrics)."""
-    if dataclasses.is_dataclass(values): values = dataclasses.asdict(values)
-    if isinstance(values, Mapping) or values is None: values = {**(values or {}), **fields}
+    if dataclasses.is_dataclass(values):
+        values = dataclasses.asdict(values)
+    if isinstance(values, Mapping) or values is None:
+        values = {**(values or {}), **fields}
     section = _build_section(typing.get_type_hints(Config)[name], values, name)
     cfg = Config(**{name: section})
-    _check_ranges(cfg); _check_run_sections(cfg)
+    _check_ranges(cfg)
+    _check_run_sections(cfg)
     return section
+
 
 def config_to_dict(cfg) -> dict:
     """The nested plain-dict form of a `Config` (what `config.yaml` holds and the hash is taken over): each field as its
@@ -280,10 +413,13 @@ def config_to_dict(cfg) -> dict:
     for f in dataclasses.fields(cfg):
         rule, value = f.metadata.get("hash"), getattr(cfg, f.name)
         if rule not in HASH_RULES:
-            raise TypeError(f"{type(cfg).__name__}.{f.name} does not say how it enters the run hash: declare it with "
-                            "added_later(default) (a new field: earlier runs keep their folders) or hashed(default)")
+            raise TypeError(
+                f"{type(cfg).__name__}.{f.name} does not say how it enters the run hash: declare it with "
+                "added_later(default) (a new field: earlier runs keep their folders) or hashed(default)"
+            )
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if rule == "omit_at_default" and value == default: continue
+        if rule == "omit_at_default" and value == default:
+            continue
         out[f.name] = config_to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
 
@@ -314,29 +450,40 @@ RANGES = {
     "eval.nmi_seeds": (lambda v: v >= 1, "a positive integer (the k-means starts NMI is averaged over)"),
 }
 
+
 def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
     "{dotted key: int or float} of every numeric field of the schema."
     out = {}
     for f in dataclasses.fields(cls or Config):
         tp = typing.get_type_hints(cls or Config)[f.name]
-        if dataclasses.is_dataclass(tp): out.update(_numeric_fields(tp, f"{prefix}{f.name}.")); continue
+        if dataclasses.is_dataclass(tp):
+            out.update(_numeric_fields(tp, f"{prefix}{f.name}."))
+            continue
         num = [a for a in (typing.get_args(tp) or (tp,)) if a in (int, float)]
-        if num: out[prefix + f.name] = num[0]
+        if num:
+            out[prefix + f.name] = num[0]
     return out
+
 
 def _check_ranges(cfg: Config) -> None:
     "Every numeric option inside its range (`RANGES`) and finite: a one-line `ConfigError` naming the key and the range."
     values = {k: _get(cfg, k) for k in _numeric_fields()}
     if isinstance(cfg.train.schedule, dict):
-        values.update({f"train.schedule.{k}": cfg.train.schedule[k] for k in ("gamma", "min_factor") if k in cfg.train.schedule})
+        values.update(
+            {f"train.schedule.{k}": cfg.train.schedule[k] for k in ("gamma", "min_factor") if k in cfg.train.schedule}
+        )
     for key, v in values.items():
-        if v is None: continue
+        if v is None:
+            continue
         test, what = RANGES.get(key, (lambda v: True, "a finite number"))
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v))
-        if not ok: raise ConfigError(f"bad value for {key}: {v!r}; expected {what}")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v)
+        if not ok:
+            raise ConfigError(f"bad value for {key}: {v!r}; expected {what}")
+
 
 def _get(cfg: Config, key: str):
-    for part in key.split("."): cfg = getattr(cfg, part)
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
     return cfg
 
 # %% ../../nbs/30_config.ipynb #10fe1f13
@@ -347,7 +494,9 @@ def deep_merge(base: dict, update: dict) -> dict:
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
 
+
 _OWNER = {"method": "name", "model": "backbone"}
+
 
 def merge_layers(base: dict, update: dict) -> dict:
     "Merge a parameter layer into `base`; a layer naming another method (backbone) replaces that section's options."
@@ -355,46 +504,64 @@ def merge_layers(base: dict, update: dict) -> dict:
     for sec, key in _OWNER.items():
         new, old = update.get(sec), base.get(sec)
         if isinstance(new, dict) and isinstance(old, dict) and key in new and new[key] != old.get(key):
-            base[sec] = {}   # options of another recipe (backbone) do not carry over
+            base[sec] = {}  # options of another recipe (backbone) do not carry over
     return deep_merge(base, update)
+
 
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     "A YAML parameter file with its `base:` chain (a file name or a list of them, merged in order) resolved."
     path = Path(path)
     if not path.is_file():
         via = f" (named in 'base:' of {_seen[-1]})" if _seen else ""
-        raise FileNotFoundError(f"parameter file {path} does not exist{via}" if not path.exists()
-                                else f"parameter file {path} is not a file{via}")
-    if path.resolve() in _seen: raise ConfigError(f"{path}: 'base:' files form a cycle ({' -> '.join(map(str, _seen))} -> {path})")
-    try: text = path.read_text()
-    except UnicodeDecodeError as e: raise ConfigError(f"{path}: not a text file ({e})") from None
+        raise FileNotFoundError(
+            f"parameter file {path} does not exist{via}"
+            if not path.exists()
+            else f"parameter file {path} is not a file{via}"
+        )
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: 'base:' files form a cycle ({' -> '.join(map(str, _seen))} -> {path})")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file ({e})") from None
     raw = parse_yaml(text, str(path))
-    if raw is None:           # nothing but comments: every default would train, which a user rarely means
-        raise ConfigError(f"{path} is empty (no option is set): write the options to change, or '{{}}' to train "
-                          "every default")
-    if not isinstance(raw, dict): raise ConfigError(f"{path}: a parameter file must be a mapping, got {type(raw).__name__}")
+    if raw is None:  # nothing but comments: every default would train, which a user rarely means
+        raise ConfigError(
+            f"{path} is empty (no option is set): write the options to change, or '{{}}' to train every default"
+        )
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a parameter file must be a mapping, got {type(raw).__name__}")
     base = raw.pop("base", None)
-    if base is None: return raw
+    if base is None:
+        return raw
     bases = [base] if isinstance(base, str) else base
     if not (isinstance(bases, list) and bases and all(isinstance(b, str) for b in bases)):
         raise ConfigError(f"{path}: 'base:' must be a file name or a list of file names, got {base!r}")
     merged = {}
-    for b in bases: merged = merge_layers(_unflatten(merged), _unflatten(read_yaml(path.parent / b, _seen + (path.resolve(),))))
+    for b in bases:
+        merged = merge_layers(_unflatten(merged), _unflatten(read_yaml(path.parent / b, _seen + (path.resolve(),))))
     return merge_layers(_unflatten(merged), _unflatten(raw))
+
 
 def apply_override(raw: dict, assignment: str) -> dict:
     "Apply one `a.b.c=value` override (value parsed as YAML)."
-    if "=" not in assignment: raise ConfigError(f"--set expects key=value, got {assignment!r}")
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got {assignment!r}")
     key, value = assignment.split("=", 1)
     parts = key.strip().split(".")
-    if not all(parts): raise ConfigError(f"--set: bad key {key!r}")
+    if not all(parts):
+        raise ConfigError(f"--set: bad key {key!r}")
     update = parse_yaml(value, f"--set {assignment}") if value.strip() else None
-    for p in reversed(parts): update = {p: update}
+    for p in reversed(parts):
+        update = {p: update}
     return merge_layers(raw, _unflatten(update) if parts[0] in _FLAT else update)
+
 
 def load_config(*files: str | Path, overrides: Sequence[str] = ()) -> Config:
     "Merge YAML `files` in order, apply `overrides`, validate."
     raw = {}
-    for f in files: raw = merge_layers(_unflatten(raw), _unflatten(read_yaml(f)))
-    for o in overrides: raw = apply_override(_unflatten(raw), o)
+    for f in files:
+        raw = merge_layers(_unflatten(raw), _unflatten(read_yaml(f)))
+    for o in overrides:
+        raw = apply_override(_unflatten(raw), o)
     return make_config(raw)

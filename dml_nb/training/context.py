@@ -17,7 +17,9 @@ __all__ = ['MethodContext', 'BatchFormationError', 'Method']
 # %% ../../nbs/31_context.ipynb #8bd07bdf
 class MethodContext:
     "The run as a method's hooks see it (read-only but for `row`, `embed` and `use_sampler`); built by the `Learner`."
-    def __init__(self, learner): self._learner, self._run_sampler = learner, learner.sampler
+
+    def __init__(self, learner):
+        self._learner, self._run_sampler = learner, learner.sampler
 
     epoch = property(lambda self: self._learner.epoch, doc="The current epoch (0-based).")
     step = property(lambda self: self._learner.step, doc="Steps done in the current epoch.")
@@ -25,16 +27,19 @@ class MethodContext:
     global_step = property(lambda self: self._learner.global_step, doc="Optimiser steps done in the run.")
     run_seed = property(lambda self: self._learner.seed, doc="The run's seed (prefer a named stream: `seed`, `rng`).")
     train_dataset = property(lambda self: self._learner.train_ds, doc="The training set (training transforms).")
-    train_eval_set = property(lambda self: self._learner.train_eval_set,
-                              doc="The training set under test transforms, in training order.")
+    train_eval_set = property(
+        lambda self: self._learner.train_eval_set, doc="The training set under test transforms, in training order."
+    )
     device = property(lambda self: self._learner.device, doc="The device the method lives on.")
     world_size = property(lambda self: self._learner.world_size, doc="Number of training processes.")
     eval_batch_size = property(lambda self: self._learner.eval_batch_size, doc="Batch size of feature passes.")
     sampler = property(lambda self: self._learner.sampler, doc="The batch sampler in use (see `use_sampler`).")
     row = property(lambda self: self._learner.row, doc="The epoch's history row (a dict a hook may add entries to).")
 
-    run_sampler = property(lambda self: self._run_sampler,
-                           doc="The sampler the run was built with (a recipe's `use_sampler` wraps it; this stays).")
+    run_sampler = property(
+        lambda self: self._run_sampler,
+        doc="The sampler the run was built with (a recipe's `use_sampler` wraps it; this stays).",
+    )
 
     @property
     def samples_per_class(self) -> int | None:
@@ -69,8 +74,14 @@ class MethodContext:
         "The run's autocast context (bf16 or disabled)."
         return self._learner.autocast()
 
-    def embed(self, dataset, fn: Callable | None = None, indices: Sequence[int] | None = None,
-              seeds: Sequence[int] | None = None, batch_size: int | None = None):
+    def embed(
+        self,
+        dataset,
+        fn: Callable | None = None,
+        indices: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        batch_size: int | None = None,
+    ):
         """Features of `dataset` items `indices` (default all, in order), the method in eval mode, no gradients:
         ({name: (N, D) float32}, labels). `fn(x) -> {name: tensor}` replaces `method.embed`; item `indices[j]` is
         loaded with seed `seeds[j]` (default: the 'eval' stream of its index)."""
@@ -79,19 +90,24 @@ class MethodContext:
     def use_sampler(self, sampler) -> None:
         "Train the following epochs on the batches of `sampler` (a recipe wrapping the run's sampler)."
         if not hasattr(sampler, "batches"):
-            raise TypeError(f"use_sampler needs a dml_nb.data.samplers sampler (with batches(epoch)), got {type(sampler).__name__}")
+            raise TypeError(
+                f"use_sampler needs a dml_nb.data.samplers sampler (with batches(epoch)), got {type(sampler).__name__}"
+            )
         self._learner.sampler = sampler
 
-    def __repr__(self): return f"MethodContext(epoch={self.epoch}, step={self.step}, epochs={self.epochs}, device={self.device})"
+    def __repr__(self):
+        return f"MethodContext(epoch={self.epoch}, step={self.step}, epochs={self.epochs}, device={self.device})"
 
 # %% ../../nbs/31_context.ipynb #e851ff17
 class BatchFormationError(ValueError):
     """A recipe cannot form the batches it needs to train on this data (e.g. a D&C cluster without two classes);
     the recipe raises a subclass with its own reason and fix, and a reproduction shows the reason instead of a number."""
 
+
 class Method(nn.Module):
     "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
-    views: int = 1   # augmentations of each image per batch (2 for DaNCE's positive key)
+
+    views: int = 1  # augmentations of each image per batch (2 for DaNCE's positive key)
 
     def training_step(self, batch: dict) -> dict:
         "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
@@ -105,22 +121,28 @@ class Method(nn.Module):
     def embed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "Embeddings to evaluate, by name; the first one is the headline (default: the model's `embed`)."
         model = getattr(self, "model", None)
-        if model is None: raise NotImplementedError(f"{type(self).__name__} has no .model: implement embed(x)")
+        if model is None:
+            raise NotImplementedError(f"{type(self).__name__} has no .model: implement embed(x)")
         return {"embedding": model.embed(x)}
 
     def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
         "Named optimiser groups: sub-modules with `param_lr`, then backbone, heads, other."
         groups, seen = {}, set()
+
         def claim(name, module, glr, gwd):
             ps = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
             seen.update(map(id, ps))
-            if ps: groups.setdefault(name, {"name": name, "params": [], "lr": glr, "weight_decay": gwd})["params"] += ps
+            if ps:
+                groups.setdefault(name, {"name": name, "params": [], "lr": glr, "weight_decay": gwd})["params"] += ps
+
         for name, module in self.named_modules():
             if name and getattr(module, "param_lr", None) is not None:
                 claim(name, module, float(module.param_lr), float(getattr(module, "param_weight_decay", 0.0)))
         model = getattr(self, "model", None)
-        if model is not None and hasattr(model, "backbone"): claim("backbone", model.backbone, lr, weight_decay)
-        if model is not None and getattr(model, "head", None) is not None: claim("heads", model.head, lr, weight_decay)
+        if model is not None and hasattr(model, "backbone"):
+            claim("backbone", model.backbone, lr, weight_decay)
+        if model is not None and getattr(model, "head", None) is not None:
+            claim("heads", model.head, lr, weight_decay)
         claim("other", self, lr, weight_decay)
         return list(groups.values())
 
@@ -128,14 +150,19 @@ class Method(nn.Module):
         """Columns this recipe adds to the epoch's history row (cluster statistics, SPL weights, ...); called once per
         epoch after `on_epoch_end`, before evaluation, the CSV and the checkpoint. A key the row already has is an error."""
         return {}
+
     def no_tuples_hint(self) -> str:
         "What in this recipe's settings can leave a task without tuples (ends the learner's `NoTuplesError` message)."
         return ""
+
     def on_fit_start(self, ctx: MethodContext) -> None:
         "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
+
     def on_epoch_start(self, ctx: MethodContext) -> None:
         "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
+
     def after_optimizer_step(self, ctx: MethodContext) -> None:
         "Called after every optimiser step (momentum-encoder update, queue)."
+
     def on_epoch_end(self, ctx: MethodContext) -> None:
         "Called once per epoch after its last step, before evaluation and the checkpoint."

@@ -16,33 +16,45 @@ __all__ = ['dist_info', 'broadcast_buffers', 'all_reduce_logs', 'gather_rows', '
 # %% ../../nbs/35_distributed.ipynb #2143f76f
 def dist_info() -> tuple[int, int]:
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
 
 def broadcast_buffers(module: nn.Module) -> None:
     "Copy rank 0's buffers (BatchNorm statistics, queues) to every process."
     import torch.distributed as dist
-    for t in module.buffers(): dist.broadcast(t, src=0)
+
+    for t in module.buffers():
+        dist.broadcast(t, src=0)
+
 
 def all_reduce_logs(sums: dict, counts: dict, device=None) -> tuple[dict, dict]:
     "The epoch's log sums and counts over every process (a key a process never logged counts 0 there)."
     import torch.distributed as dist
+
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, list(sums))
     union = sorted(set().union(*keys))
-    t = torch.tensor([[float(sums.get(k, 0.0)), float(counts.get(k, 0))] for k in union], dtype=torch.float64, device=device)
+    t = torch.tensor(
+        [[float(sums.get(k, 0.0)), float(counts.get(k, 0))] for k in union], dtype=torch.float64, device=device
+    )
     dist.all_reduce(t)
     total = dict(zip(union, t.tolist()))
     order = list(sums) + [k for k in union if k not in sums]
     return {k: total[k][0] for k in order}, {k: int(total[k][1]) for k in order}
 
+
 def gather_rows(x: torch.Tensor, per: int, n: int) -> torch.Tensor:
     "All-gather every process's block of at most `per` rows (rank order) into the first `n` rows of the whole."
     import torch.distributed as dist
+
     pad = x.new_zeros((per - len(x), *x.shape[1:]))
     blocks = [torch.empty_like(torch.cat([x, pad])) for _ in range(dist.get_world_size())]
     dist.all_gather(blocks, torch.cat([x, pad]).contiguous())
     return torch.cat(blocks)[:n]
+
 
 def check_sampler_rank(sampler, rank: int, world_size: int) -> None:
     "Fail when the (innermost) sampler was built for another process than `rank` of `world_size`."
@@ -50,36 +62,44 @@ def check_sampler_rank(sampler, rank: int, world_size: int) -> None:
     while not hasattr(inner, "rank") and (hasattr(inner, "samplers") or hasattr(inner, "base")):
         inner = inner.samplers[0] if hasattr(inner, "samplers") else inner.base
     if hasattr(inner, "rank") and (inner.rank, inner.world_size) != (rank, world_size):
-        raise ValueError(f"process {rank} of {world_size} got a sampler built for rank "
-                         f"{getattr(inner, 'rank', None)} of {getattr(inner, 'world_size', None)}: build it "
-                         "with rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()")
+        raise ValueError(
+            f"process {rank} of {world_size} got a sampler built for rank "
+            f"{getattr(inner, 'rank', None)} of {getattr(inner, 'world_size', None)}: build it "
+            "with rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()"
+        )
 
 # %% ../../nbs/35_distributed.ipynb #b814c6a9
 class TrainingStep(nn.Module):
     "`method.training_step(batch)` as a module's `forward`, so DDP sees every sub-module a step uses; logs detached."
+
     def __init__(self, method: nn.Module):
         super().__init__()
         self.method = method
 
     def forward(self, batch: dict):
         out = self.method.training_step(batch)
-        if not isinstance(out, Mapping): return out      # the learner names the problem
+        if not isinstance(out, Mapping):
+            return out  # the learner names the problem
         return {k: v if k == "loss" or not isinstance(v, torch.Tensor) else v.detach() for k, v in out.items()}
+
 
 def data_parallel(method: nn.Module) -> nn.Module:
     """`TrainingStep(method)` under torch's DistributedDataParallel: copies rank 0's parameters and buffers to
     every process now; each backward then averages the gradients over the processes, bucket by bucket."""
     import inspect
     from torch.nn.parallel import DistributedDataParallel
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:   # torch >= 2.13
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:  # torch >= 2.13
         return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, forward_sync_buffers=False)
     # torch < 2.13 has only broadcast_buffers, whose False also leaves the buffers out of DDP's first copy: copy them here
     broadcast_buffers(method)
     return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, broadcast_buffers=False)
 
+
 def mean_over_processes(x: torch.Tensor) -> torch.Tensor:
     "The mean of `x` over the processes (the step's loss and gradient norm: the same stop decision everywhere)."
     import torch.distributed as dist
+
     x = x.clone()
     dist.all_reduce(x)
     return x / dist.get_world_size()

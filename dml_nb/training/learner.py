@@ -4,7 +4,10 @@
 
 # %% ../../nbs/36_learner.ipynb #ff980fe4
 from __future__ import annotations
-import dataclasses, difflib, math, time
+import dataclasses
+import difflib
+import math
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -15,15 +18,33 @@ from ..core.base import atomic_json, get_device, remove_temp_files, seed_everyth
 from ..core.registry import unknown_name_error
 from .config import Config, EvalConfig, TrainConfig, choices, make_config, make_section
 from .context import Method, MethodContext
-from .callbacks import Callback, CheckpointCallback, CSVLogger, EmptyTuplesStop, EvalCallback, ProgressCallback
+from dml_nb.training.callbacks import (
+    Callback,
+    CheckpointCallback,
+    CSVLogger,
+    EmptyTuplesStop,
+    EvalCallback,
+    ProgressCallback,
+)
 from .schedule import Schedule
 from ..data.cache import RawItems, pad_collate
 from ..data.batches import BatchList, SeededViews, to_device
 from ..data.samplers import ClassBalancedBatchSampler
-from .checkpoint import (DivergedError, NonFiniteLossError, CheckpointMixin, insane_weights,
-                               load_checkpoint)
-from .distributed import (all_reduce_logs, broadcast_buffers, check_sampler_rank, data_parallel, dist_info,
-                                mean_over_processes)
+from dml_nb.training.checkpoint import (
+    DivergedError,
+    NonFiniteLossError,
+    CheckpointMixin,
+    insane_weights,
+    load_checkpoint,
+)
+from dml_nb.training.distributed import (
+    all_reduce_logs,
+    broadcast_buffers,
+    check_sampler_rank,
+    data_parallel,
+    dist_info,
+    mean_over_processes,
+)
 from ..evaluation.evaluator import EvaluationMixin, Evaluator
 
 # %% auto #0
@@ -34,7 +55,8 @@ __all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTIN
 class NoTuplesError(RuntimeError):
     "Training stopped because a task (or learner) got no tuples for a whole epoch, so it could not learn."
 
-REPORTS = choices(EvalConfig, "report")        # the final epoch; the epoch of the best test R@1; each metric's own best
+
+REPORTS = choices(EvalConfig, "report")  # the final epoch; the epoch of the best test R@1; each metric's own best
 # before each step: gradients dropped (torch >= 2.0's default: a parameter without a gradient in a step stays put), or
 # set to zero (torch < 2.0's `zero_grad()`, which every authors' code ran: Adam still moves such a parameter by its
 # momentum and weight decay)
@@ -42,56 +64,82 @@ ZERO_GRADS = choices(TrainConfig, "zero_grad")
 OPTIMIZERS = choices(TrainConfig, "optimizer")
 # the train fields the sampler reads (`build_sampler`), not the learner: given to the learner alone they would be lost
 SAMPLER_FIELDS = ("batch_size", "samples_per_class", "batches_per_epoch", "sampler")
-CODE_SETTINGS = ("schedule", "optimizer")      # may also be a function (epoch -> factor; param groups -> optimiser)
+CODE_SETTINGS = ("schedule", "optimizer")  # may also be a function (epoch -> factor; param groups -> optimiser)
+
 
 def learner_sections(train=None, eval=None, **settings) -> tuple[TrainConfig, EvalConfig]:
     """The train and eval sections of a `Learner`: `train` and `eval` (a section, a mapping of its fields, or None: the
     defaults) with single fields by name (`settings`) applied, checked as a config is. A name must belong to one
     section; `schedule` and `optimizer` may also be functions (code, which no config file can hold)."""
-    names = {sec: [f.name for f in dataclasses.fields(cls)] for sec, cls in (("train", TrainConfig), ("eval", EvalConfig))}
-    if dataclasses.is_dataclass(train): train = dataclasses.asdict(train)
+    names = {
+        sec: [f.name for f in dataclasses.fields(cls)] for sec, cls in (("train", TrainConfig), ("eval", EvalConfig))
+    }
+    if dataclasses.is_dataclass(train):
+        train = dataclasses.asdict(train)
     code = {k: settings.pop(k) for k in CODE_SETTINGS if callable(settings.get(k))}
-    if isinstance(train, Mapping): code.update({k: train[k] for k in CODE_SETTINGS if callable(train.get(k))})
+    if isinstance(train, Mapping):
+        code.update({k: train[k] for k in CODE_SETTINGS if callable(train.get(k))})
     loose = {"train": {}, "eval": {}}
     for key, value in settings.items():
         home = [sec for sec, fields in names.items() if key in fields]
         if not home:
             close = difflib.get_close_matches(key, [f"{sec}.{f}" for sec, fs in names.items() for f in fs], 3, 0.5)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise TypeError(f"Learner got an unknown setting {key!r}.{hint} A setting is a field of the train section "
-                            f"(TrainConfig: {', '.join(names['train'])}) or of the eval section (EvalConfig: "
-                            f"{', '.join(names['eval'])}), given by name (lr=2e-3) or in its section (eval={{...}})")
+            raise TypeError(
+                f"Learner got an unknown setting {key!r}.{hint} A setting is a field of the train section "
+                f"(TrainConfig: {', '.join(names['train'])}) or of the eval section (EvalConfig: "
+                f"{', '.join(names['eval'])}), given by name (lr=2e-3) or in its section (eval={{...}})"
+            )
         if len(home) > 1:
-            raise TypeError(f"Learner({key}=...) is ambiguous: train.{key} and eval.{key} both exist; pass "
-                            f"train={{{key!r}: {value!r}}} or eval={{{key!r}: {value!r}}}")
+            raise TypeError(
+                f"Learner({key}=...) is ambiguous: train.{key} and eval.{key} both exist; pass "
+                f"train={{{key!r}: {value!r}}} or eval={{{key!r}: {value!r}}}"
+            )
         if home == ["train"] and key in SAMPLER_FIELDS:
-            raise TypeError(f"Learner({key}=...): train.{key} is read by the sampler, not the learner; build the sampler "
-                            f"with it (build_sampler(train, labels)) or use Learner.from_config")
+            raise TypeError(
+                f"Learner({key}=...): train.{key} is read by the sampler, not the learner; build the sampler "
+                f"with it (build_sampler(train, labels)) or use Learner.from_config"
+            )
         loose[home[0]][key] = value
-    if isinstance(train, Mapping): train = {k: v for k, v in train.items() if k not in code}
+    if isinstance(train, Mapping):
+        train = {k: v for k, v in train.items() if k not in code}
     sections = make_section("train", train, **loose["train"]), make_section("eval", eval, **loose["eval"])
     return dataclasses.replace(sections[0], **code), sections[1]
+
 
 def build_sampler(train: TrainConfig, labels, seed: int = Config.seed):
     """The training batches of a train section: `ClassBalancedBatchSampler` with its batch size, images per class,
     batches per epoch and draw, on this process's rank (the one place these fields are read)."""
     rank, world_size = dist_info()
-    return ClassBalancedBatchSampler(labels, train.batch_size, train.samples_per_class, seed=seed, rank=rank,
-                                     world_size=world_size, batches_per_epoch=train.batches_per_epoch, draw=train.sampler)
+    return ClassBalancedBatchSampler(
+        labels,
+        train.batch_size,
+        train.samples_per_class,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        batches_per_epoch=train.batches_per_epoch,
+        draw=train.sampler,
+    )
 
 # %% ../../nbs/36_learner.ipynb #b621f8e6
 def eval_view(ds):
     "A shallow copy of `ds` whose train pipeline is replaced by the test pipeline of the preprocessing it carries."
     import copy
-    if hasattr(ds, "eval_view"): return ds.eval_view()          # e.g. a dml_nb.data.cache.CachedImages
+
+    if hasattr(ds, "eval_view"):
+        return ds.eval_view()  # e.g. a dml_nb.data.cache.CachedImages
     t = getattr(ds, "transform", None)
     ops = list(getattr(t, "transforms", [t])) if t is not None else []
-    if not any(type(o).__name__.startswith("Random") for o in ops): return ds      # already deterministic
-    preprocessing = getattr(t, "preprocessing", None)                # set by make_transform / Preprocessing.transform
+    if not any(type(o).__name__.startswith("Random") for o in ops):
+        return ds  # already deterministic
+    preprocessing = getattr(t, "preprocessing", None)  # set by make_transform / Preprocessing.transform
     if preprocessing is None:
-        raise ValueError(f"cannot derive test transforms from the training set's transform {t!r}: it carries no backbone "
-                         "preprocessing (.preprocessing); build it with dml_nb.data.datasets.make_transform(<backbone>, train=True), "
-                         "or pass Learner(train_eval_ds=<the training set with test transforms, same order>)")
+        raise ValueError(
+            f"cannot derive test transforms from the training set's transform {t!r}: it carries no backbone "
+            "preprocessing (.preprocessing); build it with dml_nb.data.datasets.make_transform(<backbone>, train=True), "
+            "or pass Learner(train_eval_ds=<the training set with test transforms, same order>)"
+        )
     view = copy.copy(ds)
     view.transform = preprocessing.transform(train=False)
     return view
@@ -103,65 +151,114 @@ class Learner(EvaluationMixin, CheckpointMixin):
     each a section, a mapping of its fields or None (its defaults), and single fields by name in `settings`
     (`epochs=3, lr=2e-3, metrics=["recall@1"]`). The run itself: `eval_sets`, `train_eval_ds`, `run_dir`, `resume`,
     `callbacks`, `progress`, `seed`."""
-    def __init__(self, method: Method, train_ds, sampler, train: TrainConfig | Mapping | None = None,
-                 eval: EvalConfig | Mapping | None = None, *, eval_sets: Mapping[str, Any] | None = None,
-                 train_eval_ds=None, run_dir: str | Path | None = None, resume: bool = True,
-                 callbacks: Sequence[Callback] = (), progress: bool = True, seed: int = Config.seed, **settings):
+
+    def __init__(
+        self,
+        method: Method,
+        train_ds,
+        sampler,
+        train: TrainConfig | Mapping | None = None,
+        eval: EvalConfig | Mapping | None = None,
+        *,
+        eval_sets: Mapping[str, Any] | None = None,
+        train_eval_ds=None,
+        run_dir: str | Path | None = None,
+        resume: bool = True,
+        callbacks: Sequence[Callback] = (),
+        progress: bool = True,
+        seed: int = Config.seed,
+        **settings,
+    ):
         if not isinstance(method, Method):
             raise TypeError(f"method must be a dml_nb.training.learner.Method (a recipe), got {type(method).__name__}")
         if not hasattr(sampler, "batches"):
-            raise TypeError("sampler must have batches(epoch) (a dml_nb.data.samplers sampler), got "
-                            f"{type(sampler).__name__}")
+            raise TypeError(
+                f"sampler must have batches(epoch) (a dml_nb.data.samplers sampler), got {type(sampler).__name__}"
+            )
         self.train_config, eval_config = learner_sections(train, eval, **settings)
-        self.evaluator = Evaluator(eval_config)      # what evaluation reads: metrics, readings, batch size, report
+        self.evaluator = Evaluator(eval_config)  # what evaluation reads: metrics, readings, batch size, report
         t = self.train_config
         self.method, self.train_ds, self.sampler, self.seed = method, train_ds, sampler, int(seed)
         self.schedule = t.schedule if callable(t.schedule) else Schedule.build(t.schedule, t.epochs)
         self.eval_sets = dict(eval_sets or {})
         if train_eval_ds is not None and len(train_eval_ds) != len(train_ds):
-            raise ValueError(f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
-                             "the training set (same order) with test transforms")
+            raise ValueError(
+                f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
+                "the training set (same order) with test transforms"
+            )
         self._train_eval_ds = train_eval_ds
         self.run_dir, self.resume = (None if run_dir is None else Path(run_dir)), resume
         self.device = get_device(t.device)
         bf16_ok = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.amp = "bf16" if t.amp == "bf16" or t.amp == "auto" and bf16_ok else None     # None: full precision
+        self.amp = "bf16" if t.amp == "bf16" or t.amp == "auto" and bf16_ok else None  # None: full precision
         self.channels_last = self.device.type == "cuda" if t.channels_last == "auto" else t.channels_last == "on"
-        self.batch_transform = getattr(train_ds, "batch_transform", None)   # a cached set: augment on the device
+        self.batch_transform = getattr(train_ds, "batch_transform", None)  # a cached set: augment on the device
         self.rank, self.world_size = dist_info()
-        self.callbacks = sorted([EvalCallback(self.evaluator.every), CSVLogger(),
-                                 *([ProgressCallback()] if progress else []),
-                                 *([EmptyTuplesStop()] if t.stop_on_empty_tuples else []),
-                                 CheckpointCallback(t.checkpoint_every_steps), *callbacks],
-                                key=lambda c: c.order)
+        self.callbacks = sorted(
+            [
+                EvalCallback(self.evaluator.every),
+                CSVLogger(),
+                *([ProgressCallback()] if progress else []),
+                *([EmptyTuplesStop()] if t.stop_on_empty_tuples else []),
+                CheckpointCallback(t.checkpoint_every_steps),
+                *callbacks,
+            ],
+            key=lambda c: c.order,
+        )
         self.epoch = self.step = self.global_step = 0
-        self.history, self.row = [], {}   # the epochs' rows; the current epoch's row
+        self.history, self.row = [], {}  # the epochs' rows; the current epoch's row
         self.latest_metrics: dict[str, float] = {}
-        self._eval_pass: tuple = (None, None)   # (weights stamp, embedded sets) of the last evaluate()
+        self._eval_pass: tuple = (None, None)  # (weights stamp, embedded sets) of the last evaluate()
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
-        self._parallel = None   # the training step under DistributedDataParallel when world_size > 1
+        self._parallel = None  # the training step under DistributedDataParallel when world_size > 1
         self._interrupted = False
-        self.context = MethodContext(self)   # all that the method's hooks see of the run
-        self._sums, self._counts = {}, {}   # per key: a recipe may log a key on some steps only
+        self.context = MethodContext(self)  # all that the method's hooks see of the run
+        self._sums, self._counts = {}, {}  # per key: a recipe may log a key on some steps only
 
     @classmethod
-    def from_config(cls, cfg: Config | Mapping, method: Method, train_ds, sampler=None, *, eval_sets=None,
-                    train_eval_ds=None, run_dir: str | Path | None = None, callbacks: Sequence[Callback] = (),
-                    progress: bool = True) -> "Learner":
+    def from_config(
+        cls,
+        cfg: Config | Mapping,
+        method: Method,
+        train_ds,
+        sampler=None,
+        *,
+        eval_sets=None,
+        train_eval_ds=None,
+        run_dir: str | Path | None = None,
+        callbacks: Sequence[Callback] = (),
+        progress: bool = True,
+    ) -> "Learner":
         "The learner of a run config: its train and eval sections and seed; the sampler (None) from `build_sampler`."
         cfg = cfg if isinstance(cfg, Config) else make_config(cfg)
-        if sampler is None: sampler = build_sampler(cfg.train, train_ds.labels, cfg.seed)
-        return cls(method, train_ds, sampler, cfg.train, cfg.eval, eval_sets=eval_sets, train_eval_ds=train_eval_ds,
-                   run_dir=run_dir, callbacks=callbacks, progress=progress, seed=cfg.seed)
+        if sampler is None:
+            sampler = build_sampler(cfg.train, train_ds.labels, cfg.seed)
+        return cls(
+            method,
+            train_ds,
+            sampler,
+            cfg.train,
+            cfg.eval,
+            eval_sets=eval_sets,
+            train_eval_ds=train_eval_ds,
+            run_dir=run_dir,
+            callbacks=callbacks,
+            progress=progress,
+            seed=cfg.seed,
+        )
 
     # ------------------------------------------------------------------ set-up
     epochs = property(lambda self: self.train_config.epochs, doc="`train.epochs`: the epochs of the whole run.")
     lr = property(lambda self: self.train_config.lr, doc="`train.lr`: the base learning rate.")
     eval_batch_size = property(lambda self: self.evaluator.batch_size, doc="`eval.batch_size`: feature passes.")
+
     @property
-    def is_main(self) -> bool: return self.rank == 0
+    def is_main(self) -> bool:
+        return self.rank == 0
+
     @property
-    def checkpoint_path(self) -> Path | None: return None if self.run_dir is None else self.run_dir / "checkpoint.pt"
+    def checkpoint_path(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / "checkpoint.pt"
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         t = self.train_config
@@ -169,60 +266,89 @@ class Learner(EvaluationMixin, CheckpointMixin):
         names = [g["name"] for g in groups]
         for key, opts in t.group_options.items():
             hit = [g for g in groups if g["name"] == key or g["name"].startswith(key + ".")]
-            if not hit: raise unknown_name_error("parameter group", key, names)
+            if not hit:
+                raise unknown_name_error("parameter group", key, names)
             bad = set(opts) - {"lr", "weight_decay"}
-            if bad: raise ValueError(f"group_options[{key!r}] may set 'lr' and 'weight_decay', not {sorted(bad)}")
-            for g in hit: g.update({k: float(v) for k, v in opts.items()})
-        for g in groups: g["base_lr"] = g["lr"]
+            if bad:
+                raise ValueError(f"group_options[{key!r}] may set 'lr' and 'weight_decay', not {sorted(bad)}")
+            for g in hit:
+                g.update({k: float(v) for k, v in opts.items()})
+        for g in groups:
+            g["base_lr"] = g["lr"]
         spec = t.optimizer
-        if callable(spec): return spec(groups)
-        if spec == "adam": return torch.optim.Adam(groups)
-        if spec == "adamw": return torch.optim.AdamW(groups)
-        if spec == "sgd": return torch.optim.SGD(groups, momentum=0.9)
+        if callable(spec):
+            return spec(groups)
+        if spec == "adam":
+            return torch.optim.Adam(groups)
+        if spec == "adamw":
+            return torch.optim.AdamW(groups)
+        if spec == "sgd":
+            return torch.optim.SGD(groups, momentum=0.9)
         raise unknown_name_error("optimizer", spec, OPTIMIZERS)
 
     def prepare_fit(self):
-        if self.optimizer is not None: return
+        if self.optimizer is not None:
+            return
         self.method.to(self.device)
-        if self.channels_last: self.method.to(memory_format=torch.channels_last)
-        if self.train_config.compile: self._compile_backbones()
+        if self.channels_last:
+            self.method.to(memory_format=torch.channels_last)
+        if self.train_config.compile:
+            self._compile_backbones()
         self.optimizer = self._build_optimizer()
         self._batches = BatchList()
         # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
         # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
-        items, collate = ((RawItems(self.train_ds), pad_collate) if self.batch_transform is not None
-                          else (SeededViews(self.train_ds, self.method.views), None))
-        if hasattr(self.train_ds, "loader_items"):     # the JPEG path (dml_nb.data.batches.JpegImages): its own items
+        items, collate = (
+            (RawItems(self.train_ds), pad_collate)
+            if self.batch_transform is not None
+            else (SeededViews(self.train_ds, self.method.views), None)
+        )
+        if hasattr(self.train_ds, "loader_items"):  # the JPEG path (dml_nb.data.batches.JpegImages): its own items
             items, collate = self.train_ds.loader_items(self.method.views, self.device)
         self._loader = torch.utils.data.DataLoader(
-            items, batch_sampler=self._batches, collate_fn=collate,
-            num_workers=self.train_config.num_workers, persistent_workers=self.train_config.num_workers > 0,
-            pin_memory=self.device.type == "cuda")
-        if self.run_dir is not None and self.is_main: remove_temp_files(self.run_dir)   # writes a killed process left
+            items,
+            batch_sampler=self._batches,
+            collate_fn=collate,
+            num_workers=self.train_config.num_workers,
+            persistent_workers=self.train_config.num_workers > 0,
+            pin_memory=self.device.type == "cuda",
+        )
+        if self.run_dir is not None and self.is_main:
+            remove_temp_files(self.run_dir)  # writes a killed process left
         if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
             ck = load_checkpoint(self.checkpoint_path)
-            problem = insane_weights({k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())})
+            problem = insane_weights(
+                {k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())}
+            )
             if problem is not None:
-                raise DivergedError(f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
-                                    "Delete it to start the run over, with a lower learning rate (a new run directory).")
+                raise DivergedError(
+                    f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
+                    "Delete it to start the run over, with a lower learning rate (a new run directory)."
+                )
             self.load_state_dict(ck)
             self.resumed = True
         if self.world_size > 1:
             check_sampler_rank(self.sampler, self.rank, self.world_size)
-            self._parallel = data_parallel(self.method)   # copies rank 0's parameters and buffers everywhere
+            self._parallel = data_parallel(self.method)  # copies rank 0's parameters and buffers everywhere
 
     def _compile_backbones(self):
         "`torch.compile` every backbone of the recipe in place (state-dict keys unchanged: checkpoints still load)."
         from dml_nb.blocks.models import Backbone
+
         opts = {} if self.train_config.compile is True else dict(self.train_config.compile)
         found = [m for m in self.method.modules() if isinstance(m, Backbone)]
-        if not found: raise ValueError(f"compile=True but {type(self.method).__name__} has no dml_nb.blocks.models.Backbone to compile")
-        for m in found: m.compile(**opts)
+        if not found:
+            raise ValueError(
+                f"compile=True but {type(self.method).__name__} has no dml_nb.blocks.models.Backbone to compile"
+            )
+        for m in found:
+            m.compile(**opts)
 
     def set_lr(self, epoch: int) -> None:
         "Each group's lr = its base lr x the schedule's factor at `epoch`."
         f = self.schedule.factor(epoch) if isinstance(self.schedule, Schedule) else float(self.schedule(epoch))
-        for g in self.optimizer.param_groups: g["lr"] = g["base_lr"] * f
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["base_lr"] * f
 
     @property
     def lrs(self) -> dict[str, float]:
@@ -233,33 +359,42 @@ class Learner(EvaluationMixin, CheckpointMixin):
     def fit(self) -> list[dict]:
         "Train until `epochs` (resuming from `run_dir` if possible); returns the history (one dict per epoch)."
         self.prepare_fit()
-        if self._interrupted:    # the last fit stopped inside a step or an epoch's end: continue from the checkpoint
+        if self._interrupted:  # the last fit stopped inside a step or an epoch's end: continue from the checkpoint
             if self.checkpoint_path is None or not self.checkpoint_path.exists():
-                raise RuntimeError("the previous fit of this learner stopped in the middle of training and there is "
-                                   "no checkpoint to continue from (run_dir=None or none written yet): build a new "
-                                   "Learner to start over")
+                raise RuntimeError(
+                    "the previous fit of this learner stopped in the middle of training and there is "
+                    "no checkpoint to continue from (run_dir=None or none written yet): build a new "
+                    "Learner to start over"
+                )
             self.load_state_dict(load_checkpoint(self.checkpoint_path))
             self._interrupted, self.resumed = False, True
-        if self.epoch >= self.epochs: return self.history                       # a finished run is not trained again
+        if self.epoch >= self.epochs:
+            return self.history  # a finished run is not trained again
         self.method.train()
         self.method.on_fit_start(self.context)
         if self._sampler_state is not None and hasattr(self.sampler, "load_state_dict"):
-            try: self.sampler.load_state_dict(self._sampler_state)
+            try:
+                self.sampler.load_state_dict(self._sampler_state)
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"the checkpoint's sampler state {self._sampler_state} does not fit the sampler "
-                                 f"{type(self.sampler).__name__} ({e}); a recipe that replaces the sampler must "
-                                 "rebuild the same kind in on_fit_start") from e
+                raise ValueError(
+                    f"the checkpoint's sampler state {self._sampler_state} does not fit the sampler "
+                    f"{type(self.sampler).__name__} ({e}); a recipe that replaces the sampler must "
+                    "rebuild the same kind in on_fit_start"
+                ) from e
             self._sampler_state = None
-        for cb in self.callbacks: cb.before_fit(self)
+        for cb in self.callbacks:
+            cb.before_fit(self)
         try:
-            while self.epoch < self.epochs: self._run_epoch()
+            while self.epoch < self.epochs:
+                self._run_epoch()
             if self.is_main and self.run_dir is not None:
                 atomic_json({"epochs": self.epochs, **self.reported_metrics()}, self.run_dir / "metrics.json")
         except BaseException:
             self._interrupted = True
             raise
         finally:
-            for cb in self.callbacks: cb.after_fit(self)
+            for cb in self.callbacks:
+                cb.after_fit(self)
         return self.history
 
     def _epoch_batches(self, epoch: int) -> tuple[list, list]:
@@ -267,55 +402,77 @@ class Learner(EvaluationMixin, CheckpointMixin):
         batches, groups = [], []
         for b in self.sampler.batches(epoch):
             if isinstance(b, tuple) and len(b) == 2 and not isinstance(b[1], (int, np.integer)):
-                groups.append(int(b[0])); b = b[1]
-            else: groups.append(None)
+                groups.append(int(b[0]))
+                b = b[1]
+            else:
+                groups.append(None)
             batches.append([int(i) for i in b])
         if batches:
             hi = max(max(b) for b in batches)
             if hi >= len(self.train_ds):
-                raise IndexError(f"the sampler yields index {hi} but the training set has {len(self.train_ds)} "
-                                 "items: build the sampler from this dataset's labels")
+                raise IndexError(
+                    f"the sampler yields index {hi} but the training set has {len(self.train_ds)} "
+                    "items: build the sampler from this dataset's labels"
+                )
         return batches, groups
 
     def _run_epoch(self):
         e = self.epoch
         self.set_lr(e)
         if self.step == 0:
-            self._eval_pass = (None, None)     # the last evaluation's embeddings: this epoch changes the weights, free them
+            self._eval_pass = (
+                None,
+                None,
+            )  # the last evaluation's embeddings: this epoch changes the weights, free them
             seed_everything(stream_seed(self.seed, "epoch", e, self.rank), cuda=self.device.type == "cuda")
             self._sums, self._counts = {}, {}
             self.method.on_epoch_start(self.context)
-            for cb in self.callbacks: cb.before_epoch(self)
+            for cb in self.callbacks:
+                cb.before_epoch(self)
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
         start = self.step
-        flips = [self.method.flips(g) for g in groups]   # an unflipped batch's items: (index, seed, False)
-        self._batches.batches = [[(i, stream_seed(self.seed, "sample", e, s, j, self.rank), *(() if flips[s] else (False,)))
-                                  for j, i in enumerate(b)] for s, b in enumerate(batches[start:], start)]
+        flips = [self.method.flips(g) for g in groups]  # an unflipped batch's items: (index, seed, False)
+        self._batches.batches = [
+            [
+                (i, stream_seed(self.seed, "sample", e, s, j, self.rank), *(() if flips[s] else (False,)))
+                for j, i in enumerate(b)
+            ]
+            for s, b in enumerate(batches[start:], start)
+        ]
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
             batch["group"], batch["epoch"], batch["step"] = groups[s], e, s
             logs = self._train_step(batch)
             self.step, self.global_step = s + 1, self.global_step + 1
-            for cb in self.callbacks: cb.after_step(self, logs)
-        problem = self._divergence()                # before evaluating a model that blew up
-        if problem is not None: self._stop_diverged(problem)
-        if self.world_size > 1:                     # the row holds the mean of every log over all processes
+            for cb in self.callbacks:
+                cb.after_step(self, logs)
+        problem = self._divergence()  # before evaluating a model that blew up
+        if problem is not None:
+            self._stop_diverged(problem)
+        if self.world_size > 1:  # the row holds the mean of every log over all processes
             self._sums, self._counts = all_reduce_logs(self._sums, self._counts, self.device)
-        self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()},
-                    **{k: self.running(k) for k in self._sums}, "time": time.time() - t0}
-        self.history.append(self.row)               # the recipe and callbacks add to this row (records, metrics)
+        self.row = {
+            "epoch": e + 1,
+            **{f"lr/{k}": v for k, v in self.lrs.items()},
+            **{k: self.running(k) for k in self._sums},
+            "time": time.time() - t0,
+        }
+        self.history.append(self.row)  # the recipe and callbacks add to this row (records, metrics)
         self.method.on_epoch_end(self.context)
         self._add_records()
-        for cb in self.callbacks: cb.after_epoch(self)   # in order: evaluation, CSV, ..., the checkpoint last
+        for cb in self.callbacks:
+            cb.after_epoch(self)  # in order: evaluation, CSV, ..., the checkpoint last
         self.epoch, self.step = e + 1, 0
 
     def _add_records(self):
         "Merge the method's `records(ctx)` into the epoch's row; a key the row already has is an error."
         records = self.method.records(self.context)
         if clash := sorted(set(records) & set(self.row)):
-            raise ValueError(f"{type(self.method).__name__}.records returned {clash}, which the epoch's row already has "
-                             "(the learner's columns or the step logs): give the records their own names")
+            raise ValueError(
+                f"{type(self.method).__name__}.records returned {clash}, which the epoch's row already has "
+                "(the learner's columns or the step logs): give the records their own names"
+            )
         self.row.update(records)
 
     def autocast(self):
@@ -328,32 +485,48 @@ class Learner(EvaluationMixin, CheckpointMixin):
         gen = None
         if self.batch_transform is not None:
             gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
-        batch = to_device(batch, self.device, self.channels_last, self.batch_transform, self.method.views, gen,
-                          flip=self.method.flips(batch.get("group")))
+        batch = to_device(
+            batch,
+            self.device,
+            self.channels_last,
+            self.batch_transform,
+            self.method.views,
+            gen,
+            flip=self.method.flips(batch.get("group")),
+        )
         step = self.method.training_step if self._parallel is None else self._parallel
-        with self.autocast(): out = step(batch)
+        with self.autocast():
+            out = step(batch)
         if not isinstance(out, Mapping) or "loss" not in out:
-            raise TypeError(f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
-                            f"got {type(out).__name__}")
+            raise TypeError(
+                f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
+                f"got {type(out).__name__}"
+            )
         loss = out["loss"]
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
         self.optimizer.zero_grad(set_to_none=self.train_config.zero_grad == "none")
-        loss.backward()              # under DDP the gradients are averaged over the processes during the backward
+        loss.backward()  # under DDP the gradients are averaged over the processes during the backward
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         clip = self.train_config.grad_clip
-        if clip: gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else: gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
+        if clip:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
         stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
-        if self.world_size > 1: stats = mean_over_processes(stats)   # the mean loss: every rank stops together
+        if self.world_size > 1:
+            stats = mean_over_processes(stats)  # the mean loss: every rank stops together
         loss_v, gnorm_v = stats.tolist()
-        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)): self._stop_nonfinite(loss_v, gnorm_v, s)
+        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            self._stop_nonfinite(loss_v, gnorm_v, s)
         self.optimizer.step()
         self.method.after_optimizer_step(self.context)
-        if self.world_size > 1: broadcast_buffers(self.method)   # BatchNorm statistics and queues of rank 0
+        if self.world_size > 1:
+            broadcast_buffers(self.method)  # BatchNorm statistics and queues of rank 0
         logs = {"loss": loss_v, "grad_norm": gnorm_v}
-        for k, v in out.items():   # tensors stay on the device (no sync); summed in float64
-            if k != "loss": logs[k] = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+        for k, v in out.items():  # tensors stay on the device (no sync); summed in float64
+            if k != "loss":
+                logs[k] = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
         for k, v in logs.items():
             self._sums[k] = self._sums.get(k, 0.0) + v
             self._counts[k] = self._counts.get(k, 0) + 1
@@ -365,15 +538,22 @@ class Learner(EvaluationMixin, CheckpointMixin):
             f"training stopped: {what} at epoch {self.epoch} (0-based), step {step}. The optimiser step was not "
             f"taken (the parameters are those before this step); {self._kept()}. Lower the learning rate "
             f"(lr={self.lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
-            + self._rerun())
+            + self._rerun()
+        )
 
     def check_tuples(self, epoch: int) -> None:
         "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
-        empty = [k for k in self._sums if (k == "tuples" or k.startswith("tuples/")) and self._counts.get(k)
-                 and float(self._sums[k]) == 0.0]
-        if not empty: return
+        empty = [
+            k
+            for k in self._sums
+            if (k == "tuples" or k.startswith("tuples/")) and self._counts.get(k) and float(self._sums[k]) == 0.0
+        ]
+        if not empty:
+            return
         shape, hint = self.context.batch_shape, self.method.no_tuples_hint()
-        shape = f" (this run: batches of {shape[0] * shape[1]} = {shape[0]} classes x {shape[1]} images)" if shape else ""
+        shape = (
+            f" (this run: batches of {shape[0] * shape[1]} = {shape[0]} classes x {shape[1]} images)" if shape else ""
+        )
         raise NoTuplesError(
             f"training stopped: {', '.join(empty)} was 0 at every one of the {self._counts[empty[0]]} steps of epoch "
             f"{epoch + 1}, so {'that task gets' if len(empty) == 1 else 'those tasks get'} no gradient and the run "
@@ -382,11 +562,13 @@ class Learner(EvaluationMixin, CheckpointMixin):
             "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement)"
             f"{', or, ' + hint if hint else ''}. The epoch's "
             "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
-            "train.stop_on_empty_tuples: false.")
+            "train.stop_on_empty_tuples: false."
+        )
 
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
-        if not self._counts.get(key): return float("nan")
+        if not self._counts.get(key):
+            return float("nan")
         return float(self._sums[key] / self._counts[key])
 
     @property
@@ -394,6 +576,9 @@ class Learner(EvaluationMixin, CheckpointMixin):
         "The training set under test transforms, in training order: `train_eval_ds`, eval set 'train', or `eval_view`."
         if self._train_eval_ds is None:
             t = self.eval_sets.get("train")
-            self._train_eval_ds = t if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(self.train_ds) \
-                                  else eval_view(self.train_ds)
+            self._train_eval_ds = (
+                t
+                if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(self.train_ds)
+                else eval_view(self.train_ds)
+            )
         return self._train_eval_ds

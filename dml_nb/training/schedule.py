@@ -15,42 +15,68 @@ __all__ = ['SCHEDULES', 'Schedule']
 # %% ../../nbs/33_schedule.ipynb #d73fc328
 SCHEDULES = ("constant", "multistep", "cosine")
 
+
 class Schedule:
     "Learning-rate factor per epoch: `constant`, `multistep` (milestones, gamma) or `cosine` (min_factor)."
-    def __init__(self, kind: str = "constant", milestones: Sequence[int] = (), gamma: float = 0.1,
-                 epochs: int | None = None, min_factor: float = 0.0):
-        if kind not in SCHEDULES: raise unknown_name_error("schedule", kind, SCHEDULES)
+
+    def __init__(
+        self,
+        kind: str = "constant",
+        milestones: Sequence[int] = (),
+        gamma: float = 0.1,
+        epochs: int | None = None,
+        min_factor: float = 0.0,
+    ):
+        if kind not in SCHEDULES:
+            raise unknown_name_error("schedule", kind, SCHEDULES)
         if kind == "multistep" and not milestones:
             raise ValueError("a multistep schedule needs milestones, e.g. ('multistep', [55], 0.2)")
-        if kind == "cosine" and not epochs: raise ValueError("a cosine schedule needs the number of epochs")
-        if not gamma > 0: raise ValueError(f"gamma must be > 0, got {gamma}")
+        if kind == "cosine" and not epochs:
+            raise ValueError("a cosine schedule needs the number of epochs")
+        if not gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {gamma}")
         self.kind, self.milestones, self.gamma = kind, sorted(int(m) for m in milestones), float(gamma)
         self.epochs, self.min_factor = epochs, float(min_factor)
 
     @classmethod
     def build(cls, spec, epochs: int) -> "Schedule":
         "From None, a `Schedule`, `('multistep', milestones, gamma)`, `('cosine',)`, `('cosine', min_factor)` or a dict."
-        if spec is None: return cls("constant")
-        if isinstance(spec, Schedule): return spec
-        if isinstance(spec, str): spec = (spec,)
-        if isinstance(spec, Mapping): return cls(**{"epochs": epochs, **spec})
+        if spec is None:
+            return cls("constant")
+        if isinstance(spec, Schedule):
+            return spec
+        if isinstance(spec, str):
+            spec = (spec,)
+        if isinstance(spec, Mapping):
+            return cls(**{"epochs": epochs, **spec})
         kind, *args = spec
         if kind == "multistep":
-            if len(args) != 2: raise ValueError(f"expected ('multistep', milestones, gamma), got {tuple(spec)}")
+            if len(args) != 2:
+                raise ValueError(f"expected ('multistep', milestones, gamma), got {tuple(spec)}")
             return cls(kind, milestones=args[0], gamma=args[1])
         if kind == "cosine":
-            if len(args) > 1: raise ValueError(f"expected ('cosine',) or ('cosine', min_factor), got {tuple(spec)}")
+            if len(args) > 1:
+                raise ValueError(f"expected ('cosine',) or ('cosine', min_factor), got {tuple(spec)}")
             return cls(kind, epochs=epochs, min_factor=args[0] if args else 0.0)
-        if kind == "constant": return cls(kind)
+        if kind == "constant":
+            return cls(kind)
         raise unknown_name_error("schedule", kind, SCHEDULES)
 
     def factor(self, epoch: int) -> float:
-        if self.kind == "multistep": return self.gamma ** sum(m <= epoch for m in self.milestones)
+        if self.kind == "multistep":
+            return self.gamma ** sum(m <= epoch for m in self.milestones)
         if self.kind == "cosine":
             return self.min_factor + (1 - self.min_factor) * 0.5 * (1 + math.cos(math.pi * epoch / self.epochs))
         return 1.0
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "milestones": list(self.milestones), "gamma": self.gamma,
-                "epochs": self.epochs, "min_factor": self.min_factor}
-    def __repr__(self): return f"Schedule({self.state_dict()})"
+        return {
+            "kind": self.kind,
+            "milestones": list(self.milestones),
+            "gamma": self.gamma,
+            "epochs": self.epochs,
+            "min_factor": self.min_factor,
+        }
+
+    def __repr__(self):
+        return f"Schedule({self.state_dict()})"
