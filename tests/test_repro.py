@@ -323,7 +323,7 @@ def test_a_run_the_method_cannot_train_is_a_row_with_its_reason(monkeypatch, tmp
     import dml_nb.reproduction.repro as R
     from dml_nb.methods.dnc import ClusterError
 
-    def stop(raw, runs_dir, progress=True):
+    def stop(raw, runs_dir, progress=True, threads=None):
         raise ClusterError("1 of 2 clusters cannot form a batch with negatives")
 
     monkeypatch.setattr(R, "run_one", stop)

@@ -105,8 +105,8 @@ def _count(text: str) -> int:
     return n
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-train`."
+def _parser() -> argparse.ArgumentParser:
+    "The arguments of `dml-train`."
     presets = PRESETS.listing().replace("\n", "\n  ")  # read from the sources: --help loads no torch
     ap = argparse.ArgumentParser(
         prog="dml-train",
@@ -141,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show the traceback of every error")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    "Entry point of `dml-train`."
+    args = _parser().parse_args(argv)
     try:
         cfg = load_config(*args.params, overrides=args.overrides)
         if args.check_data:

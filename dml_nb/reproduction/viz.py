@@ -431,15 +431,8 @@ def plot_forest(
         if np.isfinite(s[i]):
             ax.plot([d[i] - zs[i] * s[i], d[i] + zs[i] * s[i]], [y[i]] * 2, color="black", lw=1.5)
     ax.axvline(0, color="black", lw=0.8)
-    ax.errorbar(
-        [],
-        [],
-        xerr=[],
-        color="black",
-        label=f"ours: difference ± {zs[0]:g} SE"
-        if np.ndim(z) == 0
-        else "ours: difference ± t SE (the rule's threshold)",
-    )
+    interval = f"± {zs[0]:g} SE" if np.ndim(z) == 0 else "± t SE (the rule's threshold)"
+    ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference {interval}")
     for verdict in dict.fromkeys(v):
         k = [i for i in range(n) if v[i] == verdict]
         ax.plot(d[k], y[k], "o", color=VERDICT_COLOURS.get(verdict, "0.45"), ms=7, label=verdict)
