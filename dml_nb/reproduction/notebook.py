@@ -198,6 +198,23 @@ class Reproduction:
             + "."
         )
 
+    def finish(self, claims: Claims | None = None) -> None:
+        """The notebook's last cell: print where its files went (the figures folder, relative to the project, and the
+        file names) and, given its `claims`, the verdict counts, so that a papermill run's output says what it made."""
+        files = sorted(p.name for p in self.figures.glob(f"{self.stem}*") if p.is_file())
+        try:
+            where = self.figures.resolve().relative_to(project_root())
+        except (ValueError, FileNotFoundError):
+            where = self.figures
+        print(f"{self.stem}: {len(files)} file(s) in {where}/: {', '.join(files)}")
+        if claims is not None:
+            n = {
+                v: sum(i["verdict"] == v for i in claims.items) for v in ("holds", "fails", "unresolved", "not tested")
+            }
+            print(
+                f"verdicts: {n['holds']} hold, {n['fails']} fail, {n['unresolved']} unresolved, {n['not tested']} not tested"
+            )
+
 
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."
