@@ -5,6 +5,7 @@
 # %% ../../nbs/68_notebook.ipynb #cd1ab104
 from __future__ import annotations
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -383,13 +384,22 @@ def _check_data(base: Mapping) -> None:
     from dml_nb.reproduction.experiment import check_data
 
     if paper_variant(base) is not None:
-        check_data(make_config(base), progress=False)
+        try:
+            check_data(make_config(base), progress=False)
+        except Exception as e:  # dml-train's wording of the fix, spelled for a notebook's parameters
+            if e.args and isinstance(e.args[0], str) and "--set data.root=" in e.args[0]:
+                fix = r'papermill -y "config: {data: {root: \1}}" (in a -f file: config: {data: {root: \1}})'
+                text = re.sub(r"--set data\.root=(\S+?)(?=[,;)]|$| )", fix, e.args[0])
+                e.args = (text.replace(" (data.root: in a parameter file)", ""), *e.args[1:])
+            raise
 
 
 def _one_line(stem: str, e: BaseException) -> BaseException:
     "`e` (a parameter or data error of `stem`) told on the terminal in one line, as `dml-train` does; returned to raise."
     msg = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
-    print(f"{stem}: error: {msg.removeprefix(stem + ': ')}", file=_terminal())
+    line = f"{stem}: error: {msg.removeprefix(stem + ': ')}"
+    print(line, file=_terminal())
+    e._render_traceback_ = lambda: [line]  # IPython (JupyterLab, papermill) shows this line in place of the traceback
     return e
 
 
