@@ -15,6 +15,7 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
+from .results import restore_results
 from .experiment import RUN_THREADS, load_result
 from ..methods.base import task_health
 from dml_nb.reproduction.repro import (
@@ -217,6 +218,22 @@ class Reproduction:
             )
 
 
+def _restore(stem: str, results, runs: Path) -> None:
+    """Copy the finished runs of the results folder `results` (`output.results`: True, the default, for
+    `<project>/results`; a folder; False or None: none) into the run cache `runs`, as `dml-reproduce` does, so that
+    a fresh clone's notebook trains only what is not there (and the runs whose embeddings a figure reads). Not under
+    tests, whose smoke runs are other configs."""
+    if in_test() or results in (False, None):
+        return
+    source = project_root() / "results" if results is True else Path(results)
+    if got := restore_results(source, runs):
+        print(
+            f"{stem}: {len(got)} finished run(s) restored from {source} into {runs} "
+            "(output.results: false trains every run)",
+            file=_terminal(),
+        )
+
+
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."
     if callable(n):
@@ -235,7 +252,8 @@ OUTPUT_KEYS = {
     "figures_dir": _DIR,
     "progress": (bool,),
     "threads": (int,),
-}  # `output`: folders, progress bars, CPU threads per run
+    "results": (*_DIR, bool),
+}  # `output`: folders, progress bars, CPU threads per run, the results folder to restore finished runs from
 
 
 def _parameter_dict(value, name: str, keys: Mapping[str, tuple], stem: str) -> dict:
@@ -302,6 +320,7 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
         figures, runs = _writable_dirs(stem, output, variant)
     except ValueError as e:
         raise _one_line(stem, e) from None
+    _restore(stem, output.get("results", True), runs)
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
     progress = output.get("progress", True)
     if progress and not (in_test() or _watched()):

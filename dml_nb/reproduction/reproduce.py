@@ -208,7 +208,9 @@ def reproduce(
             str(out_dir / nb.name),
             cwd=str(root / "nbs"),
             progress_bar=False,
-            parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}},
+            parameters={
+                "output": {"progress": False, "figures_dir": str(root / "figures"), "results": False}
+            },  # restored above
         )  # the one writer of figures/
         if write_notebooks:
             write_executed(out_dir / nb.name, nb, root)
