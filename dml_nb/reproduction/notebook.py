@@ -142,9 +142,10 @@ class Reproduction:
         )
         return self.write(per_seed.set_index("row")[["seed", "status"]], title, f"{self.dataset}: {notes}.")
 
-    def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
-        "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
-        return save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
+    def save(self, fig, suffix: str = "", pdf: bool = False) -> None:
+        """Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`). Returns nothing, so that a notebook cell ending in it
+        shows no file list (`finish` says where the files went)."""
+        save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
 
     def claims(self) -> Claims:
         """The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper
@@ -417,7 +418,8 @@ def _one_line(stem: str, e: BaseException) -> BaseException:
     "`e` (a parameter or data error of `stem`) told on the terminal in one line, as `dml-train` does; returned to raise."
     msg = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
     line = f"{stem}: error: {msg.removeprefix(stem + ': ')}"
-    print(line, file=_terminal())
+    if not in_test():  # a test that expects the error keeps the terminal quiet
+        print(line, file=_terminal())
     e._render_traceback_ = lambda: [line]  # IPython (JupyterLab, papermill) shows this line in place of the traceback
     return e
 
