@@ -150,7 +150,7 @@ class Reproduction:
     def claims(self) -> Claims:
         """The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper
         file), the per-seed values of every row `run` ran (each difference is also reported paired by seed), what ran
-        (`note`) and whether each run's tasks were alive at the end (`tasks`)."""
+        (`note`, and its fields: `setting_fields`) and whether each run's tasks were alive at the end (`tasks`)."""
         try:
             paper = self.paper()
         except FileNotFoundError:
@@ -162,7 +162,19 @@ class Reproduction:
             per_seed=getattr(self, "per_seed", None),
             setting=self.note(compare=None),
             tasks=self.tasks(),
+            setting_fields=self.setting_fields(),
         )
+
+    def setting_fields(self) -> dict:
+        "What ran, as the claims file's setting fields (`claims.SETTING_FIELDS`): the fields of `note`."
+        epochs = getattr(self, "epochs_run", None) or [self.base["train"]["epochs"]]
+        return {
+            "dataset": self.dataset,
+            "backbone": self.base["model"]["backbone"],
+            "epochs": [int(e) for e in epochs],
+            "seeds": [int(s) for s in self.seeds],
+            "paper_dataset": self.shown,
+        }
 
     def tasks(self) -> str:
         """Whether every task of every run `run` ran still had a non-zero loss and gradient in its last epoch
