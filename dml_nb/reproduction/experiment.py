@@ -24,14 +24,13 @@ from dml_nb.core.base import (
     atomic_json,
     atomic_torch_save,
     atomic_write,
-    config_hash,
     data_root,
     describe_holder,
     disk_write_error,
     lock_dir,
     remove_temp_files,
 )
-from ..core.registry import BACKBONES, METHODS
+from ..core.registry import METHODS
 from ..data.formats import REAL_DATASETS, DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
 from ..training.config import Config, ConfigError, config_to_dict, make_config
@@ -39,18 +38,23 @@ from ..training.config import Config, ConfigError, config_to_dict, make_config
 if TYPE_CHECKING:
     from dml_nb.training.learner import Learner  # annotations only: the learner (torch) is imported when a run is built
 from dml_nb.reproduction.results import (
+    RECIPES_VERSION,
     check_stopped,
     clear_restored,
+    one_line,
     record_stopped,
     restored,
+    restored_problem,
     results_dir,
+    run_folder_name,
+    run_key,
     save_result,
 )
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets',
-           'tolerate_unreadable', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'recorded_threads',
-           'run_key', 'process_rank', 'run', 'train_again', 'run_seeds']
+__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable', 'build_learner',
+           'RunResult', 'run_dir_for', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again',
+           'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -304,21 +308,10 @@ class RunResult:
         return pd.DataFrame(self.history)
 
 
-# Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
-# sets, so its hash alone cannot tell): run folders of older recipes are then not reused. 2: the fidelity defaults
-# (authors' miners, DiVA / D&C / Sharing / BSPML recipes as their code ran them).
-# 3: named random streams (same recipes, other draws)
-RECIPES_VERSION = 3
-
-
 def run_dir_for(cfg: Config, runs_dir: str | Path = "runs") -> Path:
-    "Where `run` keeps the run of `cfg`: named by method, dataset and the hash of the config and `RECIPES_VERSION`."
-    key = {"config": config_to_dict(cfg), "recipes": RECIPES_VERSION}
-    weights = BACKBONES.get(cfg.model.backbone).weights_checksum(cfg.model.pretrained, **cfg.model.options)
-    if weights:
-        key["weights"] = weights  # weights shipped in the package: a new file, a new run
-    h = config_hash(key)
-    return Path(runs_dir) / f"{cfg.method.name}-{cfg.data.name}-{h}"
+    """Where `run` keeps the run of `cfg`: `runs_dir/<method>-<dataset>-<hash>`, the hash of the config, of
+    `RECIPES_VERSION` (`results`, the same name here) and of the weights shipped in the package (`results.run_folder_name`)."""
+    return Path(runs_dir) / run_folder_name(cfg, RECIPES_VERSION)
 
 
 def _versions() -> dict:
@@ -393,11 +386,6 @@ def _check_threads(threads) -> None:
         raise ConfigError(
             f"threads must be a whole number of at least 1 (or None: this process's count); got {threads!r}"
         )
-
-
-def run_key(cdict: dict) -> str:
-    "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
-    return config_hash(cdict, length=16)
 
 
 def _own_file(name: str) -> bool:
@@ -521,7 +509,18 @@ def run(
     cfg = make_config(config)
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
-    check_stopped(run_dir, run_key(cdict))  # a run that stopped by design: its reason again, without training
+    key = run_key(cdict)
+    check_stopped(run_dir, key)  # a run that stopped by design: its reason again, without training
+    if process_rank() == 0 and (problem := restored_problem(run_dir, key)) is not None:
+        if not clear_restored(run_dir, key):  # only a restored run of this config is cleared
+            raise ConfigError(
+                f"run directory {run_dir} was restored from a results folder, but {one_line(problem)}: it is not "
+                "read; delete it to train the run again"
+            )
+        print(
+            one_line(f"{run_dir}: restored from a results folder, but {problem}: not read; trained again"),
+            file=sys.stderr,
+        )
     if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists():
         return load_result(run_dir)
     check_data(cfg)  # the root and the index files: before anything is written

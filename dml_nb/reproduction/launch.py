@@ -4,6 +4,7 @@
 
 # %% ../../nbs/69_launch.ipynb #9929a3ed
 from __future__ import annotations
+import argparse
 import os
 import subprocess
 import sys
@@ -18,9 +19,11 @@ from tqdm.auto import tqdm
 
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
-from .results import clear_restored, restored
+from .results import clear_restored, restored, run_key
+from ..training.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
+    MAX_COUNT,
     PLAN_ENV,
     SETTLED,
     Job,
@@ -34,7 +37,7 @@ from dml_nb.reproduction.sweep import (
 
 # %% auto #0
 __all__ = ['LAUNCHERS', 'Failure', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm',
-           'launch', 'collect', 'add_sweep_arguments', 'sweep_command']
+           'launch', 'collect', 'count_arg', 'add_sweep_arguments', 'sweep_command']
 
 # %% ../../nbs/69_launch.ipynb #7da3e642
 def _reproduction_notebooks(root: Path) -> list[Path]:
@@ -69,8 +72,9 @@ class SweepFailed(RuntimeError):
 def local_slots(workers: int = 1, threads: int | None = None) -> list[dict]:
     """The environment of each of `workers` parallel processes, `threads` CPU threads each (default `RUN_THREADS`, the
     count of a notebook's own runs: launched and sequential runs give the same bits)."""
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1; got {workers}")
+    for what, n in (("workers", workers), ("threads", threads)):
+        if not (n is None and what == "threads" or isinstance(n, int) and 1 <= n <= MAX_COUNT):
+            raise ValueError(f"{what} must be a whole number from 1 to {MAX_COUNT} (at least 1); got {n!r}")
     n = threads or RUN_THREADS
     return [{"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} for _ in range(workers)]
 
@@ -94,6 +98,15 @@ def gpu_slots(gpus: Sequence[str | int] | None = None, threads: int | None = Non
     return [{**s, "CUDA_VISIBLE_DEVICES": str(g)} for s, g in zip(local_slots(len(gpus), n), gpus)]
 
 
+def _open_log(log: Path):
+    "`log` opened to be written afresh, never through a link (one there is removed first)."
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if log.is_symlink():
+        log.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(log, flags, 0o666), "w")
+
+
 def run_pool(
     jobs: Sequence[Job], plan_dir: str | Path, slots: Sequence[Mapping], progress: bool = True, poll: float = 0.2
 ) -> list[Failure]:
@@ -109,8 +122,7 @@ def run_pool(
                     continue
                 job = todo.popleft()
                 log = job.log_file(plan_dir)
-                log.parent.mkdir(parents=True, exist_ok=True)
-                fh = open(log, "w")
+                fh = _open_log(log)
                 cmd = [sys.executable, "-c", _DML_TRAIN, *job.command(plan_dir)[1:]]
                 running[i] = (
                     subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT),
@@ -229,6 +241,14 @@ def submit_slurm(
 LAUNCHERS = ("local", "multi_gpu", "slurm")
 
 
+def _job_key(job: Job, plan_dir: Path) -> str:
+    "The `run_key` of the config `job` trains (its config file, as `dml-train` reads it); '' (no run's) if it cannot be read."
+    try:
+        return run_key(config_to_dict(load_config(job.config_file(plan_dir))))
+    except (ConfigError, OSError, TypeError, ValueError):
+        return ""
+
+
 def launch(
     plan: Plan,
     launcher: str = "local",
@@ -251,7 +271,12 @@ def launch(
             j.run_dir
         ):  # on the thread count its results record (`RUN_THREADS` for older results)
             j.threads = recorded_threads(j.run_dir) or RUN_THREADS
-            clear_restored(j.run_dir)
+            if not clear_restored(j.run_dir, _job_key(j, plan.plan_dir)):  # only a restored run of the config it trains
+                print(
+                    f"{j.run_dir} is not cleared to be trained again: it is not a restored run of the config its job "
+                    "trains (its results stay; the job fails)",
+                    file=sys.stderr,
+                )
     if launcher == "slurm":
         ex = slurm.pop("executor", None) or slurm_executor(Path(plan.plan_dir) / "slurm", **slurm)
         failures = submit_slurm(plan.jobs, plan.plan_dir, ex, threads or RUN_THREADS, progress)
@@ -294,6 +319,17 @@ def collect(
     ]
 
 
+def count_arg(text: str) -> int:
+    "An argparse type: a whole number from 1 to `MAX_COUNT` (workers, threads per run)."
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_COUNT}; got {text!r}")
+    return n
+
+
 def add_sweep_arguments(ap) -> None:
     "The sweep options of `dml-reproduce`: plan, launch, collect-only."
     g = ap.add_argument_group("sweeps (plan, launch, collect)")
@@ -318,10 +354,10 @@ def add_sweep_arguments(ap) -> None:
     g.add_argument("--json", dest="json_out", help="also write the plan to this JSON file")
     g.add_argument("--from-plan", help="launch the runs of this plan JSON (from --plan) instead of planning again")
     g.add_argument("--no-collect", action="store_true", help="with --launch: stop after training")
-    g.add_argument("--workers", type=int, default=1, help="local: parallel processes (default 1)")
+    g.add_argument("--workers", type=count_arg, default=1, help="local: parallel processes (default 1)")
     g.add_argument(
         "--threads",
-        type=int,
+        type=count_arg,
         help="CPU threads per run (default: local and slurm 1, as a notebook's own runs; "
         "multi_gpu: the CPUs split between the GPUs); each run records its count in metrics.json",
     )

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..core.base import atomic_write
 from .claims import RULES, load_claims, resolved_text
 from .experiment import RECIPES_VERSION
-from .results import RESULTS_ENV, restore_results
+from .results import RESULTS_ENV, restore_results, results_path
 from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
@@ -224,12 +224,13 @@ def reproduce(
 
 
 def results_folder(given: str | None, root: str | Path) -> Path | None:
-    """The results folder of `dml-reproduce` (`results.save_result`): `given` ('none': no folder), else
-    `$DML_RESULTS` (empty: none), else `<project>/results`. None under tests: smoke runs never reach the committed one."""
+    """The results folder of `dml-reproduce` (`results.save_result`): `given`, else `$DML_RESULTS`, else
+    `<project>/results` ('none' in any case, or empty: no folder). None under tests: smoke runs never reach the
+    committed one."""
     if given is not None:
-        out = None if given.strip().lower() in ("", "none") else Path(given)
+        out = results_path(given)
     elif (env := os.environ.get(RESULTS_ENV)) is not None:
-        out = Path(env) if env.strip() else None
+        out = results_path(env)
     else:
         out = None if in_test() else Path(root) / "results"
     if out is not None and out.exists() and not out.is_dir():  # before anything is trained or written
@@ -265,8 +266,9 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
         "first (default $DML_RESULTS, else <project>/results; 'none': neither)",
     )
     add_sweep_arguments(ap)
+    ap.error = lambda message: ap.exit(2, f"dml-reproduce: error: {' '.join(message.split())}\n")  # one line
     args = ap.parse_args(argv)
-    from .sweep import env_vars
+    from .sweep import PlanError, env_vars
 
     root = project_root()
     try:
@@ -279,7 +281,12 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
             print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
     with env_vars(**{RESULTS_ENV: str(results.resolve()) if results is not None else ""}):
         run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
-        if (code := sweep_command(args, reproduce=run)) is not None:
+        try:
+            code = sweep_command(args, reproduce=run)
+        except PlanError as e:  # --from-plan: a plan file that cannot be launched, one line
+            print(f"dml-reproduce: error: {e}", file=sys.stderr)
+            return 2
+        if code is not None:
             return code  # no import circle
         state = run(args.notebooks or None, force=args.force)
     for k, v in sorted(state.items()):

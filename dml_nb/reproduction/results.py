@@ -4,17 +4,56 @@
 
 # %% ../../nbs/60a_results.ipynb #5b68017c
 from __future__ import annotations
+import csv
 import datetime
+import hashlib
+import io
 import json
+import math
 import os
+import re
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
-from ..core.base import atomic_json, atomic_write, lock_dir
-from ..training.config import ConfigError
+from ..core.base import RunLockedError, atomic_json, atomic_write, config_hash, lock_dir
+from ..core.params import parse_yaml
+from ..core.registry import BACKBONES
+from ..training.config import Config, ConfigError, config_to_dict, make_config
 
 # %% auto #0
-__all__ = ['RESULTS_ENV', 'RESULT_FILES', 'RunStopped', 'stopped_record', 'record_stopped', 'check_stopped', 'results_dir',
-           'save_result', 'restore_results', 'restored', 'clear_restored']
+__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'run_key', 'run_folder_name', 'one_line', 'RunStopped',
+           'stopped_record', 'record_stopped', 'check_stopped', 'results_path', 'results_dir', 'save_result',
+           'restore_results', 'restored', 'restored_problem', 'clear_restored', 'result_checksum', 'result_problem']
+
+# %% ../../nbs/60a_results.ipynb #a3c1e7d1
+# Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
+# sets, so its hash alone cannot tell): run folders of older recipes are then not reused. 2: the fidelity defaults
+# (authors' miners, DiVA / D&C / Sharing / BSPML recipes as their code ran them).
+# 3: named random streams (same recipes, other draws)
+RECIPES_VERSION = 3
+RUN_NAME = re.compile(r"[A-Za-z0-9_][\w.-]*-[\w.-]+-[0-9a-f]{12}", re.ASCII)  # a run folder's name
+
+
+def run_key(cdict: dict) -> str:
+    "The hash of a config (`config_to_dict` form) that a run stores in its checkpoint and `metrics.json`: its proof of which config it holds."
+    return config_hash(cdict, length=16)
+
+
+def run_folder_name(cfg: Config, recipes: int | None = None) -> str:
+    """The name of the run folder of `cfg`: its method, dataset and the hash of the config, the recipes version
+    (`recipes`, default `RECIPES_VERSION`) and the weights shipped in the package that it starts from."""
+    key = {"config": config_to_dict(cfg), "recipes": RECIPES_VERSION if recipes is None else recipes}
+    weights = BACKBONES.get(cfg.model.backbone).weights_checksum(cfg.model.pretrained, **cfg.model.options)
+    if weights:
+        key["weights"] = weights  # weights shipped in the package: a new file, a new run
+    return f"{cfg.method.name}-{cfg.data.name}-{config_hash(key)}"
+
+
+def one_line(text) -> str:
+    "`text` on one line (its runs of white space, newlines included, as one space): for a table cell or a message."
+    return " ".join(str(text).split())
 
 # %% ../../nbs/60a_results.ipynb #16aa9328
 class RunStopped(RuntimeError):
@@ -23,7 +62,7 @@ class RunStopped(RuntimeError):
 
 def stopped_record(run_dir: str | Path, key: str | None = None) -> dict | None:
     """The `stopped` record of `run_dir` (error, message, config key, time) when it holds a run that stopped by design
-    and no finished run; with `key` (`experiment.run_key`), only a record of that config."""
+    and no finished run; with `key` (`run_key`), only a record of that config."""
     run_dir = Path(run_dir)
     if (run_dir / "done").exists() or not (run_dir / "stopped").is_file():
         return None
@@ -31,7 +70,9 @@ def stopped_record(run_dir: str | Path, key: str | None = None) -> dict | None:
         rec = json.loads((run_dir / "stopped").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict) or key is not None and rec.get("config_key") != key:
+    if not isinstance(rec, dict) or not isinstance(rec.get("message"), str):
+        return None
+    if key is not None and rec.get("config_key") != key:
         return None
     return rec
 
@@ -59,12 +100,12 @@ def record_stopped(run_dir: str | Path, e: BaseException, key: str) -> bool:
 
 
 def check_stopped(run_dir: str | Path, key: str) -> None:
-    "`RunStopped` with the recorded reason if `run_dir` holds the run of config `key` that stopped by design (saved in the results folder first, when one is set)."
+    "`RunStopped` with the recorded reason (on one line) if `run_dir` holds the run of config `key` that stopped by design (saved in the results folder first, when one is set)."
     if (rec := stopped_record(run_dir, key)) is None:
         return
     if (keep := results_dir()) is not None:
         save_result(run_dir, keep)
-    raise RunStopped(rec["message"])
+    raise RunStopped(one_line(rec["message"]))  # one line: it goes into a table
 
 # %% ../../nbs/60a_results.ipynb #cb3a1dff
 RESULTS_ENV = "DML_RESULTS"  # a results folder: the finished runs read are saved there (`dml-reproduce` sets it)
@@ -77,54 +118,135 @@ RESULT_FILES = (
 )  # what a results folder keeps of a run, `done` last
 
 
+_FIX = "remove it from there, or save that run again"  # what to do about an entry left out
+
+
 def _saved(folder: Path) -> bool:
     return (folder / "done").is_file() or stopped_record(folder) is not None
 
 
+def results_path(value: str | None) -> Path | None:
+    "The results folder `value` names: None for none (unset, empty, or 'none' in any case)."
+    v = (value or "").strip()
+    return None if not v or v.lower() == "none" else Path(v)
+
+
 def results_dir() -> Path | None:
-    "The results folder `$DML_RESULTS` names (None when unset or empty)."
-    v = os.environ.get(RESULTS_ENV, "").strip()
-    return Path(v) if v else None
+    "The results folder `$DML_RESULTS` names (None when unset, empty or 'none')."
+    return results_path(os.environ.get(RESULTS_ENV))
+
+
+def _say(text: str) -> None:
+    print(one_line(text), file=sys.stderr)
 
 
 def save_result(run_dir: str | Path, results: str | Path) -> Path | None:
     """Copy the finished run in `run_dir` (or one that stopped by design: `stopped_record`) to `results/<run folder
-    name>/`: its `RESULT_FILES`, never its checkpoint or embeddings. A run already saved there is left as it is.
-    Returns the folder written, or None."""
+    name>/`: its `RESULT_FILES`, never its checkpoint or embeddings, and into its `done` a checksum of them. A run
+    already saved there is left as it is. Nothing is written outside `results` or through a link: a run folder whose
+    name is not a run's (`dml-train -o .`) or that fails its checks (`result_problem`) is not saved (one line on
+    stderr), a destination that is a link or a file is an error. Returns the folder written, or None."""
     run_dir, results = Path(run_dir), Path(results)
+    if not _saved(run_dir):
+        return None
+    where = f"{run_dir} is not saved in the results folder {results}"
+    if not RUN_NAME.fullmatch(run_dir.name):
+        return _say(f"{where}: {run_dir.name!r} is not a run folder's name (<method>-<dataset>-<12 hex digits>)")
     dest = results / run_dir.name
-    if not _saved(run_dir) or _saved(dest):
-        return None
-    if dest.resolve() == run_dir.resolve():
-        return None
-    if dest.exists() and not dest.is_dir():
+    if dest.is_symlink() or dest.exists() and not dest.is_dir():
+        what = (
+            "a symbolic link, and a run is never saved through one"
+            if dest.is_symlink()
+            else "a file, not a run's folder"
+        )
         raise ConfigError(
-            f"results folder {results}: {dest} is a file, not a run's folder; move it away, or choose "
+            f"results folder {results}: {dest} is {what}; move it away, or choose "
             f"another results folder (${RESULTS_ENV}, dml-reproduce --results-dir)"
         )
-    for name in RESULT_FILES:
-        if (run_dir / name).exists():
-            atomic_write(dest / name, (run_dir / name).read_text())
+    if _saved(dest) or dest.resolve() == run_dir.resolve():
+        return None
+    if (problem := result_problem(run_dir)) is not None:
+        return _say(f"{where}: {problem}")
+    files = {n: data for n in RESULT_FILES if n != "done" and (data := _read(run_dir / n)) is not None}
+    for name, data in files.items():
+        atomic_write(dest / name, data)
+    if (done := _read(run_dir / "done")) is not None:  # last: the marker of a whole entry
+        kept = [l for l in done.decode(errors="replace").splitlines() if not l.startswith("sha256 ")]
+        atomic_write(dest / "done", "\n".join([*kept, f"sha256 {result_checksum(files)}"]) + "\n")
     return dest
 
 
 def restore_results(results: str | Path, runs_dir: str | Path) -> list[Path]:
-    """Copy every run saved in `results` (`save_result`) into the run cache `runs_dir`, where the cache has no
-    folder of that name (a run there, finished or not, is never touched). Returns the run folders written."""
-    results, out = Path(results), []
+    """Copy every run saved in `results` (`save_result`) that passes its checks (`result_problem`) into the run cache
+    `runs_dir`, through a temporary folder there renamed into place. A folder of that name in the cache is never
+    touched, but for the half of an entry that a killed restore left: replaced. An entry that fails a check is left
+    out with one line on stderr naming it and why. Returns the run folders written."""
+    results, runs_dir, out = Path(results), Path(runs_dir), []
     if not results.is_dir():
         return out
-    for src in sorted(p for p in results.iterdir() if _saved(p)):
-        dest = Path(runs_dir) / src.name
-        try:
-            dest.mkdir(parents=True)
-        except FileExistsError:
+    for src in sorted(results.iterdir()):
+        if src.name.startswith(".") or not (src.is_dir() or src.is_symlink()):
+            continue  # hidden, or a file beside the runs (a README)
+        if (problem := _shape_problem(src, src.name)) is not None:
+            _say(f"{src} is not restored from the results folder: {problem}; {_FIX}")
             continue
-        for name in RESULT_FILES:
-            if (src / name).exists():
-                atomic_write(dest / name, (src / name).read_text())
-        out.append(dest)
+        dest = runs_dir / src.name
+        if (dest.exists() or dest.is_symlink()) and not _half_entry(dest):
+            continue  # the cache's own: never touched
+        if _restore_one(src, dest):
+            out.append(dest)
     return out
+
+
+def _restore_one(src: Path, dest: Path) -> bool:
+    "Copy the entry `src` into a temporary folder beside `dest`, check the copy, and move it into place; whether it did."
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.restore-"))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700: the mode of a folder `run` makes
+        for name in RESULT_FILES:
+            if (data := _read(src / name)) is not None:
+                (tmp / name).write_bytes(data)
+        if (problem := result_problem(tmp, dest.name)) is not None:  # the copy is what is checked, and used
+            _say(f"{src} is not restored from the results folder: {problem}; {_FIX}")
+            return False
+        return _into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _into_place(tmp: Path, dest: Path) -> bool:
+    "Rename the checked copy `tmp` to `dest`: a new folder, or in place of a half entry (under its lock); whether it did."
+    if not dest.exists() and not dest.is_symlink():
+        try:
+            os.rename(tmp, dest)
+            return True
+        except OSError:  # made meanwhile by another process: its own
+            return False
+    aside = tmp.with_name(f"{tmp.name}.half")
+    try:
+        with lock_dir(dest):
+            if not _half_entry(dest):
+                return False
+            os.rename(dest, aside)  # a process waiting for the lock then locks the new folder (`lock_dir`)
+            os.rename(tmp, dest)
+            return True
+    except (RunLockedError, OSError):  # in use: left as it is
+        return False
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _half_entry(folder: Path) -> bool:
+    """Whether `folder` (in a run cache) is what a restore killed midway left: a plain folder without `done`,
+    `stopped`, checkpoint or embeddings, holding only some of the result files (or temporaries of them)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    half = ("config.yaml", "metrics.json", "history.csv", ".lock")
+    temporary = lambda n: n.startswith(".") and n.endswith(".tmp") and any(n.startswith(f".{f}.") for f in half)
+    return all(p.name in half or temporary(p.name) for p in folder.iterdir())
 
 
 def restored(run_dir: str | Path) -> bool:
@@ -137,12 +259,172 @@ def restored(run_dir: str | Path) -> bool:
     )
 
 
-def clear_restored(run_dir: str | Path) -> bool:
-    "Under the run's lock, remove a restored run's results from the cache (its `config.yaml` stays), so that `run` trains it; whether it did."
+def restored_problem(run_dir: str | Path, key: str) -> str | None:
+    "Why the restored run in `run_dir` cannot be read as the run of config `key` (`result_problem`); None if it can, or if it is not a restored run."
+    return result_problem(run_dir, key=key) if restored(run_dir) else None
+
+
+def clear_restored(run_dir: str | Path, key: str | None = None) -> bool:
+    """Under the run's lock, remove a restored run's results from the cache (its `config.yaml` stays), so that `run`
+    trains it; whether it did. With `key` (`run_key` of the config to be trained there), only a restored run of that
+    config: the keys its `metrics.json` and `config.yaml` record are that one."""
     run_dir = Path(run_dir)
+    if run_dir.is_symlink():
+        return False
     with lock_dir(run_dir, wait=True):
         if not restored(run_dir):
+            return False
+        if key is not None and _recorded_keys(run_dir) != {key}:
             return False
         for name in ("done", "metrics.json", "history.csv"):
             (run_dir / name).unlink(missing_ok=True)
     return True
+
+
+def _recorded_keys(folder: Path) -> set:
+    "The config keys a run folder records: its metrics.json's `config_key` and that of its config.yaml, where readable."
+    info = _parsed(_read(folder / "metrics.json"), json.loads)
+    config = _config_of({n: d for n in ("config.yaml",) if (d := _read(folder / n)) is not None})
+    keys = {info.get("config_key")} if isinstance(info, dict) and "config_key" in info else set()
+    return keys | ({run_key(config_to_dict(config))} if isinstance(config, Config) else set())
+
+# %% ../../nbs/60a_results.ipynb #c4d5e6f0
+_SUMMED = ("config.yaml", "metrics.json", "history.csv")  # the files the checksum in a saved run's `done` covers
+
+
+def result_checksum(files: dict) -> str:
+    "The sha256 `save_result` writes into a saved run's `done`: of `files` ({name: bytes}) among config.yaml, metrics.json and history.csv (a missing one counts too)."
+    h = hashlib.sha256()
+    for name in _SUMMED:
+        data = files.get(name)
+        h.update(f"{name} {-1 if data is None else len(data)}\n".encode() + (data or b""))
+    return h.hexdigest()
+
+
+def _read(path: Path) -> bytes | None:
+    "The bytes of the plain file `path`, never through a link; None if there is none."
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+    except OSError:  # a folder
+        return None
+
+
+def _parsed(data: bytes | None, load):
+    "`load` of the text `data`, or None where it cannot be read."
+    try:
+        return None if data is None else load(data.decode())
+    except (UnicodeDecodeError, ValueError, csv.Error):
+        return None
+
+
+def _config_of(files: dict) -> Config | str:
+    "The config of a saved run's config.yaml (in `files`), or why it has none."
+    if "config.yaml" not in files:
+        return "it has no config.yaml"
+    try:
+        return make_config(parse_yaml(files["config.yaml"].decode(), "config.yaml"))
+    except (ConfigError, UnicodeDecodeError, TypeError, ValueError) as e:
+        return f"its config.yaml is not a valid config ({e})"
+
+
+def _shape_problem(folder: Path, name: str) -> str | None:
+    "Why `folder` cannot be the saved run `name` by its shape: a link, not a folder, not a run's name, a link among its files, no marker."
+    if folder.is_symlink():
+        return "it is a symbolic link, not a folder"
+    if not folder.is_dir():
+        return "it is not a folder"
+    if not RUN_NAME.fullmatch(name):
+        return "its name is not a run folder's (<method>-<dataset>-<12 hex digits>)"
+    odd = sorted(p.name for p in folder.iterdir() if p.is_symlink() or not p.is_file())
+    if odd:
+        return f"its {odd[0]} is a link or a folder, not a plain file"
+    if not (folder / "done").is_file() and not (folder / "stopped").is_file():
+        return "it holds neither a done marker nor a stopped record"
+    return None
+
+
+def result_problem(folder: str | Path, name: str | None = None, key: str | None = None) -> str | None:
+    """Why `folder` cannot be trusted as the saved run `name` (default: its own name), or None: its shape, its
+    config and the keys it records, its metrics against its history, the checksum in its `done` (the trust
+    boundary above). `key`: the `run_key` of the config the caller derived the folder from (a run cache's folder),
+    in place of the check of the name; a run there from before runs recorded keys is known by its config.yaml, as
+    `experiment.run` knows it."""
+    folder = Path(folder)
+    name = name or folder.name
+    if (problem := _shape_problem(folder, name)) is not None:
+        return problem
+    files = {n: data for n in RESULT_FILES if (data := _read(folder / n)) is not None}
+    config = _config_of(files)
+    if isinstance(config, str):
+        return config
+    own = run_key(config_to_dict(config))
+    if key is not None and own != key:
+        return f"its config.yaml is another config's (key {own}, not {key})"
+    if key is None and (want := run_folder_name(config)) != name:
+        return f"its config.yaml is the config of {want} (another run's files, or other recipes)"
+    marker = "metrics.json" if "done" in files else "stopped"
+    rec = _parsed(files.get(marker), json.loads)
+    if not isinstance(rec, dict):
+        return f"its {marker} is missing or not JSON"
+    legacy = key is not None and rec.get("config_key") is None  # a cache's run from before keys: by its config.yaml
+    if rec.get("config_key") != own and not legacy:
+        return f"its {marker} records another config (config_key {rec.get('config_key')!r}, not {own!r})"
+    if marker == "stopped":
+        return None
+    return _metrics_problem(rec, files.get("history.csv")) or _checksum_problem(files)
+
+
+def _number(value) -> float | None:
+    try:
+        return None if value in (None, "") or isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _same(a: float | None, b) -> bool:
+    "Whether the history's value `a` is the metric `b` up to float formatting (NaN is NaN)."
+    b = float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else None
+    if a is None or b is None:
+        return False
+    return (a != a and b != b) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _metrics_problem(info: dict, history: bytes | None) -> str | None:
+    """Whether the metrics of `info` (metrics.json) are those of `history` (history.csv): the row of the epoch it
+    reports (the last; the best; each column's best), every test metric there, the last row at its last epoch."""
+    metrics = info.get("metrics")
+    if not isinstance(metrics, dict):
+        return "its metrics.json holds no metrics"
+    if history is None:
+        return None
+    rows = _parsed(history, lambda text: list(csv.DictReader(io.StringIO(text))))
+    if not rows:
+        return "its history.csv holds no epoch"
+    last = info.get("last_epoch")
+    if last is not None and _number(rows[-1].get("epoch")) != last:
+        return f"its history.csv ends at epoch {rows[-1].get('epoch')}, its metrics.json at epoch {last} (cut?)"
+    reported = str(info.get("reported", "last epoch"))
+    if reported.startswith("each"):
+        column = [[_number(r.get(k)) for r in rows] for k in metrics]
+        got = [max((x for x in c if x is not None and x == x), default=None) for c in column]
+    else:
+        best = info.get("best_epoch") if reported.startswith("best") else None
+        row = next((r for r in rows if best is not None and _number(r.get("epoch")) == best), rows[-1])
+        got = [_number(row.get(k)) for k in metrics]
+    for (k, v), h in zip(metrics.items(), got):
+        if (h is not None or str(k).startswith("test/")) and not _same(h, v):
+            return f"its metrics.json {k} is {v!r}, its history.csv {'nothing' if h is None else h!r} ({reported})"
+    return None
+
+
+def _checksum_problem(files: dict) -> str | None:
+    "Whether the files match the checksum their `done` records (`save_result`; an entry saved before records none)."
+    sums = [l.split()[-1] for l in files["done"].decode(errors="replace").splitlines() if l.startswith("sha256 ")]
+    if sums and sums[-1] != result_checksum(files):
+        return "its files are not those its done marker's checksum records (changed after it was saved)"
+    return None

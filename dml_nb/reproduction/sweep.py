@@ -6,7 +6,9 @@
 from __future__ import annotations
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -19,12 +21,12 @@ from tqdm.auto import tqdm
 from ..core.base import atomic_write, project_root
 from ..training.config import config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
-from .results import restored, stopped_record
+from .results import RUN_NAME, one_line, restored, restored_problem, stopped_record
 
 # %% auto #0
-__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MissingRunsError', 'PlanStop', 'SweepMode', 'SweepResult', 'sweep_mode',
-           'env_vars', 'collecting', 'Job', 'Plan', 'notebook_parameters', 'notebook_path', 'execute', 'plan_configs',
-           'plan_notebook']
+__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MAX_COUNT', 'RUN_HASH', 'NOTEBOOK_NAME', 'MissingRunsError', 'PlanStop',
+           'SweepMode', 'SweepResult', 'finished', 'sweep_mode', 'env_vars', 'collecting', 'PlanError', 'Job',
+           'job_problem', 'Plan', 'notebook_parameters', 'notebook_path', 'execute', 'plan_configs', 'plan_notebook']
 
 # %% ../../nbs/66_sweep.ipynb #76aba256
 PLAN_ENV, COLLECT_ENV = (
@@ -54,11 +56,9 @@ class SweepMode:
         """One (row, seed) job of `run_rows`: its `RunResult` when finished, else the status that replaces training
         ('planned: ...', 'missing: ...'), or None where `run_rows` goes on as usual (a run this machine cannot start)."""
         cfg = make_config(raw)
-        run_dir = run_dir_for(cfg, runs_dir)
-        done = (run_dir / "done").exists()
-        stopped = (
-            None if done else stopped_record(run_dir, run_key(config_to_dict(cfg)))
-        )  # settled: the recipe cannot train here
+        run_dir, key = run_dir_for(cfg, runs_dir), run_key(config_to_dict(cfg))
+        done, unsound = finished(run_dir, key)
+        stopped = None if done else stopped_record(run_dir, key)  # settled: the recipe cannot train here
         if self.plan is not None:
             rec = {
                 "row": row.name,
@@ -68,13 +68,14 @@ class SweepMode:
                 "done": done or bool(stopped),
                 "config": config_to_dict(cfg),
                 "unavailable": why,
+                **({"rebuild": True} if unsound else {}),  # a restored run that fails its checks: trained again
             }
             with open(self.plan, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if done:
             return SweepResult(**vars(load_result(run_dir)), mode=self)
         if stopped is not None:
-            return f"stopped: {stopped['message']}"
+            return f"stopped: {one_line(stopped['message'])}"
         if why:
             return None
         if self.plan is not None:
@@ -147,6 +148,17 @@ class SweepResult(RunResult):
         )
 
 
+def finished(run_dir: Path, key: str) -> tuple[bool, bool]:
+    """(whether `run_dir` holds a finished run to read, whether it holds a restored run of config `key` that fails its
+    checks: not read, with one line on stderr saying why, but trained again)."""
+    if not (run_dir / "done").exists():
+        return False, False
+    if (problem := restored_problem(run_dir, key)) is None:
+        return True, False
+    print(one_line(f"{run_dir}: restored from a results folder, but {problem}: not read"), file=sys.stderr)
+    return False, True
+
+
 def sweep_mode() -> SweepMode | None:
     "The mode `run_rows` is in: a plan (`$DML_PLAN` names the file its jobs go to), collect-only (`$DML_COLLECT_ONLY`), or None."
     plan = os.environ.get(PLAN_ENV)
@@ -181,6 +193,13 @@ def collecting():
 
 # %% ../../nbs/66_sweep.ipynb #e09ae89f
 SETTLED = ("done", "stopped")  # the statuses a launcher has nothing left to do for
+MAX_COUNT = 512  # the most parallel workers, and CPU threads per run, a sweep takes
+RUN_HASH = re.compile(r"[0-9a-f]{12}")  # the hash of a run folder's name, as a plan names its job
+NOTEBOOK_NAME = re.compile(r"[\w-]+", re.ASCII)  # a notebook of the project, as a plan names it (no path)
+
+
+class PlanError(ValueError):
+    "A plan file that cannot be launched (missing, not JSON, not a whole plan, or a job out of its place): one line naming the file."
 
 
 @dataclass
@@ -223,6 +242,36 @@ class Job:
         return cmd + (["--threads", str(self.threads)] if self.threads else [])
 
 
+def _count_or_none(n) -> bool:
+    return n is None or isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_COUNT
+
+
+def job_problem(job: Job, plan_dir: Path, runs_dir: Path) -> str | None:
+    """Why a plan's `job` cannot be launched: a field not of the kind a plan writes, a hash that is not a run hash,
+    a run folder that is not `runs_dir/<run name>` (resolved: no `..`, no link elsewhere), or a config or log file
+    outside `plan_dir` (the config file must be there); None if it can."""
+    kinds = {"hash": str, "run_dir": str, "config": dict, "done": bool, "rebuild": bool}
+    bad = [k for k, t in kinds.items() if not isinstance(getattr(job, k), t)]
+    bad += [] if isinstance(job.uses, list) and all(isinstance(u, str) for u in job.uses) else ["uses"]
+    bad += [] if job.unavailable is None or isinstance(job.unavailable, str) else ["unavailable"]
+    bad += [] if _count_or_none(job.threads) else ["threads"]
+    if bad:
+        return f"its {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not of the kind a plan writes"
+    if not RUN_HASH.fullmatch(job.hash):
+        return f"its hash {job.hash[:40]!r} is not a run hash (12 hex digits)"
+    run_dir = Path(job.run_dir)
+    if ".." in run_dir.parts or not RUN_NAME.fullmatch(run_dir.name) or not run_dir.name.endswith(f"-{job.hash}"):
+        return f"its run folder {job.run_dir!r} is not <run cache>/<method>-<dataset>-{job.hash}"
+    if run_dir.resolve().parent != runs_dir.resolve():
+        return f"its run folder {job.run_dir} leads outside the plan's run cache {runs_dir}"
+    for f in (job.config_file(plan_dir), job.log_file(plan_dir)):
+        if not f.resolve().is_relative_to(Path(plan_dir).resolve()):
+            return f"its {f.name} leads outside the plan folder {plan_dir}"
+    if not job.config_file(plan_dir).is_file():
+        return f"its config file {job.config_file(plan_dir)} is missing"
+    return None
+
+
 @dataclass
 class Plan:
     "Every run a set of notebooks needs (`plan_notebook`), with the configs written under `plan_dir/configs/`."
@@ -230,6 +279,7 @@ class Plan:
     plan_dir: Path
     jobs: list
     notebooks: list
+    runs_dir: Path | None = None  # the run cache every job's folder is in (None: the one their folders share)
 
     def pending(self) -> list[Job]:
         return [j for j in self.jobs if j.status not in SETTLED]
@@ -252,11 +302,17 @@ class Plan:
             columns=["hash", "status", "uses", "run_dir", "command"],
         )
 
+    def cache(self) -> Path | None:
+        "The run cache of the jobs: `runs_dir`, else the folder their run folders share (None: several, or no job)."
+        parents = {str(Path(j.run_dir).parent) for j in self.jobs if isinstance(j.run_dir, str)}
+        return self.runs_dir or (Path(parents.pop()) if len(parents) == 1 else None)
+
     def save(self, path: str | Path | None = None) -> Path:
         "Write the plan as JSON (default `plan_dir/plan.json`); `Plan.load` reads it back."
         path = Path(path) if path else self.plan_dir / "plan.json"
         data = {
             "plan_dir": str(self.plan_dir),
+            "runs_dir": None if self.cache() is None else str(self.cache()),
             "notebooks": self.notebooks,
             "jobs": [{**asdict(j), "status": j.status, "command": j.command(self.plan_dir)} for j in self.jobs],
         }
@@ -265,13 +321,38 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        data = json.loads(Path(path).read_text())
-        keys = set(Job.__dataclass_fields__)
-        return cls(
-            Path(data["plan_dir"]),
-            [Job(**{k: v for k, v in j.items() if k in keys}) for j in data["jobs"]],
-            data["notebooks"],
-        )
+        """The plan `save` wrote to `path`, every job checked (`job_problem`): a plan is input from a file. A missing
+        or malformed plan, or a job out of its place, is a `PlanError` naming the file."""
+        path, again = Path(path), "make it again with dml-reproduce --plan"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"plan {path}: no such file; {again} (its --json FILE, or <plan dir>/plan.json)") from None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise PlanError(f"plan {path} cannot be read as JSON ({one_line(e)}); {again}") from None
+        try:
+            keys = set(Job.__dataclass_fields__)
+            jobs = [Job(**{k: v for k, v in j.items() if k in keys}) for j in data["jobs"]]
+            runs = None if data.get("runs_dir") is None else Path(data["runs_dir"])
+            plan = cls(Path(data["plan_dir"]), jobs, data["notebooks"], runs)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PlanError(f"plan {path} is not a whole plan (missing or wrong: {one_line(e)}); {again}") from None
+        if (problem := plan.problem()) is not None:
+            raise PlanError(f"plan {path}: {problem}; {again}")
+        return plan
+
+    def problem(self) -> str | None:
+        "Why this plan (read from a file) cannot be launched: its notebooks are not names, or a job's `job_problem`; None if it can."
+        if not isinstance(self.notebooks, list) or not all(
+            isinstance(n, str) and NOTEBOOK_NAME.fullmatch(n) for n in self.notebooks
+        ):
+            return f"its notebooks {one_line(self.notebooks)[:80]} are not notebook names (such as repro_table3)"
+        if self.jobs and self.cache() is None:
+            return "its jobs lie in several run caches"
+        for j in self.jobs:
+            if (problem := job_problem(j, self.plan_dir, self.cache())) is not None:
+                return f"job {one_line(j.hash)[:40]!r}: {problem}"
+        return None
 
 # %% ../../nbs/66_sweep.ipynb #e078d09d
 def notebook_parameters(
@@ -360,17 +441,19 @@ def plan_configs(
     for name, raw in configs.items():
         cfg = make_config(raw)
         run_dir = run_dir_for(cfg, runs_dir)
+        done, unsound = finished(run_dir, run_key(config_to_dict(cfg)))
         recs.append(
             {
                 "row": name,
                 "seed": cfg.seed,
                 "run_dir": str(run_dir),
-                "done": (run_dir / "done").exists(),
+                "done": done,
                 "config": config_to_dict(cfg),
+                "rebuild": unsound,
             }
         )
     _add_jobs(jobs, recs, stem, plan_dir)
-    plan = Plan(plan_dir, list(jobs.values()), [stem])
+    plan = Plan(plan_dir, list(jobs.values()), [stem], Path(runs_dir))
     plan.save()
     return plan
 

@@ -1,0 +1,385 @@
+"""The probes of Reliability III: a results folder and a plan are a trust boundary. Each test is a probe, with the
+line a user sees and a check that nothing was adopted or written where it must not be. Every probe here fails on
+the code before the issue was fixed (checked against that commit) and passes now; the last test is a guard (the
+committed results pass the checks) that passes on both.
+
+A results entry is checked before it is restored or read (its shape, no links, its config and keys, its metrics
+against its history, the checksum in its `done`), a restore is atomic and repairs the half a kill left,
+`save_result` writes only inside the results folder and never through a link, a plan is checked before it is
+launched, and the small ones: `DML_RESULTS=none`, bounded `--workers` / `--threads`, one-line stopped reasons."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from dml_nb.reproduction.cli import main as dml_train
+from dml_nb.reproduction.experiment import load_result, run, run_dir_for, run_key
+from dml_nb.reproduction.launch import launch
+from dml_nb.reproduction.reproduce import reproduce_main, results_folder
+from dml_nb.reproduction.results import (
+    RESULTS_ENV,
+    RunStopped,
+    check_stopped,
+    restore_results,
+    restored,
+    results_dir,
+    save_result,
+)
+from dml_nb.reproduction.sweep import Plan, SweepMode, plan_configs
+from dml_nb.training.config import config_to_dict, make_config
+
+from test_reliability import TINY, snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+A = {**TINY, "train": {**TINY["train"], "epochs": 2}}  # two epochs: a history that can be cut
+B = {**A, "train": {**A["train"], "lr": 0.5}}
+
+
+@pytest.fixture(autouse=True)
+def quiet_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.delenv("DML_DATA", raising=False)
+    monkeypatch.delenv(RESULTS_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    "Runs of configs A and B, trained once and saved in a results folder: {'A': its entry, 'B': ..., 'runs': run cache}."
+    base = tmp_path_factory.mktemp("saved")
+    out = {"runs": base / "runs"}
+    for k, raw in (("A", A), ("B", B)):
+        out[k] = save_result(run(raw, runs_dir=base / "runs", progress=False).run_dir, base / "results")
+    return out
+
+
+def entry(saved, tmp_path, which="A") -> Path:
+    "A copy of a saved entry in a fresh results folder under `tmp_path`."
+    dest = tmp_path / "results" / saved[which].name
+    shutil.copytree(saved[which], dest)
+    return dest
+
+
+def restore(tmp_path, capsys) -> tuple[list, str]:
+    "restore_results of `tmp_path/results` into `tmp_path/runs`: (the folders written, stderr)."
+    got = restore_results(tmp_path / "results", tmp_path / "runs")
+    return got, capsys.readouterr().err
+
+
+def skipped(err: str, e: Path, *why: str) -> None:
+    "One line on stderr, naming the entry and saying why."
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert e.name in err and all(w in err for w in why), err
+
+
+def not_restored(tmp_path, capsys, e: Path, *why: str) -> None:
+    got, err = restore(tmp_path, capsys)
+    assert got == [] and not (tmp_path / "runs" / e.name).exists(), (got, err)
+    skipped(err, e, *why)
+
+
+def drop_checksum(e: Path) -> None:
+    "The entry as saved before `done` recorded a checksum."
+    (e / "done").write_text("".join(l for l in (e / "done").read_text().splitlines(True) if not l.startswith("sha256")))
+
+
+# 1. results entries are verified before they are used ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_checksum", [True, False])
+def test_an_edited_recall_in_metrics_json_is_not_restored(saved, tmp_path, capsys, with_checksum):
+    e = entry(saved, tmp_path)
+    if not with_checksum:
+        drop_checksum(e)  # an entry saved before: the history gives it away
+    info = json.loads((e / "metrics.json").read_text())
+    info["metrics"]["test/recall@1"] = 0.999
+    (e / "metrics.json").write_text(json.dumps(info))
+    not_restored(tmp_path, capsys, e, "test/recall@1")
+
+
+def test_an_entry_holding_another_runs_files_is_not_restored(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    for f in e.iterdir():  # B's files under A's name
+        shutil.copy(saved["B"] / f.name, f)
+    not_restored(tmp_path, capsys, e, "config of", saved["B"].name)
+    for name in ("metrics.json", "history.csv"):  # A's config, B's metrics and history
+        shutil.copy(saved["A"] / "config.yaml", e / "config.yaml")
+        shutil.copy(saved["B"] / name, e / name)
+    drop_checksum(e)
+    not_restored(tmp_path, capsys, e, "records another config")
+
+
+def test_a_cut_history_csv_is_not_restored(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    drop_checksum(e)
+    lines = (e / "history.csv").read_text().splitlines(keepends=True)
+    (e / "history.csv").write_text("".join(lines[:-1]))  # the last epoch gone
+    not_restored(tmp_path, capsys, e, "ends at epoch 1")
+    (e / "history.csv").write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # cut inside the last line
+    not_restored(tmp_path, capsys, e, "history.csv")
+
+
+def test_done_without_metrics_json_is_not_restored(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    (e / "metrics.json").unlink()
+    not_restored(tmp_path, capsys, e, "metrics.json")
+
+
+def test_a_stopped_record_of_another_config_is_not_restored(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    for name in ("done", "metrics.json"):
+        (e / name).unlink()
+    other = run_key(config_to_dict(make_config(B)))
+    (e / "stopped").write_text(json.dumps({"error": "NoTuplesError", "message": "x", "config_key": other}))
+    not_restored(tmp_path, capsys, e, "stopped", other)
+    own = run_key(config_to_dict(make_config(A)))  # its own config's record is restored
+    (e / "stopped").write_text(json.dumps({"error": "NoTuplesError", "message": "x", "config_key": own}))
+    assert restore(tmp_path, capsys)[0] == [tmp_path / "runs" / e.name]
+
+
+def test_a_results_entry_that_is_a_symlink_is_not_restored(saved, tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    e = tmp_path / "results" / saved["A"].name
+    e.symlink_to(saved["A"], target_is_directory=True)
+    not_restored(tmp_path, capsys, e, "symbolic link")
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "history.csv", "config.yaml", "done"])
+def test_an_entry_whose_files_link_outside_is_not_restored(saved, tmp_path, capsys, name):
+    e = entry(saved, tmp_path)
+    (e / name).unlink()
+    (e / name).symlink_to("/etc/passwd")
+    not_restored(tmp_path, capsys, e, name, "link")
+
+
+def test_save_result_writes_a_checksum_that_catches_any_later_edit(saved, tmp_path, capsys):
+    assert (saved["A"] / "done").read_text().splitlines()[-1].startswith("sha256 ")
+    e = entry(saved, tmp_path)
+    text = (e / "history.csv").read_text()
+    (e / "history.csv").write_text(text.replace(",", ", ", 1))  # a column the other checks do not read
+    not_restored(tmp_path, capsys, e, "checksum")
+    drop_checksum(e)  # an entry saved before checksums: the other rules only
+    assert restore(tmp_path, capsys) == ([tmp_path / "runs" / e.name], "")
+
+
+def test_a_restored_run_edited_in_the_cache_is_not_read_by_plan_or_collect(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    (run_dir,) = restore(tmp_path, capsys)[0]
+    info = json.loads((run_dir / "metrics.json").read_text())
+    info["metrics"]["test/recall@1"] = 0.999
+    (run_dir / "metrics.json").write_text(json.dumps(info))
+    row = SimpleNamespace(name="A", group=None)
+    got = SweepMode(collect=True).job(row, 0, A, tmp_path / "runs", None)
+    assert isinstance(got, str) and got.startswith("missing"), got
+    skipped(capsys.readouterr().err, e, "test/recall@1")
+    plan = tmp_path / "plan.jsonl"
+    assert SweepMode(plan=plan).job(row, 0, A, tmp_path / "runs", None).startswith("planned")
+    (rec,) = [json.loads(l) for l in plan.read_text().splitlines()]
+    assert rec["done"] is False and rec["rebuild"] is True  # trained again by the launcher
+    capsys.readouterr()
+    res = run(A, runs_dir=tmp_path / "runs", progress=False)  # `run` trains it again rather than read it
+    assert not restored(run_dir) and res.metrics == load_result(saved["runs"] / e.name).metrics
+
+
+# 2. restore is atomic --------------------------------------------------------------------------------------------------
+
+KILL_AT_HISTORY = """
+import os, signal, sys
+from dml_nb.reproduction.results import restore_results
+results, runs = sys.argv[1], sys.argv[2]
+def hook(event, args):
+    if event == "open" and str(args[0]).startswith(results) and str(args[0]).endswith("history.csv"):
+        os.kill(os.getpid(), signal.SIGKILL)  # killed while reading the entry
+sys.addaudithook(hook)
+restore_results(results, runs)
+"""
+
+
+def test_a_restore_killed_midway_leaves_no_half_run_and_the_next_one_completes_it(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-c", KILL_AT_HISTORY, str(tmp_path / "results"), str(tmp_path / "runs")], env=env
+    )
+    assert p.returncode == -signal.SIGKILL
+    dest = tmp_path / "runs" / e.name
+    assert not dest.exists() or (dest / "done").exists(), sorted(p.name for p in dest.iterdir())
+    got, err = restore(tmp_path, capsys)
+    assert (dest / "done").exists() and load_result(dest).metrics == load_result(e).metrics, (got, err)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in e.iterdir())
+
+
+def test_a_half_entry_left_in_the_cache_is_replaced(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    half = tmp_path / "runs" / e.name
+    half.mkdir(parents=True)
+    for name in ("config.yaml", "metrics.json"):  # what the old restore had written when it was killed
+        shutil.copy(e / name, half / name)
+    got, err = restore(tmp_path, capsys)
+    assert got == [half] and err == ""
+    assert snapshot(half) == snapshot(e)
+    # a run of the cache's own is never touched: one with a checkpoint, or a finished one
+    (half / "done").unlink()
+    (half / "checkpoint.pt").write_text("mine")
+    before = snapshot(half)
+    assert restore(tmp_path, capsys) == ([], "") and snapshot(half) == before
+
+
+# 3. save_result never follows links and never writes outside the results folder ---------------------------------------
+
+
+def test_save_result_refuses_a_destination_that_is_a_symlink(saved, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / saved["A"].name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(Exception, match="is a symbolic link") as e:
+        save_result(saved["runs"] / saved["A"].name, tmp_path / "results")
+    assert "\n" not in str(e.value) and list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", [".", "mine"])
+def test_dml_train_into_a_folder_that_is_not_a_run_name_is_not_saved(tmp_path, capsys, monkeypatch, out):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(A))
+    here = tmp_path / "work"  # empty: `-o .` trains into it
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
+    assert dml_train([str(tmp_path / "params.yaml"), "-o", out, "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "not saved in the results folder" in err and "not a run folder's name" in err, err
+    assert err.count("\n") == 1, err
+    assert snapshot(tmp_path / "results") == {}
+
+
+# 4. plans are untrusted input ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plan_json(tmp_path) -> Path:
+    "A plan of config A (nothing trained), as dml-reproduce --plan writes it."
+    plan_configs({"A": A}, tmp_path / "plan", tmp_path / "runs")
+    return tmp_path / "plan" / "plan.json"
+
+
+def edit_job(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data["jobs"][0].update(changes)
+    path.write_text(json.dumps(data))
+
+
+def bad_plan(path: Path, *why: str) -> None:
+    with pytest.raises(ValueError) as e:
+        Plan.load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and all(w in msg for w in why), msg
+
+
+def test_a_plan_job_with_a_hash_that_is_not_a_run_hash_is_refused(plan_json):
+    assert Plan.load(plan_json).jobs[0].hash == Path(Plan.load(plan_json).jobs[0].run_dir).name[-12:]
+    edit_job(plan_json, hash="../../escape")
+    bad_plan(plan_json, "hash")
+
+
+def test_a_plan_job_whose_run_dir_leaves_the_run_cache_is_refused(plan_json, tmp_path):
+    job = json.loads(plan_json.read_text())["jobs"][0]
+    name = Path(job["run_dir"]).name
+    edit_job(plan_json, run_dir=str(tmp_path / "runs" / ".." / ".." / name))
+    bad_plan(plan_json, "run folder")
+    (tmp_path / "elsewhere" / name).mkdir(parents=True)  # a run folder that is a link to another place
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / name).symlink_to(tmp_path / "elsewhere" / name, target_is_directory=True)
+    edit_job(plan_json, run_dir=str(tmp_path / "runs" / name))
+    bad_plan(plan_json, "outside")
+
+
+def test_a_plan_whose_config_file_links_outside_its_folder_is_refused(plan_json, tmp_path):
+    plan = Plan.load(plan_json)
+    f = plan.jobs[0].config_file(plan.plan_dir)
+    (tmp_path / "outside.yaml").write_text(f.read_text())
+    f.unlink()
+    f.symlink_to(tmp_path / "outside.yaml")
+    bad_plan(plan_json, f.name)
+
+
+@pytest.mark.parametrize(
+    "damage", [lambda p: p.unlink(), lambda p: p.write_text("{not json"), lambda p: p.write_text('{"jobs": []}')]
+)
+def test_a_malformed_plan_is_one_line_and_dml_reproduce_exits_2(plan_json, capsys, damage):
+    damage(plan_json)
+    bad_plan(plan_json)
+    with pytest.raises(SystemExit) as e:
+        sys.exit(reproduce_main(["--launch", "local", "--from-plan", str(plan_json), "--no-collect"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and str(plan_json) in err and "Traceback" not in err, err
+
+
+def test_rebuild_clears_only_a_restored_run_of_the_jobs_config(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path, "B")
+    (run_dir,) = restore(tmp_path, capsys)[0]  # B's restored run
+    plan = plan_configs({"A": A}, tmp_path / "plan", tmp_path / "runs")
+    data = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    data["jobs"][0].update(run_dir=str(run_dir), hash=run_dir.name[-12:], rebuild=True)  # A's job aimed at B's run
+    shutil.copy(plan.jobs[0].config_file(plan.plan_dir), tmp_path / "plan" / "configs" / f"{run_dir.name[-12:]}.yaml")
+    (tmp_path / "plan" / "plan.json").write_text(json.dumps(data))
+    kept = lambda: {k: v for k, v in snapshot(run_dir).items() if k != ".lock"}
+    before = kept()
+    with pytest.raises(Exception, match="failed"):
+        launch(Plan.load(tmp_path / "plan" / "plan.json"), "local", progress=False)
+    assert kept() == before and restored(run_dir), "B's results were cleared for A's job"
+    assert e.name in capsys.readouterr().err
+
+
+# 5. small ones -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["none", "NONE", " None "])
+def test_dml_results_none_means_off(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(RESULTS_ENV, value)
+    assert results_dir() is None and results_folder(None, tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "argv", [["--workers", "0"], ["--workers", "100000000"], ["--threads", "-3"], ["--threads", "two"]]
+)
+def test_workers_and_threads_are_bounded_before_any_planning(tmp_path, capsys, argv):
+    plan = tmp_path / "missing-plan.json"  # never read: the options fail first
+    with pytest.raises(SystemExit) as e:
+        reproduce_main(["--launch", "local", "--from-plan", str(plan), "--no-collect", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and argv[0] in err and "512" in err, err
+
+
+def test_a_stopped_message_with_newlines_is_one_line_in_a_table(tmp_path):
+    run_dir = run_dir_for(make_config(A), tmp_path / "runs")
+    run_dir.mkdir(parents=True)
+    key = run_key(config_to_dict(make_config(A)))
+    message = "cannot form a batch:\nclass 3 has 1 image\n\n| a | table |"
+    (run_dir / "stopped").write_text(
+        json.dumps({"error": "BatchFormationError", "message": message, "config_key": key})
+    )
+    got = SweepMode(collect=True).job(SimpleNamespace(name="A", group=None), 0, A, tmp_path / "runs", None)
+    assert got == "stopped: cannot form a batch: class 3 has 1 image | a | table |", got
+    with pytest.raises(RunStopped) as e:
+        check_stopped(run_dir, key)
+    assert "\n" not in str(e.value)
+
+
+# a guard: the committed results pass every check (restored, without a line on stderr) --------------------------------------
+
+
+def test_the_committed_results_pass_the_checks(tmp_path, capsys):
+    entries = sorted(p for p in (ROOT / "results").iterdir() if p.is_dir())
+    sample = sorted(set(entries[::6]) | {p for p in entries if (p / "stopped").exists()})
+    (tmp_path / "results").mkdir()
+    for p in sample:
+        shutil.copytree(p, tmp_path / "results" / p.name)
+    got, err = restore(tmp_path, capsys)
+    assert err == "" and {p.name for p in got} == {p.name for p in sample}
