@@ -95,7 +95,7 @@ def test_the_claims_file_says_what_the_seeds_resolve(claims):
         == pytest.approx(resolvable(t, rows=rows))
     )
     c.save()
-    f = c.figures_dir / "repro_demo_claims.md"
+    f = c.figures_dir / "repro_demo_claims.json"  # the claims as data: the Markdown beside it is rendered from it
     assert f"R@1 {c.resolves()['R@1']:.1f}, NMI {c.resolves()['NMI']:.1f}" == resolution(f)
     table, total = claims_summary(c.figures_dir)
     assert f"| {resolution(f)} |" in table and total["unresolved"] == sum(i["verdict"] == "unresolved" for i in c.items)

@@ -511,3 +511,28 @@ def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
     assert nb.note().startswith(
         "Ours: finegrained_novel, small_cnn, 100-350 epochs, seeds [0, 1, 2, 3, 4]"
     )  # was "4 epochs"
+
+
+def test_a_paper_file_without_its_data_is_one_line_under_papermill(tmp_path):
+    "The notebook's error is one line (no kernel traceback), names the fix in papermill's terms; papermill exits 1."
+    import nbformat
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import yaml\nfrom dml_nb.reproduction.notebook import setup\n"
+            f"p = yaml.safe_load(open({str(ROOT / 'params' / 'repro_table3' / 'cub200.yaml')!r}))\n"
+            'nb = setup("repro_table3", {"seeds": [0], **p})'
+        )
+    ]
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    env = {k: v for k, v in os.environ.items() if k not in ("JPY_SESSION_NAME", "PYTEST_CURRENT_TEST", "DML_DATA")}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "papermill", "--no-progress-bar", "-k", "python3", "in.ipynb", "out.ipynb"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 1, p.stderr
+    (tb,) = [o["traceback"] for c in nbformat.read(tmp_path / "out.ipynb", 4).cells for o in c.get("outputs", [])]
+    assert len(tb) == 1 and tb[0].startswith("repro_table3: error: data.name is 'cub200', a dataset on disk"), tb
+    assert 'papermill -y "config: {data: {root: /path/to/cub200}}"' in tb[0] and "--set" not in tb[0], tb

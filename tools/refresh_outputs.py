@@ -7,7 +7,9 @@
 Cells flagged with a test flag of settings.ini (`#| slow`, `#| gpu`) and `#| eval: false` cells are skipped, as
 `nbdev_test` skips them; their old outputs are dropped. Figures are stored at 72 dpi to keep the files small, and
 a large picture that compresses far better as a JPEG (a grid of photos) is stored as one. The
-notebooks run with their own defaults (not the smoke size of `nbdev_test`). Afterwards the script runs `nbdev_clean`.
+notebooks run with their own defaults (not the smoke size of `nbdev_test`). Outputs are kept as `dml-reproduce` keeps
+a reproduction's: this machine's folders named (`<project>`, `<tmp>`, `~`), no stderr, no object addresses.
+Afterwards the script runs `nbdev_clean`.
 Each notebook runs in its own process (a registration made by one must not leak into the next).
 Reproduction notebooks (`repro_*`) are not run here: `dml-reproduce` runs them and writes `figures/`.
 """
@@ -84,8 +86,19 @@ def refresh(path: Path, flags: set) -> float:
     if shell.exc:
         raise RuntimeError(f"{path.name} failed: {shell.prettytb(fname=path)}")
     shrink_pictures(nb)
+    scrub(nb)
     write_nb(nb, path)
     return time.time() - t0
+
+
+def scrub(nb) -> None:
+    "Each output as a committed notebook keeps it (`scrub_output`): this machine's folders named, no stderr, no addresses."
+    from dml_nb.reproduction.reproduce import machine_paths, scrub_output
+
+    subs = machine_paths(ROOT)
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.outputs = [o for o in (scrub_output(o, subs) for o in c.outputs) if o is not None]
 
 
 def main(argv=None) -> int:

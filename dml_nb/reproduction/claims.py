@@ -4,10 +4,11 @@
 
 # %% ../../nbs/63_claims.ipynb #0056815d
 from __future__ import annotations
+import json
 import math
 from enum import Enum
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -16,9 +17,10 @@ from ..core.base import atomic_write
 from .viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
-__all__ = ['Z', 'LEVEL', 'RULE', 'Verdict', 'Stat', 'critical', 'welch_df', 'Difference', 'difference', 'judge', 'all_hold',
-           'negate', 'stat', 'ran', 'better', 'fmt', 'resolvable', 'metric_label', 'metric_key', 'paired_difference',
-           'Claims']
+__all__ = ['Z', 'LEVEL', 'RULE', 'CLAIMS_SCHEMA', 'CLAIMS_VERSION', 'SETTING_FIELDS', 'RULES', 'Verdict', 'Stat', 'critical',
+           'welch_df', 'Difference', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt',
+           'resolvable', 'metric_label', 'metric_key', 'paired_difference', 'resolved_text', 'resolution_sentence',
+           'cost_sentence', 'render_claims_markdown', 'write_claims', 'load_claims', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0  # the rule's level: a difference must clear what Z standard errors clear under a normal law...
@@ -236,13 +238,135 @@ def paired_difference(
     sd = float(d.std(ddof=1))
     return float(d.mean()), sd / math.sqrt(len(d)), len(d), sd
 
+# %% ../../nbs/63_claims.ipynb #c1a1f11f
+CLAIMS_SCHEMA, CLAIMS_VERSION = "dml_nb.claims", 1  # a claims file's "schema" and "version"
+SETTING_FIELDS = ("dataset", "backbone", "epochs", "seeds", "paper_dataset")  # beside the setting's "text"
+RULES = {"welch-t": "Welch t over seeds", "2se": "2 SE over seeds"}  # a claims file's "rule", as the README names it
+
+_BASIS_WORDS = {  # (rule, basis): what the resolution's numbers are, in the words of the rule the file states
+    ("welch-t", "rows"): "the rule's threshold, t SE, for the difference of two rows with the compared rows' typical "
+    "spread and seeds); an *unresolved* claim is a difference smaller than its own threshold, which its margin gives "
+    "(a claim between rows of more spread needs more).",
+    ("welch-t", "claims"): "the rule's threshold, t SE of each claim's difference, the median over the claims on that "
+    "quantity); an *unresolved* claim is a difference smaller than its own threshold (a margin between -1 and 1).",
+    ("2se", "rows"): "2 SE of the difference of two rows with the compared rows' spread); an *unresolved* claim is a "
+    "difference smaller than that.",
+    ("2se", "claims"): "2 SE of each claim's difference, the median over the claims on that quantity); an "
+    "*unresolved* claim is a difference smaller than that.",
+}
+_NO_THRESHOLD = {
+    "none": "No claim here compares two rows of a results table (`beats`): each verdict applies the rule to the "
+    "per-seed values its numbers give, so this file states no single threshold.",
+    "unresolvable": "No compared row has two seeds: no difference can be resolved.",
+}
+
+
+def resolved_text(resolution: Mapping | None) -> tuple[str, str]:
+    """('R@1 1.3, NMI 0.9', 'R@1 1.1'): the smallest differences a claims file's `resolution` says its seeds resolve,
+    and paired by seed ('' where none), as its sentence writes them: one decimal from the rows' spread, two
+    significant digits from the claims' own thresholds."""
+    res = resolution or {}
+    own = ", ".join(
+        f"{m} {r:.1f}" if res.get("basis") == "rows" else f"{m} {r:.2g}" for m, r in res.get("unpaired", {}).items()
+    )
+    return own, ", ".join(f"{m} {r:.1f}" for m, r in res.get("paired", {}).items())
+
+
+def resolution_sentence(resolution: Mapping | None, rule: str | None = "welch-t") -> str:
+    "The **Resolution.** sentence of a claims file's `resolution`, in the words of its `rule` ('' without one)."
+    if not resolution:
+        return ""
+    basis = resolution["basis"]
+    if basis in _NO_THRESHOLD:
+        return f"**Resolution.** {_NO_THRESHOLD[basis]}"
+    own, paired = resolved_text(resolution)
+    words = _BASIS_WORDS.get((rule, basis)) or _BASIS_WORDS[("welch-t", basis)]
+    text = f"**Resolution.** With these seeds the rule resolves differences of at least {own} points ({words}"
+    if paired and basis == "rows":
+        text += f" Paired by seed (reported, not used by the verdicts), the same seeds would resolve {paired} points."
+    return text
+
+
+def cost_sentence(cost: Mapping | None) -> str:
+    "The **Cost.** sentence of a claims file's `cost` ('' without one)."
+    if not cost:
+        return ""
+    return (
+        f"**Cost.** {cost['runs']} runs, {cost['training_minutes']:.1f} minutes of training "
+        "(wall time summed over the runs, each one process)."
+    )
+
+
+def render_claims_markdown(data: Mapping) -> str:
+    "A claims file's Markdown, rendered from its JSON `data`: the table of claims, then its sentences and rule."
+    cols = ["claim", "verdict", "numbers"]
+    table = markdown_table(pd.DataFrame([[c[k] for k in cols] for c in data["claims"]], columns=cols), index=False)
+    setting, tasks = data.get("setting") or {}, data.get("tasks") or ""
+    parts = [
+        resolution_sentence(data.get("resolution"), data.get("rule")),
+        cost_sentence(data.get("cost")),
+        f"**Setting.** {setting['text']}" if setting.get("text") else "",
+        f"**Tasks.** {tasks}" if tasks else "",
+        data.get("rule_text") or "",
+    ]
+    parts = [p for p in parts if p]
+    return table + ("\n" + "\n\n".join(parts) + "\n" if parts else "")
+
+
+def write_claims(folder: str | Path, data: Mapping) -> Path:
+    """Write `data` to `<folder>/<stem>_claims.json` (strict JSON: a NaN is an error, write None) and its Markdown
+    (`render_claims_markdown`) to `<stem>_claims.md`; returns the JSON's path."""
+    folder = Path(folder)
+    try:
+        text = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise ValueError(f"claims of {data.get('stem')}: {e}: write a missing number as None") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"{data['stem']}_claims.json", text)
+    atomic_write(folder / f"{data['stem']}_claims.md", render_claims_markdown(data))
+    return folder / f"{data['stem']}_claims.json"
+
+
+def load_claims(path: str | Path) -> dict:
+    "A claims file's JSON (`write_claims`), checked to be of this schema and version."
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != CLAIMS_SCHEMA or data.get("version") != CLAIMS_VERSION:
+        raise ValueError(
+            f"{path}: a claims file of schema {data.get('schema')!r} version {data.get('version')!r}; this code "
+            f"reads {CLAIMS_SCHEMA!r} version {CLAIMS_VERSION}"
+        )
+    return data
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and np.isfinite(x) else None
+
+
+def _record(item: Mapping) -> dict:
+    "One claim of `Claims.items` as the JSON writes it (NaN and infinities as None)."
+    d, thr = _finite(item["difference"]), _finite(item["threshold"])
+    return {
+        "claim": item["claim"],
+        "verdict": item["verdict"],
+        "numbers": item["numbers"],
+        "metric": item["metric"],
+        "difference": d,
+        "se": _finite(item["se"]),
+        "df": _finite(item["df"]),
+        "threshold": thr,
+        "margin": d / thr if d is not None and thr else None,
+        "paper_difference": _finite(item["paper"]),
+        "difference_paired": _finite(item.get("difference_paired")),
+        "se_paired": _finite(item.get("se_paired")),
+    }
+
 # %% ../../nbs/63_claims.ipynb #a3f641cf
 class Claims:
     """The paper's qualitative claims and their verdicts by the rule, for notebook `stem`, saved in folder
     `figures_dir`; `paper` (the paper's numbers by row, as `repro.paper_numbers` reads them) gives the paper's
     difference beside ours; `per_seed` (the lines `run_rows` returns) adds each difference paired by seed and the
     runs' training time; `setting` (what ran) and `tasks` (whether each run's tasks were alive at the end) are
-    sentences the claims file adds."""
+    sentences the claims file adds, `setting_fields` its fields (`SETTING_FIELDS`: dataset, backbone, ...)."""
 
     def __init__(
         self,
@@ -252,9 +376,10 @@ class Claims:
         per_seed: pd.DataFrame | None = None,
         setting: str = "",
         tasks: str = "",
+        setting_fields: Mapping | None = None,
     ):
         self.stem, self.figures_dir, self.paper, self.items, self.spread = stem, Path(figures_dir), paper, [], {}
-        self.setting, self.tasks = setting, tasks
+        self.setting, self.tasks, self.setting_fields = setting, tasks, dict(setting_fields or {})
         self.per_seed, self.paired_spread = (
             per_seed,
             {},
@@ -319,7 +444,9 @@ class Claims:
         if pair is not None:
             dp, sep, n, sd = pair
             self.items[-1].update(
-                numbers=self.items[-1]["numbers"] + f"; paired by seed {dp:+.1f} ± {sep:.1f} SE", se_paired=sep
+                numbers=self.items[-1]["numbers"] + f"; paired by seed {dp:+.1f} ± {sep:.1f} SE",
+                se_paired=sep,
+                difference_paired=dp,
             )
             self.paired_spread.setdefault(metric, {})[(a, b)] = (sd, n)
         return v
@@ -361,78 +488,68 @@ class Claims:
                 out[m] = critical(n - 1) * math.sqrt(np.mean([sd**2 for sd, _ in st])) / math.sqrt(n)
         return out
 
-    def resolution(self) -> str:
-        """The sentence under the claims: the smallest difference each metric's seeds resolve, and (where the per-seed
-        values were given) the same paired by seed, which the verdicts do not use."""
-        own = {}  # claims judged on per-seed values (`check(..., difference=difference(a, b), metric=...)`): each one's threshold
-        for i in self.items:
-            if np.isfinite(i["threshold"]) and i["metric"]:
-                own.setdefault(i["metric"], []).append(i["threshold"])
-        if not self.spread and own:
-            return (
-                "**Resolution.** With these seeds the rule resolves differences of at least "
-                + ", ".join(f"{m} {float(np.median(v)):.2g}" for m, v in own.items())
-                + " points (the rule's threshold, t SE of each claim's difference, the median over the claims on "
-                "that quantity); an *unresolved* claim is a difference smaller than its own threshold (a margin "
-                "between -1 and 1)."
-            )
+    def resolution_data(self) -> dict:
+        """The smallest differences the seeds resolve, as the claims file's `resolution`: from the spread of the rows
+        the claims compared (`resolves`, and paired by seed `resolves_paired`, which the verdicts do not use), else
+        per quantity the median threshold of the claims judged on per-seed values
+        (`check(..., difference=difference(a, b), metric=...)`)."""
         if not self.spread:
-            return (
-                "**Resolution.** No claim here compares two rows of a results table (`beats`): each verdict applies "
-                "the rule to the per-seed values its numbers give, so this file states no single threshold."
-            )
-        found = {m: r for m, r in self.resolves().items() if np.isfinite(r)}
+            own = {}
+            for i in self.items:
+                if np.isfinite(i["threshold"]) and i["metric"]:
+                    own.setdefault(i["metric"], []).append(i["threshold"])
+            unpaired = {m: float(np.median(v)) for m, v in own.items()}
+            return {"basis": "claims" if own else "none", "unpaired": unpaired, "paired": {}}
+        found = {m: float(r) for m, r in self.resolves().items() if np.isfinite(r)}
         if not found:
-            return "**Resolution.** No compared row has two seeds: no difference can be resolved."
-        text = (
-            "**Resolution.** With these seeds the rule resolves differences of at least "
-            + ", ".join(f"{m} {r:.1f}" for m, r in found.items())
-            + " points (the rule's threshold, t SE, for the difference of two rows with the compared rows' typical "
-            "spread and seeds); an *unresolved* claim is a difference smaller than its own threshold, which its "
-            "margin gives (a claim between rows of more spread needs more)."
-        )
-        if paired := {m: r for m, r in self.resolves_paired().items() if np.isfinite(r)}:
-            text += (
-                " Paired by seed (reported, not used by the verdicts), the same seeds would resolve "
-                + ", ".join(f"{m} {r:.1f}" for m, r in paired.items())
-                + " points."
-            )
-        return text
+            return {"basis": "unresolvable", "unpaired": {}, "paired": {}}
+        paired = {m: float(r) for m, r in self.resolves_paired().items() if np.isfinite(r)}
+        return {"basis": "rows", "unpaired": found, "paired": paired}
+
+    def resolution(self) -> str:
+        "The sentence under the claims (`resolution_sentence` of `resolution_data`)."
+        return resolution_sentence(self.resolution_data())
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.items, columns=["claim", "verdict", "numbers"])
 
-    def cost(self) -> str:
-        "The sentence on what the judged numbers cost: how many runs and their training time (wall, summed), or ''."
+    def cost_data(self) -> dict | None:
+        "What the judged numbers cost, as the claims file's `cost`: the runs that finished and their training minutes (wall, summed), or None."
         ps = self.per_seed
         if ps is None or "run" not in ps or "wall_time_s" not in ps:
-            return ""
+            return None
         runs = ps[ps["status"] == "ok"].drop_duplicates("run")
         if runs.empty:
-            return ""
-        return (
-            f"**Cost.** {len(runs)} runs, {runs['wall_time_s'].astype(float).sum() / 60:.1f} minutes of training "
-            "(wall time summed over the runs, each one process)."
-        )
+            return None
+        return {"runs": len(runs), "training_minutes": float(runs["wall_time_s"].astype(float).sum() / 60)}
+
+    def cost(self) -> str:
+        "The sentence on what the judged numbers cost (`cost_sentence` of `cost_data`), or ''."
+        return cost_sentence(self.cost_data())
+
+    def data(self) -> dict:
+        "The claims file's JSON (the schema above, version `CLAIMS_VERSION`), NaN and infinities as None."
+        setting = {"text": self.setting, **{k: self.setting_fields.get(k) for k in SETTING_FIELDS}}
+        return {
+            "schema": CLAIMS_SCHEMA,
+            "version": CLAIMS_VERSION,
+            "stem": self.stem,
+            "source": "Claims.save",
+            "rule": "welch-t",
+            "rule_text": RULE,
+            "claims": [_record(i) for i in self.items],
+            "resolution": self.resolution_data(),
+            "cost": self.cost_data(),
+            "setting": setting if self.setting or self.setting_fields else None,
+            "tasks": self.tasks,
+        }
 
     def save(self) -> pd.DataFrame:
-        "Write the verdicts, the resolution and the rule to `<figures_dir>/<stem>_claims.md`; print the resolution; returns the verdicts as a frame."
-        self.figures_dir.mkdir(parents=True, exist_ok=True)
-        res = self.resolution()
-        print(res.replace("**", ""))
-        extra = "".join(
-            f"\n\n{t}"
-            for t in (
-                self.cost(),
-                f"**Setting.** {self.setting}" if self.setting else "",
-                f"**Tasks.** {self.tasks}" if self.tasks else "",
-            )
-            if t
-        )
-        atomic_write(
-            self.figures_dir / f"{self.stem}_claims.md",
-            markdown_table(self.frame(), index=False) + "\n" + res + extra + "\n\n" + RULE + "\n",
-        )
+        """Write the claims file: `<figures_dir>/<stem>_claims.json` (`data`) and the Markdown rendered from it,
+        `<stem>_claims.md` (`write_claims`); print the resolution; returns the verdicts as a frame."""
+        data = self.data()
+        print(resolution_sentence(data["resolution"]).replace("**", ""))
+        write_claims(self.figures_dir, data)
         return self.frame()
 
     def plot(self, save: bool = True):

@@ -5,9 +5,9 @@
 # %% ../../nbs/61_cli.ipynb #e509d5e7
 from __future__ import annotations
 import argparse
-import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from ..core.base import DiskWriteError, RunLockedError
@@ -16,10 +16,10 @@ from ..data.checks import UnreadableImagesError
 from ..core.registry import PRESETS
 from ..core.config import Config, ConfigError, load_config
 from .results import RunStopped
-from .experiment import config_data_root, process_rank, check_data, run
+from .experiment import config_data_root, process_rank, check_data, run, run_dir_for
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'main']
+__all__ = ['USER_ERRORS', 'main', 'headline']
 
 # %% ../../nbs/61_cli.ipynb #c64bb964
 def _init_distributed() -> bool:
@@ -153,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check_data_report(cfg, progress=not args.no_progress)
         dist = _init_distributed()
         is_main = process_rank() == 0
+        stored = (Path(args.run_dir) if args.run_dir else run_dir_for(cfg, args.runs_dir)).joinpath("done").exists()
         try:
             res = run(
                 cfg,
@@ -183,6 +184,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dml-train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return code
     if is_main:
-        print(f"run directory: {res.run_dir}")
-        print(json.dumps(res.metrics, indent=2))
+        print(headline(res, stored))
     return 0
+
+
+def headline(res, stored: bool = False) -> str:
+    """`dml-train`'s last line: method, dataset, the reported R@1 and NMI (percent), the epoch reported and thread
+    count, the run folder, and whether it is a stored result (`stored`); every metric is in its `metrics.json`."""
+    m, cfg = res.metrics, res.config
+    pairs = (("R@1", "test/recall@1"), ("NMI", "test/nmi"))
+    shown = ", ".join(f"{label} {100 * m[k]:.1f}" for label, k in pairs if isinstance(m.get(k), float))
+    threads = f", {res.info['threads']} thread(s)" if res.info.get("threads") else ""
+    return (
+        f"{cfg['method']['name']} on {cfg['data']['name']}: {shown or 'no test metric'} "
+        f"({res.info.get('reported', 'last epoch')}{threads}) in {res.run_dir}"
+        + (", a stored result (not trained again)" if stored else "")
+        + "; every metric in metrics.json"
+    )

@@ -5,6 +5,7 @@
 # %% ../../nbs/68_notebook.ipynb #cd1ab104
 from __future__ import annotations
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
+from .results import restore_results
 from .experiment import RUN_THREADS, load_result
 from ..methods.base import task_health
 from dml_nb.reproduction.repro import (
@@ -140,14 +142,15 @@ class Reproduction:
         )
         return self.write(per_seed.set_index("row")[["seed", "status"]], title, f"{self.dataset}: {notes}.")
 
-    def save(self, fig, suffix: str = "", pdf: bool = False) -> list[Path]:
-        "Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`)."
-        return save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
+    def save(self, fig, suffix: str = "", pdf: bool = False) -> None:
+        """Save `fig` as `figures/<stem><suffix>.png` (and `.pdf`). Returns nothing, so that a notebook cell ending in it
+        shows no file list (`finish` says where the files went)."""
+        save_figure(fig, self.figures / f"{self.stem}{suffix}", pdf=pdf)
 
     def claims(self) -> Claims:
         """The notebook's `Claims`, with the paper's numbers on the shown dataset beside ours (none where it has no paper
         file), the per-seed values of every row `run` ran (each difference is also reported paired by seed), what ran
-        (`note`) and whether each run's tasks were alive at the end (`tasks`)."""
+        (`note`, and its fields: `setting_fields`) and whether each run's tasks were alive at the end (`tasks`)."""
         try:
             paper = self.paper()
         except FileNotFoundError:
@@ -159,7 +162,19 @@ class Reproduction:
             per_seed=getattr(self, "per_seed", None),
             setting=self.note(compare=None),
             tasks=self.tasks(),
+            setting_fields=self.setting_fields(),
         )
+
+    def setting_fields(self) -> dict:
+        "What ran, as the claims file's setting fields (`claims.SETTING_FIELDS`): the fields of `note`."
+        epochs = getattr(self, "epochs_run", None) or [self.base["train"]["epochs"]]
+        return {
+            "dataset": self.dataset,
+            "backbone": self.base["model"]["backbone"],
+            "epochs": [int(e) for e in epochs],
+            "seeds": [int(s) for s in self.seeds],
+            "paper_dataset": self.shown,
+        }
 
     def tasks(self) -> str:
         """Whether every task of every run `run` ran still had a non-zero loss and gradient in its last epoch
@@ -198,6 +213,39 @@ class Reproduction:
             + "."
         )
 
+    def finish(self, claims: Claims | None = None) -> None:
+        """The notebook's last cell: print where its files went (the figures folder, relative to the project, and the
+        file names) and, given its `claims`, the verdict counts, so that a papermill run's output says what it made."""
+        files = sorted(p.name for p in self.figures.glob(f"{self.stem}*") if p.is_file())
+        try:
+            where = self.figures.resolve().relative_to(project_root())
+        except (ValueError, FileNotFoundError):
+            where = self.figures
+        print(f"{self.stem}: {len(files)} file(s) in {where}/: {', '.join(files)}")
+        if claims is not None:
+            n = {
+                v: sum(i["verdict"] == v for i in claims.items) for v in ("holds", "fails", "unresolved", "not tested")
+            }
+            print(
+                f"verdicts: {n['holds']} hold, {n['fails']} fail, {n['unresolved']} unresolved, {n['not tested']} not tested"
+            )
+
+
+def _restore(stem: str, results, runs: Path) -> None:
+    """Copy the finished runs of the results folder `results` (`output.results`: True, the default, for
+    `<project>/results`; a folder; False or None: none) into the run cache `runs`, as `dml-reproduce` does, so that
+    a fresh clone's notebook trains only what is not there (and the runs whose embeddings a figure reads). Not under
+    tests, whose smoke runs are other configs."""
+    if in_test() or results in (False, None):
+        return
+    source = project_root() / "results" if results is True else Path(results)
+    if got := restore_results(source, runs):
+        print(
+            f"{stem}: {len(got)} finished run(s) restored from {source} into {runs} "
+            "(output.results: false trains every run)",
+            file=_terminal(),
+        )
+
 
 def _small(value, n):
     "`value` at smoke size: a function applied, a list or mapping cut to its first `n` items, a number capped at `n`."
@@ -217,7 +265,8 @@ OUTPUT_KEYS = {
     "figures_dir": _DIR,
     "progress": (bool,),
     "threads": (int,),
-}  # `output`: folders, progress bars, CPU threads per run
+    "results": (*_DIR, bool),
+}  # `output`: folders, progress bars, CPU threads per run, the results folder to restore finished runs from
 
 
 def _parameter_dict(value, name: str, keys: Mapping[str, tuple], stem: str) -> dict:
@@ -284,6 +333,7 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
         figures, runs = _writable_dirs(stem, output, variant)
     except ValueError as e:
         raise _one_line(stem, e) from None
+    _restore(stem, output.get("results", True), runs)
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
     progress = output.get("progress", True)
     if progress and not (in_test() or _watched()):
@@ -366,13 +416,23 @@ def _check_data(base: Mapping) -> None:
     from dml_nb.reproduction.experiment import check_data
 
     if paper_variant(base) is not None:
-        check_data(make_config(base), progress=False)
+        try:
+            check_data(make_config(base), progress=False)
+        except Exception as e:  # dml-train's wording of the fix, spelled for a notebook's parameters
+            if e.args and isinstance(e.args[0], str) and "--set data.root=" in e.args[0]:
+                fix = r'papermill -y "config: {data: {root: \1}}" (in a -f file: config: {data: {root: \1}})'
+                text = re.sub(r"--set data\.root=(\S+?)(?=[,;)]|$| )", fix, e.args[0])
+                e.args = (text.replace(" (data.root: in a parameter file)", ""), *e.args[1:])
+            raise
 
 
 def _one_line(stem: str, e: BaseException) -> BaseException:
     "`e` (a parameter or data error of `stem`) told on the terminal in one line, as `dml-train` does; returned to raise."
     msg = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
-    print(f"{stem}: error: {msg.removeprefix(stem + ': ')}", file=_terminal())
+    line = f"{stem}: error: {msg.removeprefix(stem + ': ')}"
+    if not in_test():  # a test that expects the error keeps the terminal quiet
+        print(line, file=_terminal())
+    e._render_traceback_ = lambda: [line]  # IPython (JupyterLab, papermill) shows this line in place of the traceback
     return e
 
 

@@ -18,15 +18,16 @@ from typing import Mapping, Sequence
 from tqdm.auto import tqdm
 
 from ..core.base import atomic_write
+from .claims import RULES, load_claims, resolved_text
 from .experiment import RECIPES_VERSION
 from .results import RESULTS_ENV, restore_results
 from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
 # %% auto #0
-__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'judged_by', 'resolution', 'claims_summary', 'totals_by_setting',
-           'update_readme_claims', 'reproduce', 'results_folder', 'reproduce_main', 'machine_paths', 'scrub_output',
-           'scrub_notebook', 'write_executed']
+__all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'claims_files', 'judged_by', 'resolution', 'claims_summary',
+           'totals_by_setting', 'update_readme_claims', 'reproduce', 'results_folder', 'reproduce_main',
+           'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -48,42 +49,43 @@ def _provenance(state: Mapping, stem: str) -> str:
 VERDICTS = ("holds", "fails", "unresolved", "not tested")
 
 
-def _verdicts(path: Path) -> tuple[list[list[str]], bool]:
-    "The (claim, verdict, numbers) lines of a claims file, and whether it was judged by the rule of `dml_nb.reproduction.claims`."
-    text = path.read_text()
-    lines = [l for l in text.splitlines()[2:] if l.startswith("|")]
-    cells = [[c.strip() for c in l.strip("|").split(" | ")] for l in lines]
-    return [[c[0], "fails" if c[1] == "does not hold" else c[1]] for c in cells if len(c) > 1], "**Rule.**" in text
+def claims_files(figures_dir: str | Path) -> dict[str, dict]:
+    "{stem: its claims file's data (`claims.load_claims`)} of every `figures/repro_*_claims.json`, by stem."
+    files = {f.name[: -len("_claims.json")]: f for f in Path(figures_dir).glob("repro_*_claims.json")}
+    return {stem: load_claims(files[stem]) for stem in sorted(files)}
 
 
-def judged_by(text: str) -> str:
-    "The rule a claims file states: Welch's t over seeds (since the t rule), or the earlier 2 SE."
-    return "Welch t over seeds" if "Welch" in text else "2 SE over seeds"
+def _counts(data: Mapping) -> dict[str, int]:
+    "A claims file's number of claims by verdict (`VERDICTS`)."
+    return {k: sum(1 for c in data["claims"] if c["verdict"] == k) for k in VERDICTS}
 
 
-def resolution(path: Path) -> str:
-    """The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution`), and
-    paired by seed where it says ('R@1 1.3; paired R@1 1.1'), or ''."""
-    text = path.read_text()
-    m = re.search(r"resolves differences of at least (.*?) points", text)
-    p = re.search(r"the same seeds would resolve (.*?) points", text)
-    return (m.group(1) if m else "") + (f"; paired {p.group(1)}" if m and p else "")
+def judged_by(rule: str | None) -> str:
+    "How a claims file's verdicts were reached, by its `rule`: Welch's t over seeds, the earlier 2 SE, else a plain comparison."
+    return RULES.get(rule, "plain comparison") if rule else "plain comparison"
 
 
-def _sentence(text: str, pattern: str) -> str:
-    m = re.search(pattern, text)
-    return m.group(1) if m else ""
+def resolution(claims: str | Path | Mapping) -> str:
+    """The smallest differences a claims file says its seeds resolve ('R@1 1.3, NMI 0.9'; `Claims.resolution_data`),
+    and paired by seed where it says ('R@1 1.3; paired R@1 1.1'), or ''. `claims`: its data, or the path of its
+    JSON (or of the Markdown beside it)."""
+    if not isinstance(claims, Mapping):
+        p = Path(claims)
+        claims = load_claims(p.with_suffix(".json") if p.suffix == ".md" else p)
+    own, paired = resolved_text(claims.get("resolution"))
+    return own + (f"; paired {paired}" if own and paired else "")
 
 
-def _ran_on(text: str) -> str:
-    "The dataset a claims file's **Setting.** line names ('not recorded' in a file written before that line)."
-    return _sentence(text, r"\*\*Setting\.\*\* Ours: ([^,]+),") or "not recorded"
+def _ran_on(data: Mapping) -> str:
+    "The dataset a claims file's setting names ('not recorded' in a file written before the setting was)."
+    return (data.get("setting") or {}).get("dataset") or "not recorded"
 
 
 def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
-    """A Markdown table of `figures/*_claims.md` (notebook, the dataset it ran on and the recipes and day of its figures,
-    its runs and their training minutes, the verdicts by kind, the smallest difference its seeds resolve, the counts
-    of the previous regime from `figures/.claims_before.json`, the claims that hold), and the totals by verdict."""
+    """A Markdown table of the claims files (`claims_files`: notebook, the dataset it ran on and the recipes and day of
+    its figures, its runs and their training minutes, the verdicts by kind, the smallest difference its seeds resolve,
+    the counts of the previous regime from `figures/.claims_before.json`, the claims that hold), and the totals by
+    verdict."""
     fdir = Path(figures_dir)
     state = json.loads((fdir / ".reproduced.json").read_text()) if (fdir / ".reproduced.json").exists() else {}
     before = (
@@ -92,25 +94,20 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         else {}
     )
     rows, total = [], dict.fromkeys(VERDICTS, 0)
-    for f in sorted(fdir.glob("repro_*_claims.md")):
-        cells, ruled = _verdicts(f)
-        text = f.read_text()
-        count = {k: sum(1 for c in cells if c[1] == k) for k in VERDICTS}
+    for stem, data in claims_files(fdir).items():
+        count = _counts(data)
         for k in VERDICTS:
             total[k] += count[k]
-        stem = f.name[: -len("_claims.md")]
-        held = "; ".join(c[0] for c in cells if c[1] == "holds") or "-"
+        held = "; ".join(c["claim"].replace("|", "\\|") for c in data["claims"] if c["verdict"] == "holds") or "-"
         b = before.get(stem)
         was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
-        runs, minutes = (
-            _sentence(text, r"\*\*Cost\.\*\* (\d+) runs"),
-            _sentence(text, r"runs, ([\d.]+) minutes of training"),
-        )
+        cost = data.get("cost") or {}
+        runs, minutes = cost.get("runs", ""), f"{cost['training_minutes']:.1f}" if cost else ""
         rows.append(
-            f"| [`{stem}`](figures/{f.name}) | {_ran_on(text)} | "
-            f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(text) if ruled else 'plain comparison'} | "
+            f"| [`{stem}`](figures/{stem}_claims.md) | {_ran_on(data)} | "
+            f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(data.get('rule'))} | "
             + " | ".join(str(count[k]) for k in VERDICTS)
-            + f" | {resolution(f)} | {was} | {held} |"
+            + f" | {resolution(data)} | {was} | {held} |"
         )
     head = (
         "| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
@@ -120,13 +117,13 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
 
 
 def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
-    "{the dataset the claims files say they ran on ('not recorded' before the setting line): (notebooks, totals by verdict)}."
+    "{the dataset the claims files say they ran on ('not recorded' before the setting was): (notebooks, totals by verdict)}."
     out = {}
-    for f in sorted(Path(figures_dir).glob("repro_*_claims.md")):
-        key = _ran_on(f.read_text())
+    for data in claims_files(figures_dir).values():
+        key = _ran_on(data)
         n, t = out.setdefault(key, (0, dict.fromkeys(VERDICTS, 0)))
-        for _, v in _verdicts(f)[0]:
-            t[v] = t.get(v, 0) + 1
+        for k, v in _counts(data).items():
+            t[k] += v
         out[key] = (n + 1, t)
     return out
 
@@ -208,7 +205,9 @@ def reproduce(
             str(out_dir / nb.name),
             cwd=str(root / "nbs"),
             progress_bar=False,
-            parameters={"output": {"progress": False, "figures_dir": str(root / "figures")}},
+            parameters={
+                "output": {"progress": False, "figures_dir": str(root / "figures"), "results": False}
+            },  # restored above
         )  # the one writer of figures/
         if write_notebooks:
             write_executed(out_dir / nb.name, nb, root)

@@ -281,7 +281,8 @@ def notebook_parameters(
     runs_dir: str | Path | None = None,
 ) -> dict:
     """The papermill parameters of a notebook run: the `-f` file, the `-y` YAML (or dict) over it (as papermill
-    merges them: key by key), `seeds`, and `output.runs_dir` (the given one, else `$DML_RUNS` when set)."""
+    merges them: key by key), `seeds`, `output.runs_dir` (the given one, else `$DML_RUNS` when set), and
+    `output.results: false` (`dml-reproduce` restores the results folder it is given before running any notebook)."""
     params = {}
     if params_file is not None:
         p = Path(params_file)
@@ -298,7 +299,12 @@ def notebook_parameters(
     if seeds is not None:
         params["seeds"] = [int(s) for s in seeds]
     runs = runs_dir or (params.get("output") or {}).get("runs_dir") or os.environ.get("DML_RUNS")
-    params["output"] = {**(params.get("output") or {}), "progress": False, **({"runs_dir": str(runs)} if runs else {})}
+    params["output"] = {
+        **(params.get("output") or {}),
+        "progress": False,
+        "results": False,  # dml-reproduce restores the results folder itself (--results-dir)
+        **({"runs_dir": str(runs)} if runs else {}),
+    }
     return params
 
 
