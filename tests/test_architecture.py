@@ -218,8 +218,95 @@ def test_every_import_runs_down_the_layers():
 
 
 def test_the_layers_are_the_folders():
+    "The layers are the package's folders; beside them at the top, only the public modules."
     assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(LAYERS)
-    assert not [p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_modidx.py")]
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_modidx.py"))
+    assert top == sorted(PUBLIC_MODULES), (
+        f"the top of the package holds only the public modules {PUBLIC_MODULES}, not {sorted(set(top) - set(PUBLIC_MODULES))}"
+    )
+
+
+# The public namespace (`from dml_nb import losses, methods`; 03_threads): modules at the top of the package that only
+# re-export names of the layers (70_losses to 74_experiments), and layer packages whose `__init__` re-exports its
+# layer's names on first use (18_data, 46_training, 35_evaluation, 58_methods). They are for users: no module of the
+# library imports one.
+PUBLIC_MODULES = ("losses", "miners", "distances", "models", "experiments")
+PUBLIC_PACKAGES = ("data", "training", "evaluation", "methods")
+
+
+def _all_names(tree: ast.Module) -> list[str]:
+    "The literal `__all__` of a module."
+    return next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"]
+    )
+
+
+def test_the_package_names_the_public_namespace():
+    "`dml_nb.__all__` is the public modules and packages, which `import dml_nb` gives on first use."
+    assert sorted(_all_names(ast.parse((PKG / "__init__.py").read_text()))) == sorted(PUBLIC_MODULES + PUBLIC_PACKAGES)
+    assert set(PUBLIC_PACKAGES) <= set(LAYERS)
+
+
+def test_the_public_modules_only_re_export():
+    "A public module is a docstring, imports of public names from the layers, and the `__all__` that lists them."
+    for name in PUBLIC_MODULES:
+        module, tree = f"dml_nb.{name}", ast.parse((PKG / f"{name}.py").read_text())
+        imported = []
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node)
+                assert target.startswith("dml_nb.") and target.split(".")[1] in LAYERS, f"{module} imports {target}"
+                imported += [a.asname or a.name for a in node.names]
+            else:
+                targets = [getattr(t, "id", None) for t in node.targets] if isinstance(node, ast.Assign) else []
+                docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                assert docstring or targets in (["__all__"], ["_all_"]), (
+                    f"{module}:{node.lineno} does more than re-export ({type(node).__name__}): define it in a layer"
+                )
+        assert not [n for n in imported if n.startswith("_")], f"{module} re-exports private names"
+        assert sorted(_all_names(tree)) == sorted(imported), f"{module}: __all__ differs from what it imports"
+
+
+def test_the_public_packages_import_on_first_use():
+    "A public layer package imports nothing when imported: its names come through a module `__getattr__`."
+    for name in PUBLIC_PACKAGES:
+        tree = ast.parse((PKG / name / "__init__.py").read_text())
+        eager = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not eager, f"dml_nb.{name} imports at lines {eager}: import its names inside __getattr__"
+        assert "__getattr__" in [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+
+
+def test_no_module_imports_the_public_namespace():
+    "A module of the library imports from the layers: importing a public module or package closes a circle through it."
+    mods = _modules()
+    public = {f"dml_nb.{n}" for n in PUBLIC_MODULES + PUBLIC_PACKAGES}
+    bad = [
+        f"{m}:{line} imports {t}"
+        for m, p in mods.items()
+        if m not in public
+        for t, _, line in _imports(m, p, set(mods) | public)
+        if t in public
+    ]
+    assert not bad, "modules importing the public namespace (import from the defining module instead):\n" + "\n".join(
+        bad
+    )
+
+
+def test_importing_the_package_loads_no_torch():
+    "`import dml_nb` and its public packages load no torch; `from dml_nb import losses` gives the layers' objects."
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dml_nb, dml_nb.data, dml_nb.training, dml_nb.evaluation, dml_nb.methods\n"
+        "assert 'torch' not in sys.modules, 'import dml_nb loaded torch'\n"
+        "from dml_nb import losses, miners, methods\n"
+        "from dml_nb.blocks.losses import MarginLoss\nfrom dml_nb.methods.diva import DiVA\n"
+        "assert losses.MarginLoss is MarginLoss and methods.DiVA is DiVA and dml_nb.miners is miners"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 # Size limits that reward structure: a function (a method, a nested function) at most 60 lines, a class at most 300,
