@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..core.base import atomic_json, atomic_write, lock_dir
-from ..training.config import ConfigError
+from ..core.config import ConfigError
 
 # %% auto #0
 __all__ = ['RESULTS_ENV', 'RESULT_FILES', 'RunStopped', 'stopped_record', 'record_stopped', 'check_stopped', 'results_dir',
