@@ -164,7 +164,7 @@ def write_cub(root: Path, classes: int, per_class: int) -> Path:
 
 
 def paper_config(method: str, root: Path, device, tiny: bool, steps: int, extra=()):
-    from dml_nb.training.config import load_config
+    from dml_nb.core.config import load_config
 
     over = [
         f"data.root={root}",
@@ -410,7 +410,8 @@ dev = torch.device(sys.argv[1])
 backend = "nccl" if dev.type == "cuda" else "gloo"
 if dev.type == "cuda": torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 dist.init_process_group(backend)
-from dml_nb.training.distributed import all_reduce_logs, data_parallel, gather_rows, mean_over_processes
+from dml_nb.core.base import gather_rows
+from dml_nb.training.distributed import all_reduce_logs, data_parallel, mean_over_processes
 from dml_nb.methods.base import BaselineMethod
 from dml_nb.blocks.models import build_backbone
 x = torch.arange(6.0, device=dev).view(3, 2)

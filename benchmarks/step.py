@@ -63,7 +63,7 @@ def main():
 
     from dml_nb.reproduction.repro import NOVEL_BASE
     from dml_nb.reproduction.experiment import build_learner
-    from dml_nb.training.config import make_config
+    from dml_nb.core.config import make_config
     from dml_nb.data.batches import SeededViews, to_device
     from dml_nb.data.cache import RawItems, pad_collate
     from dml_nb.core.base import stream_seed

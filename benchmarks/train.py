@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import dml_nb.reproduction.experiment as X
-from dml_nb.training.config import load_config
+from dml_nb.core.config import load_config
 from dml_nb.data.datasets import ArrayDataset, make_transform
 from dml_nb.training.callbacks import Callback
 from dml_nb.blocks.models import build_backbone

@@ -1,5 +1,6 @@
-"""The package's shape: no import circle between modules (function-level imports included), no private name
-imported across modules, and the layers as folders. Read from the sources with `ast`, nothing is imported."""
+"""The package's shape: the layers as folders, every import running down their order (function-level imports
+included), no import circle between modules, no private name imported across modules. Read from the sources with
+`ast`, nothing is imported."""
 
 import ast
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dml_nb"
-LAYERS = ("core", "data", "blocks", "training", "evaluation", "methods", "reproduction")
+# the layers, lowest first: a module imports only from its own layer and the layers before it (README, Layout)
+LAYERS = ("core", "data", "blocks", "evaluation", "training", "methods", "reproduction")
 
 
 def _modules() -> dict[str, Path]:
@@ -115,9 +117,196 @@ def test_no_private_name_crosses_a_module():
     assert not bad, "private names used across modules (make them public or move them):\n" + "\n".join(bad)
 
 
+def _layer(module: str) -> int:
+    "The place of `module`'s layer in `LAYERS`; -1 for the package root `dml_nb` (which every import runs first)."
+    parts = module.split(".")
+    if parts == ["dml_nb"]:
+        return -1
+    assert parts[0] == "dml_nb" and len(parts) > 1 and parts[1] in LAYERS, f"{module} is in no layer of {LAYERS}"
+    return LAYERS.index(parts[1])
+
+
+def _all_imports(path: Path, module: str, package: bool, root: Path = ROOT) -> list[tuple[str, int]]:
+    """(imported dml_nb module, line) of every import in `path` at any depth (module level, in functions, under
+    `if TYPE_CHECKING`): `import dml_nb.x.y`, `from dml_nb.x import y`, `from ..x import y`, `from . import y` (a
+    submodule `y` counts as the module it names). `package`: `path` is `module`'s `__init__.py`; `root` holds dml_nb/."""
+    here = module.split(".") if package else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "dml_nb"]
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if target.split(".")[0] != "dml_nb":
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}", root)]
+            out += [(t, node.lineno) for t in subs or [target]]
+    return out
+
+
+def _is_module(name: str, root: Path = ROOT) -> bool:
+    p = root.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def _upward_imports(root: Path = ROOT) -> list[str]:
+    "'module:line imports target (layer a -> higher layer b)' for every import into a layer above the importer's."
+    bad = []
+    for p in sorted((root / "dml_nb").rglob("*.py")):
+        if p.name == "_modidx.py" or p.parent == root / "dml_nb":
+            continue  # nbdev's index; the package root (no layer: it only sets the environment torch starts in)
+        parts = p.relative_to(root).with_suffix("").parts
+        package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if package else parts)
+        for target, line in _all_imports(p, module, package, root):
+            a, b = _layer(module), _layer(target)
+            if b > a:
+                bad.append(f"{module}:{line} imports {target} (layer {LAYERS[a]} -> higher layer {LAYERS[b]})")
+    return bad
+
+
+def test_the_direction_walker_sees_every_kind_of_import(tmp_path):
+    "Relative and absolute, `import` and `from`, module level and in a function, a submodule named in `from . import`."
+    src = (
+        "import os\n"
+        "from .neighbours import knn\n"  # same layer: fine
+        "from ..core.base import atomic_write\n"  # lower: fine
+        "import dml_nb.training.learner\n"  # 4: up
+        "from dml_nb.methods import diva\n"  # 5: up (a submodule)
+        "def f():\n"
+        "    from ..reproduction.experiment import run\n"  # 7: up, inside a function
+        "    from .. import core\n"  # 8: the package dml_nb.core, lower: fine
+    )
+    got = [
+        (t, line)
+        for t, line in _all_imports(_write(tmp_path, "m", src), "dml_nb.evaluation.metrics", False)
+        if _layer(t) > _layer("dml_nb.evaluation.metrics")
+    ]
+    assert got == [
+        ("dml_nb.training.learner", 4),
+        ("dml_nb.methods.diva", 5),
+        ("dml_nb.reproduction.experiment", 7),
+    ]
+    init = "def f():\n    from .formats import DATASETS\n    from ..training import learner\n"
+    assert _all_imports(_write(tmp_path, "i", init), "dml_nb.data", True) == [
+        ("dml_nb.data.formats", 2),
+        ("dml_nb.training.learner", 3),
+    ]
+
+
+def test_an_upward_import_in_a_function_fails_with_its_place(tmp_path):
+    "On a two-layer tree: a function-level import from core into training is reported as module:line and layers."
+    files = {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/a.py": "def f():\n    from ..training import b\n    return b\n",
+        "training/__init__.py": "",
+        "training/b.py": "from ..core.a import f\nimport dml_nb.core.a\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "dml_nb" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "dml_nb" / name).write_text(text)
+    assert _upward_imports(tmp_path) == [
+        "dml_nb.core.a:2 imports dml_nb.training.b (layer core -> higher layer training)"
+    ]
+
+
+def test_every_import_runs_down_the_layers():
+    bad = _upward_imports()
+    assert not bad, f"imports that run up the layers {' < '.join(LAYERS)}:\n" + "\n".join(bad)
+
+
 def test_the_layers_are_the_folders():
+    "The layers are the package's folders; beside them at the top, only the public modules."
     assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(LAYERS)
-    assert not [p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_modidx.py")]
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_modidx.py"))
+    assert top == sorted(PUBLIC_MODULES), (
+        f"the top of the package holds only the public modules {PUBLIC_MODULES}, not {sorted(set(top) - set(PUBLIC_MODULES))}"
+    )
+
+
+# The public namespace (`from dml_nb import losses, methods`; 03_threads): modules at the top of the package that only
+# re-export names of the layers (70_losses to 74_experiments), and layer packages whose `__init__` re-exports its
+# layer's names on first use (18_data, 46_training, 35_evaluation, 58_methods). They are for users: no module of the
+# library imports one.
+PUBLIC_MODULES = ("losses", "miners", "distances", "models", "experiments")
+PUBLIC_PACKAGES = ("data", "training", "evaluation", "methods")
+
+
+def _all_names(tree: ast.Module) -> list[str]:
+    "The literal `__all__` of a module."
+    return next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"]
+    )
+
+
+def test_the_package_names_the_public_namespace():
+    "`dml_nb.__all__` is the public modules and packages, which `import dml_nb` gives on first use."
+    assert sorted(_all_names(ast.parse((PKG / "__init__.py").read_text()))) == sorted(PUBLIC_MODULES + PUBLIC_PACKAGES)
+    assert set(PUBLIC_PACKAGES) <= set(LAYERS)
+
+
+def test_the_public_modules_only_re_export():
+    "A public module is a docstring, imports of public names from the layers, and the `__all__` that lists them."
+    for name in PUBLIC_MODULES:
+        module, tree = f"dml_nb.{name}", ast.parse((PKG / f"{name}.py").read_text())
+        imported = []
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node)
+                assert target.startswith("dml_nb.") and target.split(".")[1] in LAYERS, f"{module} imports {target}"
+                imported += [a.asname or a.name for a in node.names]
+            else:
+                targets = [getattr(t, "id", None) for t in node.targets] if isinstance(node, ast.Assign) else []
+                docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                assert docstring or targets in (["__all__"], ["_all_"]), (
+                    f"{module}:{node.lineno} does more than re-export ({type(node).__name__}): define it in a layer"
+                )
+        assert not [n for n in imported if n.startswith("_")], f"{module} re-exports private names"
+        assert sorted(_all_names(tree)) == sorted(imported), f"{module}: __all__ differs from what it imports"
+
+
+def test_the_public_packages_import_on_first_use():
+    "A public layer package imports nothing when imported: its names come through a module `__getattr__`."
+    for name in PUBLIC_PACKAGES:
+        tree = ast.parse((PKG / name / "__init__.py").read_text())
+        eager = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not eager, f"dml_nb.{name} imports at lines {eager}: import its names inside __getattr__"
+        assert "__getattr__" in [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+
+
+def test_no_module_imports_the_public_namespace():
+    "A module of the library imports from the layers: importing a public module or package closes a circle through it."
+    mods = _modules()
+    public = {f"dml_nb.{n}" for n in PUBLIC_MODULES + PUBLIC_PACKAGES}
+    bad = [
+        f"{m}:{line} imports {t}"
+        for m, p in mods.items()
+        if m not in public
+        for t, _, line in _imports(m, p, set(mods) | public)
+        if t in public
+    ]
+    assert not bad, "modules importing the public namespace (import from the defining module instead):\n" + "\n".join(
+        bad
+    )
+
+
+def test_importing_the_package_loads_no_torch():
+    "`import dml_nb` and its public packages load no torch; `from dml_nb import losses` gives the layers' objects."
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dml_nb, dml_nb.data, dml_nb.training, dml_nb.evaluation, dml_nb.methods\n"
+        "assert 'torch' not in sys.modules, 'import dml_nb loaded torch'\n"
+        "from dml_nb import losses, miners, methods\n"
+        "from dml_nb.blocks.losses import MarginLoss\nfrom dml_nb.methods.diva import DiVA\n"
+        "assert losses.MarginLoss is MarginLoss and methods.DiVA is DiVA and dml_nb.miners is miners"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 # Size limits that reward structure: a function (a method, a nested function) at most 60 lines, a class at most 300,

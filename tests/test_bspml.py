@@ -688,7 +688,7 @@ def test_paper_readings_are_named_presets_that_resolve_to_their_options():
     "method.preset gives the reading's options (the file's own win); the same options written out are the same run."
     from dml_nb.core.base import config_hash
     from dml_nb.core.registry import PRESETS
-    from dml_nb.training.config import ConfigError, config_to_dict, make_config
+    from dml_nb.core.config import ConfigError, config_to_dict, make_config
     from dml_nb.methods.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
 
     assert (

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dml_nb.data.formats import DATASETS, SPLITS
+from dml_nb.core.registry import DATASETS, SPLITS
 from dml_nb.data.datasets import add_label_noise, load_dataset, make_shapes
 from dml_nb.data.checks import write_fake_dataset
 

@@ -7,7 +7,7 @@ import pytest
 
 from dml_nb.core.base import config_hash
 from dml_nb.reproduction.experiment import run
-from dml_nb.training.config import ConfigError, config_to_dict, make_config
+from dml_nb.core.config import ConfigError, config_to_dict, make_config
 
 TINY = {
     "data": {"name": "shapes", "images_per_class": 4, "size": 32},
@@ -176,7 +176,7 @@ def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
 def test_config_eval_names_are_the_library_readings():
     "The schema's allowed values for the eval readings and reports are exactly those the library defines."
     import typing
-    from dml_nb.training.config import EvalConfig
+    from dml_nb.core.config import EvalConfig
     from dml_nb.evaluation.clustering import NMI_AVERAGES, NMI_KMEANS
     from dml_nb.evaluation.metrics import NMI_ON, SELF_MATCH
     from dml_nb.training.learner import REPORTS
@@ -221,7 +221,7 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     class_random and mic, and passes reshuffle on to every cluster's sampler."""
     import typing
     import dml_nb.methods.dnc as dnc_module
-    from dml_nb.training.config import TrainConfig
+    from dml_nb.core.config import TrainConfig
     from dml_nb.reproduction.experiment import build_learner
     from dml_nb.data.samplers import SAMPLER_DRAWS
     from dml_nb.training.learner import ZERO_GRADS

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dml_nb.data.datasets import load_dataset
-from dml_nb.training.config import make_config
+from dml_nb.core.config import make_config
 from dml_nb.data.finegrained import (
     CLASSES_PER_SPLIT,
     FACTORS,
@@ -72,7 +72,7 @@ def test_load_dataset_and_config_know_the_name():
 
 def test_config_images_per_class_reaches_the_finegrained_set():
     "`data.images_per_class` in a config is passed to the embedded fine-grained set (it was once silently ignored)."
-    from dml_nb.training.config import make_config
+    from dml_nb.core.config import make_config
     from dml_nb.reproduction.experiment import build_datasets
 
     train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dml_nb.core.registry import METHODS
-from dml_nb.training.config import make_config, read_yaml
+from dml_nb.core.config import make_config, read_yaml
 from dml_nb.reproduction.notebook import params_base
 from dml_nb.reproduction.repro import Row
 

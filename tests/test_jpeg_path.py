@@ -21,7 +21,7 @@ from dml_nb.data.batches import (
     random_resized_crop_params,
     to_device,
 )
-from dml_nb.training.config import ConfigError, make_config
+from dml_nb.core.config import ConfigError, make_config
 from dml_nb.core.base import seed_everything
 from dml_nb.data.datasets import ImageListDataset, make_transform
 

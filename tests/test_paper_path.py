@@ -58,7 +58,7 @@ def _shrink_train(t: dict | None) -> dict:
 
 @pytest.mark.parametrize("path", TRAIN_FILES, ids=[f.name for f in TRAIN_FILES])
 def test_dml_train_runs_every_paper_file(path, data_root, tmp_path):
-    from dml_nb.training.config import load_config
+    from dml_nb.core.config import load_config
 
     cfg = load_config(path)
     k = cfg.train.samples_per_class

@@ -32,9 +32,9 @@ def test_checks_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="width: 4, feature_dim: 8"):
         shipped_weights(32, 256, folder=tmp_path)
     pt.write_bytes(pt.read_bytes()[:-1] + b"x")
-    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.blocks.pretrain"):
+    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.reproduction.pretrain"):
         shipped_weights(4, 8, folder=tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m dml_nb.blocks.pretrain"):
+    with pytest.raises(FileNotFoundError, match="python -m dml_nb.reproduction.pretrain"):
         shipped_weights(folder=tmp_path / "none")
 
 
@@ -58,7 +58,7 @@ def test_reproductions_see_the_shipped_weights():
 
 
 def test_the_shipped_weights_checksum_is_part_of_the_run_hash(monkeypatch):
-    from dml_nb.training.config import make_config
+    from dml_nb.core.config import make_config
     from dml_nb.reproduction.experiment import run_dir_for
 
     raw = {
@@ -89,7 +89,7 @@ def test_novelpool_ships_loads_offline_and_differs_from_fgpool():
 
 
 def test_each_shipped_file_has_its_own_run_hash():
-    from dml_nb.training.config import make_config
+    from dml_nb.core.config import make_config
     from dml_nb.reproduction.experiment import run_dir_for
 
     raw = {
@@ -108,3 +108,30 @@ def test_a_novel_layout_recipe_pretrains_on_the_novel_pool(tmp_path):
         for n, r in (("a", novel), ("b", novel), ("c", TINY))
     )
     assert a == b and a != c
+
+
+def test_the_dml_pretrain_command_is_where_pyproject_points(capsys):
+    "The console script and `python -m` reach the command (in reproduction, above the metrics its check reads)."
+    import importlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+
+    root = Path(__file__).resolve().parents[1]
+    target = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["dml-pretrain"]
+    module, _, name = target.partition(":")
+    assert module == "dml_nb.reproduction.pretrain"
+    main = getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--check" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # nothing to compare with: refused before minutes of pretraining
+        main(["--check", "--out", str(root / "no-such-folder")])
+    assert e.value.code == 2 and "no small_cnn_fgpool.pt.sha256" in capsys.readouterr().err
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0 and "dml-pretrain" in out.stdout

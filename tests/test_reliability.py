@@ -22,7 +22,7 @@ import yaml
 from dml_nb.core.base import RunLockedError
 from dml_nb.core.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
 from dml_nb.reproduction.experiment import run, run_dir_for
-from dml_nb.training.config import ConfigError, config_to_dict, load_config, make_config
+from dml_nb.core.config import ConfigError, config_to_dict, load_config, make_config
 from dml_nb.reproduction.cli import main
 from dml_nb.data.formats import (
     DatasetFormatError,

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from dml_nb.training.config import ConfigError, RANGES, _numeric_fields, load_config, make_config
+from dml_nb.core.config import ConfigError, RANGES, _numeric_fields, load_config, make_config
 
 from test_reliability import TINY, cli, cub, one_line_error, snapshot  # noqa: F401 (fixtures below)
 from test_reliability import image_cache, params  # noqa: F401
@@ -445,7 +445,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, params, capsys):
     a.write_text("train: &t {epochs: 1, lr: 0.01}\n")  # anchors that stay small still read
     assert load_config(a).train.epochs == 1
     with pytest.raises(ConfigError, match="aliases"):
-        from dml_nb.training.config import parse_yaml
+        from dml_nb.core.config import parse_yaml
 
         parse_yaml(BOMB, "bomb")
 

@@ -34,7 +34,7 @@ from dml_nb.reproduction.results import (
     save_result,
 )
 from dml_nb.reproduction.sweep import Plan, SweepMode, plan_configs
-from dml_nb.training.config import config_to_dict, make_config
+from dml_nb.core.config import config_to_dict, make_config
 
 from test_reliability import TINY, snapshot
 

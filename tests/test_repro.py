@@ -12,7 +12,7 @@ import yaml
 from dml_nb.reproduction.claims import Claims, Verdict, better
 from dml_nb.reproduction.notebook import params_base, setup
 from dml_nb.reproduction.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke
-from dml_nb.training.config import ConfigError, make_config
+from dml_nb.core.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "nbs").glob("repro_*.ipynb"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dml_nb.training.config import config_to_dict, load_config, make_config
+from dml_nb.core.config import config_to_dict, load_config, make_config
 from dml_nb.reproduction.experiment import run_dir_for, run_key
 from dml_nb.reproduction.repro import smoke
 
@@ -58,7 +58,7 @@ def _fields(cls, prefix=""):
 
 def test_every_field_says_how_it_enters_the_run_hash():
     "A field declared without `hashed` or `added_later` fails here (and `config_to_dict` refuses it)."
-    from dml_nb.training.config import Config, HASH_RULES
+    from dml_nb.core.config import Config, HASH_RULES
 
     undeclared = [name for name, f in _fields(Config) if f.metadata.get("hash") not in HASH_RULES]
     assert not undeclared, f"fields without a run-hash rule (declare them with added_later(default)): {undeclared}"
@@ -66,7 +66,7 @@ def test_every_field_says_how_it_enters_the_run_hash():
 
 def test_added_later_fields_at_their_default_leave_the_dict_unchanged():
     "The fields that were once the `_OMITTED_AT_DEFAULT` table (and the ones added since) are out of the dict at their defaults."
-    from dml_nb.training.config import Config
+    from dml_nb.core.config import Config
 
     d = config_to_dict(make_config({}))
     later = [name for name, f in _fields(Config) if f.metadata.get("hash") == "omit_at_default"]
@@ -85,7 +85,7 @@ def test_added_later_fields_at_their_default_leave_the_dict_unchanged():
 
 def test_learner_defaults_are_the_config_defaults(shapes4):
     "A `Learner` with no settings holds exactly the sections' defaults; `build_learner(Config())` holds the same."
-    from dml_nb.training.config import Config, EvalConfig, TrainConfig
+    from dml_nb.core.config import Config, EvalConfig, TrainConfig
     from dml_nb.training.learner import Learner, build_sampler
     from dml_nb.methods.base import BaselineMethod
     from dml_nb.blocks.models import build_backbone
@@ -112,7 +112,7 @@ def test_learner_defaults_are_the_config_defaults(shapes4):
 def test_evaluation_defaults_are_written_once():
     "`metrics.evaluate`, `check_eval_readings` and NMI take their defaults from `EvalConfig`; the readings' names too."
     import inspect
-    from dml_nb.training.config import EvalConfig, choices
+    from dml_nb.core.config import EvalConfig, choices
     from dml_nb.evaluation import clustering, metrics
     from dml_nb.evaluation.evaluator import Evaluator
 
@@ -134,7 +134,7 @@ def test_evaluation_defaults_are_written_once():
 
 def test_learner_settings_are_the_sections_fields(shapes4):
     "Single settings by name go to their section; unknown, ambiguous, sampler-only and old spellings are refused."
-    from dml_nb.training.config import ConfigError
+    from dml_nb.core.config import ConfigError
     from dml_nb.training.learner import learner_sections
 
     t, e = learner_sections({"epochs": 3}, None, lr=2e-3, metrics=("recall@1",), nmi_seeds=2)

@@ -303,7 +303,7 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
     from dml_nb.reproduction.experiment import run_dir_for
     from dml_nb.reproduction.results import RunStopped, stopped_record
     from dml_nb.reproduction.repro import Row, run_rows
-    from dml_nb.training.config import make_config
+    from dml_nb.core.config import make_config
     from dml_nb.training.learner import Learner
 
     why = "1 of 2 clusters cannot form a batch with negatives"

@@ -5,7 +5,6 @@
 # %% ../../nbs/25_pretrain.ipynb #1514c635
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import time
@@ -19,13 +18,12 @@ import torch.nn.functional as F
 
 import dml_nb
 from ..data.finegrained import make_finegrained
-from ..evaluation.metrics import recall_at_k
 from .models import build_backbone
 from ..core.registry import SHIPPED_WEIGHTS
 
 # %% auto #0
-__all__ = ['TAG', 'RECIPES', 'WEIGHTS_DIR', 'PretrainRecipe', 'shift_flip', 'pretrain', 'save_weights', 'shipped_weights',
-           'shipped_checksum', 'small_cnn_shipped', 'main', 'feature_recall']
+__all__ = ['TAG', 'RECIPES', 'WEIGHTS_DIR', 'PretrainRecipe', 'to_input', 'shift_flip', 'pretrain', 'save_weights',
+           'shipped_weights', 'shipped_checksum', 'small_cnn_shipped']
 
 # %% ../../nbs/25_pretrain.ipynb #85990034
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ RECIPES = {
 WEIGHTS_DIR = Path(dml_nb.__file__).parent / "weights"
 
 # %% ../../nbs/25_pretrain.ipynb #e2e606b8
-def _to_input(images: np.ndarray) -> torch.Tensor:
+def to_input(images: np.ndarray) -> torch.Tensor:
     "uint8 (N, H, W, 3) -> float (N, 3, H, W), normalised as `small_cnn` expects (mean 0.5, std 0.5)."
     return (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
 
@@ -113,11 +111,11 @@ def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -
         torch.use_deterministic_algorithms(True)
         t1, c1 = time.perf_counter(), time.process_time()
         net, clf = _train(
-            r, _to_input(pool.images), torch.from_numpy(pool.labels), torch.Generator().manual_seed(r.seed), progress
+            r, to_input(pool.images), torch.from_numpy(pool.labels), torch.Generator().manual_seed(r.seed), progress
         )
         stats.update(train_wall_s=time.perf_counter() - t1, train_cpu_s=time.process_time() - c1, threads=r.threads)
         with torch.no_grad():
-            pred = torch.cat([clf(net(c)).argmax(1) for c in _to_input(held.images).split(500)])
+            pred = torch.cat([clf(net(c)).argmax(1) for c in to_input(held.images).split(500)])
         stats["heldout_accuracy"] = (pred == torch.from_numpy(held.labels)).float().mean().item()
     finally:
         torch.set_num_threads(threads)
@@ -130,7 +128,8 @@ def _sha256(path: Path) -> str:
 
 
 def _command(tag: str) -> str:
-    return "python -m dml_nb.blocks.pretrain" + ("" if tag == TAG else f" --tag {tag}")
+    "How to regenerate the weights of `tag`: the command of `61a_pretrain` (`dml-pretrain`)."
+    return "python -m dml_nb.reproduction.pretrain" + ("" if tag == TAG else f" --tag {tag}")
 
 
 def _files(folder, tag) -> tuple[Path, Path, Path]:
@@ -207,43 +206,3 @@ def small_cnn_shipped(
 ):
     "What `small_cnn(pretrained=True)` loads: `shipped_weights`, or with `checksum_only` `shipped_checksum`."
     return shipped_checksum(tag=tag) if checksum_only else shipped_weights(width, feature_dim, in_channels, tag=tag)
-
-# %% ../../nbs/25_pretrain.ipynb #d248f7b1
-def main(argv: list[str] | None = None) -> None:
-    "The command line: pretrain with the shipped recipe and write (or `--check`) the weights; prints the measurements."
-    p = argparse.ArgumentParser(
-        prog="dml-pretrain",
-        description="Regenerate the pretrained small_cnn weights (the stand-in for ImageNet) bit-identically on CPU.",
-    )
-    p.add_argument("--out", default=str(WEIGHTS_DIR), help="folder for the weights (default: the package's)")
-    p.add_argument("--check", action="store_true", help="regenerate into a temporary folder and compare with --out")
-    p.add_argument("--tag", default=TAG, choices=list(RECIPES), help=f"which shipped recipe (default: {TAG})")
-    a = p.parse_args(argv)
-    recipe = RECIPES[a.tag]
-    net, stats = pretrain(recipe)
-    if a.check:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            new = _sha256(save_weights(net, recipe, stats["heldout_accuracy"], d, a.tag))
-        stats["identical"] = new == _files(a.out, a.tag)[1].read_text().split()[0]
-    else:
-        stats["file"] = str(save_weights(net, recipe, stats["heldout_accuracy"], a.out, a.tag))
-    print(json.dumps(stats, indent=1))
-    if a.check and not stats["identical"]:
-        raise SystemExit("the regenerated weights differ from the shipped file")
-
-# %% ../../nbs/25_pretrain.ipynb #4844cde3
-#| eval: false
-if __name__ == "__main__":
-    main()
-
-# %% ../../nbs/25_pretrain.ipynb #3f83c413
-@torch.no_grad()
-def feature_recall(backbone: nn.Module, dataset, ks=(1,)) -> dict[int, float]:
-    "Recall@k of `backbone`'s L2-normalised features on `dataset` (an `ArrayDataset`), in eval mode."
-    was = backbone.training
-    backbone.eval()
-    f = torch.cat([backbone(c) for c in _to_input(dataset.images).split(500)])
-    backbone.train(was)
-    return recall_at_k(F.normalize(f, dim=1), torch.from_numpy(dataset.labels), ks=ks)

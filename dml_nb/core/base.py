@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     import torch  # annotations only: importing dml_nb.core.base does not import torch
 
 # %% auto #0
-__all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'DiskWriteError', 'disk_cause',
-           'disk_write_error', 'tmp_prefix', 'atomic_write', 'atomic_torch_save', 'atomic_json', 'remove_temp_files',
-           'config_hash', 'data_root', 'project_root', 'source_hash', 'RunLockedError', 'describe_holder', 'lock_dir']
+__all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'gather_rows', 'DiskWriteError',
+           'disk_cause', 'disk_write_error', 'tmp_prefix', 'atomic_write', 'atomic_torch_save', 'atomic_json',
+           'remove_temp_files', 'config_hash', 'data_root', 'project_root', 'source_hash', 'RunLockedError',
+           'describe_holder', 'lock_dir']
 
 # %% ../../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -74,6 +75,17 @@ def get_device(device: "str | torch.device | None" = "auto") -> "torch.device":
             f"device {str(device)!r} was asked for but CUDA is not available here; use device='cpu' or device='auto'"
         )
     return device
+
+# %% ../../nbs/00_core.ipynb #fd1986c8
+def gather_rows(x: "torch.Tensor", per: int, n: int) -> "torch.Tensor":
+    "All-gather every process's block of at most `per` rows (rank order) into the first `n` rows of the whole."
+    import torch
+    import torch.distributed as dist
+
+    pad = x.new_zeros((per - len(x), *x.shape[1:]))
+    blocks = [torch.empty_like(torch.cat([x, pad])) for _ in range(dist.get_world_size())]
+    dist.all_gather(blocks, torch.cat([x, pad]).contiguous())
+    return torch.cat(blocks)[:n]
 
 # %% ../../nbs/00_core.ipynb #237789a4
 class DiskWriteError(OSError):

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS', 'EMBEDDED_SETS', 'SHIPPED_WEIGHTS',
-           'PRESETS', 'unknown_name_error', 'parse_metric', 'registering_modules', 'Registry', 'Presets']
+__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'DATASETS', 'REAL_DATASETS', 'SPLITS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS',
+           'EMBEDDED_SETS', 'SHIPPED_WEIGHTS', 'PRESETS', 'unknown_name_error', 'parse_metric', 'registering_modules',
+           'Registry', 'Presets']
 
 # %% ../../nbs/01_registry.ipynb #ae373bce
 def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
@@ -33,6 +34,20 @@ METRICS = (
     "spectral_decay",
 )  # evaluated by dml_nb.evaluation.metrics.evaluate
 RETRIEVAL_METRICS = ("map@r", "r_precision")
+# the datasets a config may name: the first five real (read from disk by data.formats), the rest embedded
+DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained", "finegrained_novel")
+REAL_DATASETS = DATASETS[:5]
+SPLITS = {
+    "cub200": ("train", "test"),
+    "cars196": ("train", "test"),
+    "sop": ("train", "test"),
+    "inshop": ("train", "test", "query", "gallery"),
+    "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
+    "shapes": ("train", "test"),
+    "digits": ("train", "test"),
+    "finegrained": ("train", "test"),
+    "finegrained_novel": ("train", "test"),
+}
 
 
 def parse_metric(name: str) -> int | str:

@@ -14,12 +14,9 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from ..core.base import data_root
-from ..core.registry import EMBEDDED_SETS, BACKBONES, unknown_name_error
+from ..core.registry import DATASETS, EMBEDDED_SETS, BACKBONES, REAL_DATASETS, SPLITS, unknown_name_error
 from dml_nb.data.formats import (
-    DATASETS,
     EXPECTED_FILES,
-    REAL_DATASETS,
-    SPLITS,
     DatasetNotFoundError,
     inshop_test_classes,
     read_index,

@@ -13,27 +13,15 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core.registry import unknown_name_error
+from ..core.registry import SPLITS, unknown_name_error
 
 # %% auto #0
-__all__ = ['DATASETS', 'REAL_DATASETS', 'SPLITS', 'EXPECTED_FILES', 'RELEASES', 'READERS', 'DatasetFormatError',
-           'DatasetSizeWarning', 'DatasetNotFoundError', 'cub_root', 'read_cub200', 'read_cars196', 'read_sop',
-           'read_inshop', 'inshop_test_classes', 'read_vehicleid', 'read_index']
+__all__ = ['EXPECTED_FILES', 'RELEASES', 'READERS', 'DatasetFormatError', 'DatasetSizeWarning', 'DatasetNotFoundError',
+           'cub_root', 'read_cub200', 'read_cars196', 'read_sop', 'read_inshop', 'inshop_test_classes',
+           'read_vehicleid', 'read_index']
 
 # %% ../../nbs/10_formats.ipynb #b4624a2f
-DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained", "finegrained_novel")
-REAL_DATASETS = DATASETS[:5]
-SPLITS = {
-    "cub200": ("train", "test"),
-    "cars196": ("train", "test"),
-    "sop": ("train", "test"),
-    "inshop": ("train", "test", "query", "gallery"),
-    "vehicleid": ("train", "test", "test800", "test1600", "test2400"),
-    "shapes": ("train", "test"),
-    "digits": ("train", "test"),
-    "finegrained": ("train", "test"),
-    "finegrained_novel": ("train", "test"),
-}
+# the dataset names and their splits (DATASETS, REAL_DATASETS, SPLITS) are in core.registry: the config schema reads them
 # what a dataset root holds, as its authors distribute it (for the error when it is missing)
 EXPECTED_FILES = {
     "cub200": [

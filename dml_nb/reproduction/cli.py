@@ -14,7 +14,7 @@ from ..core.base import DiskWriteError, RunLockedError
 from ..data.formats import DatasetFormatError, DatasetNotFoundError
 from ..data.checks import UnreadableImagesError
 from ..core.registry import PRESETS
-from ..training.config import Config, ConfigError, load_config
+from ..core.config import Config, ConfigError, load_config
 from .results import RunStopped
 from .experiment import config_data_root, process_rank, check_data, run, run_dir_for
 

@@ -30,10 +30,10 @@ from dml_nb.core.base import (
     lock_dir,
     remove_temp_files,
 )
-from ..core.registry import METHODS
-from ..data.formats import REAL_DATASETS, DatasetNotFoundError, read_index
+from ..core.registry import METHODS, REAL_DATASETS
+from ..data.formats import DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
-from ..training.config import Config, ConfigError, config_to_dict, make_config
+from ..core.config import Config, ConfigError, config_to_dict, make_config
 
 if TYPE_CHECKING:
     from dml_nb.training.learner import Learner  # annotations only: the learner (torch) is imported when a run is built

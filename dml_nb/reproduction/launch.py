@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
 from .results import clear_restored, restored, run_key
-from ..training.config import ConfigError, config_to_dict, load_config
+from ..core.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
     MAX_COUNT,

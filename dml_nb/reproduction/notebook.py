@@ -33,7 +33,7 @@ from dml_nb.reproduction.repro import (
     summarize,
     write_table,
 )
-from ..training.config import make_config
+from ..core.config import make_config
 from .viz import save_figure, set_style
 
 # %% auto #0

@@ -23,7 +23,7 @@ from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run,
 from .results import RunStopped, restored
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
-from ..training.config import ConfigError, make_config, merge_layers
+from ..core.config import ConfigError, make_config, merge_layers
 from .viz import markdown_table
 
 # %% auto #0

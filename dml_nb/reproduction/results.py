@@ -20,7 +20,7 @@ from pathlib import Path
 from ..core.base import RunLockedError, atomic_json, atomic_write, config_hash, lock_dir
 from ..core.params import parse_yaml
 from ..core.registry import BACKBONES
-from ..training.config import Config, ConfigError, config_to_dict, make_config
+from ..core.config import Config, ConfigError, config_to_dict, make_config
 
 # %% auto #0
 __all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'run_key', 'run_folder_name', 'one_line', 'RunStopped',

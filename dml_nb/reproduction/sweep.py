@@ -19,7 +19,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..core.base import atomic_write, project_root
-from ..training.config import config_to_dict, load_config, make_config
+from ..core.config import config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
 from .results import RUN_NAME, one_line, restored, restored_problem, stopped_record
 
