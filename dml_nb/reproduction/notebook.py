@@ -315,6 +315,10 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
             raise ValueError(
                 f"output.threads must be a whole number of at least 1 (CPU threads per run); got {threads!r}"
             )
+        if isinstance(given := output.get("results"), (str, Path)) and not Path(given).is_dir():
+            raise ValueError(
+                f"output.results: {given} is not a folder (a results folder to restore finished runs from; false: none)"
+            )
         nb_defaults = notebook_defaults(stem)
         _check_parameters(stem, params, nb_defaults)
         _check_data(base)  # a paper dataset that is not here: no row could run
