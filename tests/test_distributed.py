@@ -65,7 +65,7 @@ def test_dml_train_under_torchrun_gloo(tmp_path):
         text=True,
         timeout=120,
     )
-    assert again.returncode == 0 and "run directory" in again.stdout
+    assert again.returncode == 0 and "a stored result (not trained again)" in again.stdout
 
 
 def test_dml_train_rejects_bad_params(tmp_path):

@@ -202,7 +202,9 @@ def test_dml_reproduce_alone_names_figures(project, monkeypatch):
     seen = []
     monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, parameters, **kw: seen.append(parameters))
     reproduce(["repro_table3"], root=project, progress=False)
-    assert seen == [{"output": {"progress": False, "figures_dir": str(project / "figures")}}]
+    assert seen == [
+        {"output": {"progress": False, "figures_dir": str(project / "figures"), "results": False}}
+    ]  # restored by dml-reproduce itself
 
 
 @pytest.mark.parametrize(
