@@ -128,9 +128,9 @@ def environment(c: Check, limit, device):
 
 
 def gpu_tests(c: Check, limit, device):
-    files = (
-        ["tests/"] if device.type == "cuda" else ["tests/test_gpu_paths.py", "tests/test_jpeg_path.py"]
-    )  # rehearsal: 2 files
+    # the test files that hold a gpu mark: collecting all of tests/ would import papermill and the other dev
+    # dependencies that a GPU machine's own Python may lack (only the package's dependencies are needed here)
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text())
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if device.type != "cuda":
@@ -232,21 +232,74 @@ def step_clock(device):
     return StepClock()
 
 
-def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object]:
-    "(img/s of the steps after `warmup`, peak GPU memory GiB, learner) of one short epoch of `cfg` (no evaluation)."
+class StepParts:
+    """Where a training step's time goes: the wait for the loader's batch, `to_device` (the copy, and on the JPEG path
+    the decode and the crops on the device) and the rest of `_train_step` (forward, loss, backward, optimiser step).
+    It wraps the learner's `_train_step` and its module's `to_device`, synchronising the device around the latter
+    (the step already synchronises once, for its logs); benchmark instrumentation, undone by `close`."""
+
+    def __init__(self, learn, device):
+        import dml_nb.training.learner as L
+
+        self.L, self.device, self.orig = L, device, L.to_device
+        self.starts, self.ends, self.copies = [], [], []
+        step = learn._train_step
+
+        def to_device(*a, **k):
+            sync(device)
+            t = time.perf_counter()
+            out = self.orig(*a, **k)
+            sync(device)
+            self.copies.append(time.perf_counter() - t)
+            return out
+
+        def train_step(batch):
+            self.starts.append(time.perf_counter())
+            out = step(batch)
+            sync(device)
+            self.ends.append(time.perf_counter())
+            return out
+
+        L.to_device, learn._train_step = to_device, train_step
+
+    def close(self):
+        self.L.to_device = self.orig
+
+    def summary(self, warmup: int) -> str:
+        "Milliseconds per step after `warmup`: loader wait, to_device, the rest."
+        n = len(self.starts)
+        idx = range(max(1, min(warmup, n - 2)), n)
+        if not idx:
+            return "too few steps to split"
+        ms = lambda xs: 1e3 * sum(xs) / len(xs)
+        wait = ms([self.starts[i] - self.ends[i - 1] for i in idx])
+        copy = ms([self.copies[i] for i in idx])
+        rest = ms([self.ends[i] - self.starts[i] - self.copies[i] for i in idx])
+        return f"per step {wait:.0f} ms loader wait + {copy:.0f} ms to_device + {rest:.0f} ms model/loss/optimiser"
+
+
+def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object, str]:
+    """(img/s of the steps after `warmup`, peak GPU memory GiB, learner, where the time went) of one short epoch of
+    `cfg` (no evaluation). An epoch shorter than `warmup + 2` steps (D&C's own sampler ignores batches_per_epoch) keeps
+    fewer warm-up steps."""
     from dml_nb.reproduction.experiment import build_learner
 
     learn = build_learner(cfg, run_dir=None, progress=False)
     learn.eval_sets = {}  # steps only: no evaluation at the epoch's end
     clock = step_clock(device)
     learn.callbacks.append(clock)
+    parts = StepParts(learn, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    learn.fit()
+    try:
+        learn.fit()
+    finally:
+        parts.close()
+    warmup = min(warmup, max(len(clock.times) - 2, 0))  # at least two clock times, one timed step
     t = clock.times[warmup:]
     rate = cfg.train.batch_size * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return rate, peak, learn
+    return rate, peak, learn, f"{len(t) - 1} steps timed; {parts.summary(warmup)}"
 
 
 def training(c: Check, limit, device, tiny, root: Path, results: dict):
@@ -262,13 +315,14 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
         "random input, forward + backward + Adam",
     )
     results["bare"] = bare
+    c.add("training", "bare step", f"{1e3 * batch / bare:.0f} ms", "the same, per step")
     for m in METHODS:
         if c.left() < per:
             c.add("training", m, "skipped", "time")
             continue
         t = time.perf_counter()
         try:
-            rate, peak, learn = method_rate(paper_config(m, root, device, tiny, warmup + steps), device, warmup)
+            rate, peak, learn, split = method_rate(paper_config(m, root, device, tiny, warmup + steps), device, warmup)
         except Exception as e:
             c.add("training", m, "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/").replace("\n", " "))
             continue
@@ -280,33 +334,87 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
             f"{rate:.1f} img/s",
             f"overhead {bare / rate - 1:+.0%} vs bare{'' if target is None else f' (target <= {target:.0%})'}; "
             f"amp {learn.amp or 'fp32'}, channels_last {learn.channels_last}, "
-            f"peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; {time.perf_counter() - t:.0f} s",
+            f"peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; {split}; {time.perf_counter() - t:.0f} s",
         )
         if m == "diva":
             results["diva_learner"] = learn
 
 
+def loader_rate(items, collate, n: int, batch: int, workers: int, consume=None, passes: int = 3) -> tuple[float, float]:
+    """(img/s from the loader's start, img/s from its first batch on) of `passes` passes over the n items (index,
+    seed) through a DataLoader, then `consume`: the second leaves out the workers' start-up."""
+    keys = [(i % n, i) for i in range(n * passes)]
+    batches = [keys[a : a + batch] for a in range(0, len(keys), batch)]
+    t0 = time.perf_counter()
+    loader = torch.utils.data.DataLoader(items, batch_sampler=batches, num_workers=workers, collate_fn=collate)
+    done, first, t1 = 0, 0, None
+    for b in loader:
+        if consume is not None:
+            consume(b)
+        done += len(b["y"])
+        if t1 is None:
+            t1, first = time.perf_counter(), done
+    t = time.perf_counter()
+    del loader
+    return done / (t - t0), (done - first) / max(t - t1, 1e-9)
+
+
 def data_path(c: Check, limit, device, tiny, root: Path):
-    from jpeg import pipeline_rate
     from dml_nb.data.batches import JpegImages, SeededViews, to_device
     from dml_nb.data.datasets import load_dataset
 
     workers, batch = (2, 8) if tiny else (14, 112)
     src = load_dataset("cub200", root=root, split="train", size=32 if tiny else None)
-    ji = JpegImages(src, decode_on="device" if device.type == "cuda" else "worker")
+    ji = JpegImages(src, decode_on="device")  # on a CPU (the rehearsal): decoded in the main process
     items, collate = ji.loader_items(1, device)
     consume = (lambda b: (to_device(b, device, transform=ji.batch_transform), sync(device))) if collate else None
-    rate, per_cpu = pipeline_rate(items, collate, len(src), batch, workers, consume)
-    where = "nvJPEG on the device" if collate else "libjpeg-turbo in the workers"
+    where = "nvJPEG on the device" if device.type == "cuda" else "torchvision on the CPU in the main process"
+    wall, steady = loader_rate(items, collate, len(src), batch, workers, consume)
     c.add(
         "data path",
         f"JPEG path, {workers} workers, batch {batch}",
-        f"{rate:.0f} img/s",
-        f"{len(src)} images of 500 x 375, decoded by {where}",
+        f"{steady:.0f} img/s",
+        f"3 passes over {len(src)} images of 500 x 375, decoded by {where}; {wall:.0f} img/s with the workers' start-up",
     )
+    if collate:  # the two halves: the workers' part (bytes, header, boxes), the device's part (decode, crops)
+        _, steady = loader_rate(items, collate, len(src), batch, workers)
+        c.add("data path", f"the workers' part only, {workers} workers", f"{steady:.0f} img/s", "read, header, boxes")
+        from dml_nb.data.batches import unpack_jpeg
+
+        b = collate([items[(i % len(src), i)] for i in range(batch)])
+        jt, images = ji.batch_transform, unpack_jpeg(b["jpeg"], b["jpeg_shapes"])
+
+        def timed(fn, reps=5):
+            fn()
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync(device)
+            return (time.perf_counter() - t) / reps
+
+        t_dec = timed(lambda: jt.decode(images, device))
+        t_all = timed(lambda: to_device(dict(b), device, transform=jt))
+        c.add(
+            "data path",
+            f"the device's part, batch {batch}",
+            f"{batch / t_all:.0f} img/s",
+            f"{1e3 * t_dec:.0f} ms {'nvJPEG ' if device.type == 'cuda' else ''}decode + {1e3 * (t_all - t_dec):.0f} ms crops, resize, normalise per batch",
+        )
+        from torchvision.io import decode_jpeg
+
+        cpu = [decode_jpeg(d) for d in images if d.dim() == 1]
+        gpu = [x.cpu() for d, x in zip(images, jt.decode(images, device)) if d.dim() == 1]
+        d = torch.cat([(x.float() - y.float()).abs().flatten() for x, y in zip(cpu, gpu)])
+        c.add(
+            "data path",
+            f"{'nvJPEG' if device.type == 'cuda' else 'the CPU decode'} against libjpeg-turbo, same files",
+            f"mean {d.mean():.2f}, max {d.max():.0f} levels",
+            f"8-bit levels over {batch} decodes; {(d > 8).float().mean():.2%} of values differ by more than 8",
+        )
     if c.left() > limit / 2:
-        rate, _ = pipeline_rate(SeededViews(src), None, len(src), batch, workers)
-        c.add("data path", f"PIL path, {workers} workers, batch {batch}", f"{rate:.0f} img/s", "for comparison")
+        _, steady = loader_rate(SeededViews(src), None, len(src), batch, workers)
+        c.add("data path", f"PIL path, {workers} workers, batch {batch}", f"{steady:.0f} img/s", "for comparison")
 
 
 def projection(c: Check, limit, device, tiny, root: Path, results: dict):
@@ -343,7 +451,7 @@ def projection(c: Check, limit, device, tiny, root: Path, results: dict):
     )
 
 
-def sop_eval(c: Check, limit, device, tiny):
+def sop_eval(c: Check, limit, device, tiny, pml: bool = True):
     from eval import RETRIEVAL, SCALES, synthetic
     from dml_nb.evaluation.metrics import evaluate
     from dml_nb.evaluation.faiss_backend import faiss_gpus
@@ -369,6 +477,9 @@ def sop_eval(c: Check, limit, device, tiny):
         f"{t_r + t_n:.1f} s",
         f"retrieval {t_r:.1f} s (R@1 {ours['recall@1']:.3f}), NMI {t_n:.1f} s",
     )
+    if not pml:
+        c.add("evaluation", "pytorch-metric-learning", "skipped", "--skip pml")
+        return
     try:
         import faiss  # noqa: F401
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
@@ -537,25 +648,41 @@ def main(argv=None):
         help="seconds for the whole check (gpu_check.sh stops it at $GPU_CHECK_TIMEOUT, 480 s by default)",
     )
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.md"))
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated sections to leave out (gpu_tests, training, data_path, projection, evaluation, torchrun, "
+        "resume) and 'pml' (the pytorch-metric-learning comparison: minutes of faiss k-means on the CPU)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: run the rehearsal with --device cpu --tiny")
     torch.set_num_threads(min(4, os.cpu_count() or 1) if args.tiny else (os.cpu_count() or 1))
     c = Check(Path(args.out), args.budget)
+    skip = set(filter(None, args.skip.split(",")))
+    if bad := skip - {"gpu_tests", "training", "data_path", "projection", "evaluation", "torchrun", "resume", "pml"}:
+        ap.error(f"--skip: unknown section(s) {sorted(bad)}")
     tiny = args.tiny
     lim = lambda full, small: small if tiny else full
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 3)))  # CUB: classes 1-100 train, 101-200 test
+        root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 6)))  # CUB: classes 1-100 train, 101-200 test
         c.section("environment", 10, environment, device)
-        c.section("gpu tests", lim(75, 60), gpu_tests, device)
-        c.section("training", lim(170, 60), training, device, tiny, root, results)
-        c.section("data path", lim(40, 20), data_path, device, tiny, root)
-        c.section("projection", lim(25, 15), projection, device, tiny, root, results)
-        c.section("evaluation", lim(60, 20), sop_eval, device, tiny)
-        c.section("torchrun", lim(50, 90), torchrun, device)  # its start-up alone took > 40 s at a load of 20-30
-        c.section("resume", lim(25, 30), resume, device, tiny)
+        sections = [
+            ("gpu tests", lim(75, 60), gpu_tests, (device,)),
+            ("training", lim(170, 60), training, (device, tiny, root, results)),
+            ("data path", lim(40, 20), data_path, (device, tiny, root)),
+            ("projection", lim(25, 15), projection, (device, tiny, root, results)),
+            ("evaluation", lim(60, 20), sop_eval, (device, tiny, "pml" not in skip)),
+            ("torchrun", lim(50, 90), torchrun, (device,)),  # its start-up alone took > 40 s at a load of 20-30
+            ("resume", lim(25, 30), resume, (device, tiny)),
+        ]
+        for name, limit, fn, fargs in sections:
+            if name.replace(" ", "_") in skip:
+                c.add(name, "skipped", "-", "--skip")
+            else:
+                c.section(name, limit, fn, *fargs)
     c.write()
     print(f"\n{c.table()}\n\nwritten to {c.out} ({time.perf_counter() - c.t0:.0f} s)")
     failed = [r for r in c.rows if r[1] == "FAILED" or r[2] in ("DIFFERENT",) or str(r[2]).startswith("rc ")]

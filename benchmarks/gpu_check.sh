@@ -10,6 +10,6 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install -q --no-index --find-links .whl .whl/*.whl || echo "warning: the wheels in .whl/ did not install; going on without them"
+  $PY -m pip install -q --no-index --no-deps --find-links .whl .whl/*.whl || echo "warning: the wheels in .whl/ did not install; going on without them"
 fi
 timeout --signal=INT --kill-after=10 "${GPU_CHECK_TIMEOUT:-480}" $PY benchmarks/gpu_check.py "$@"

@@ -179,8 +179,10 @@ def test_bad_settings_are_clear_errors(files):
 
 @pytest.mark.gpu
 def test_nvjpeg_path_on_the_gpu(files):
-    """On a CUDA device: the same boxes; pixels within the decode's difference. The bounds (normalised units; one
-    8-bit level is 1/255/0.225 = 0.017) are provisional until gpu_check.sh has measured nvJPEG against libjpeg-turbo."""
+    """On a CUDA device: the same boxes; pixels within the decode's difference. Bounds in normalised units (one 8-bit
+    level is 1/255/0.225 = 0.017): an NVIDIA H100 (torch 2.11, torchvision 0.26, 2026-11-27) measured a mean of 0.031
+    and a maximum of 1.08 against the PIL path (nvJPEG's decode differs from libjpeg-turbo's); a crop drawn from
+    another seed, or the view flipped, gives a mean of about 0.8 (measured on the CPU)."""
     from dml_nb.data.batches import nvjpeg_available
 
     if not nvjpeg_available("cuda"):
@@ -192,4 +194,50 @@ def test_nvjpeg_path_on_the_gpu(files):
     batch = to_device(collate([items[k] for k in keys]), "cuda", transform=ji.batch_transform)
     ref = torch.stack([SeededViews(src)[k]["x"] for k in keys])
     diff = (batch["x"].cpu() - ref).abs()
-    assert diff.mean() < 0.03 and diff.max() < 0.5, (diff.mean(), diff.max())
+    assert diff.mean() < 0.045 and diff.max() < 1.6, (diff.mean(), diff.max())
+
+
+FD_CHILD = """
+import resource, sys, time
+import numpy as np, torch
+from dml_nb.data.batches import JpegImages
+from dml_nb.data.datasets import ImageListDataset, make_transform
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+files = sys.argv[1:]
+src = ImageListDataset(files, np.arange(len(files)) % 3, make_transform("resnet50", train=True))
+items, collate = JpegImages(src, decode_on="device").loader_items(1, "cpu")
+keys = [(i % len(files), i) for i in range(64 * 12)]
+batches = [keys[a : a + 64] for a in range(0, len(keys), 64)]
+loader = torch.utils.data.DataLoader(items, batch_sampler=batches, num_workers=4, collate_fn=collate)
+for b in loader:
+    time.sleep(0.1)  # the workers run ahead: 4 workers x 2 prefetched batches wait in the queue
+print("OK", len(batches))
+"""
+
+
+def test_jpeg_batches_pass_workers_in_few_file_descriptors(files):
+    """A worker hands each tensor of a batch over through a file descriptor: the JPEG path's batches are one buffer
+    (`jpeg_collate`), so 4 workers of batches of 64 stay far below a limit of 256 open files. A list of one tensor per
+    image (the earlier collate) needs 512 here and fails ('received 0 items of ancdata'); on an NVIDIA H100 machine 14
+    workers of 112 failed that way against its limit ('DataLoader worker exited unexpectedly')."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", FD_CHILD, *map(str, files)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK 12" in r.stdout, r.stderr[-2000:]
+
+
+def test_jpeg_collate_packs_and_unpacks(files):
+    "One buffer and (N, 3) shapes; `unpack_jpeg` gives back every image, encoded (1-d) or decoded by PIL (C, H, W)."
+    from dml_nb.data.batches import jpeg_collate, unpack_jpeg
+
+    items, _ = JpegImages(dataset(files), decode_on="device").loader_items(1, "cpu")
+    its = [items[(k, k)] for k in range(len(files))]
+    b = jpeg_collate(its)
+    assert isinstance(b["jpeg"], torch.Tensor) and b["jpeg_shapes"].shape == (len(files), 3)
+    back = unpack_jpeg(b["jpeg"], b["jpeg_shapes"])
+    assert all(torch.equal(x, it["jpeg"]) for x, it in zip(back, its))
+    assert {x.dim() for x in back} == {1, 3}  # the PNG and the CMYK file are decoded in the worker
+    with pytest.raises(ValueError, match="jpeg_collate"):
+        unpack_jpeg(b["jpeg"][:-1], b["jpeg_shapes"])

@@ -14,7 +14,7 @@ from ..core.base import seed_everything
 
 # %% auto #0
 __all__ = ['DECODE_ON', 'without_flips', 'SeededViews', 'BatchList', 'to_device', 'jpeg_size', 'random_resized_crop_params',
-           'nvjpeg_available', 'JpegDecode', 'JpegItems', 'jpeg_collate', 'JpegImages']
+           'nvjpeg_available', 'JpegDecode', 'JpegItems', 'jpeg_collate', 'unpack_jpeg', 'JpegImages']
 
 # %% ../../nbs/17_batches.ipynb #444d8707
 def without_flips(dataset):
@@ -79,8 +79,8 @@ def to_device(
 ) -> dict:
     """Move `batch` to `device`. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
     it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device
-    (`flip=False`: without horizontal flips, the same crops). A batch of `JpegItems` ('jpeg': encoded images,
-    'boxes', 'flips') is decoded, cropped and normalised on the device by `transform` (a `JpegDecode`)."""
+    (`flip=False`: without horizontal flips, the same crops). A batch of `JpegItems` ('jpeg': encoded images, as a
+    list or as `jpeg_collate`'s buffer and 'jpeg_shapes'; 'boxes', 'flips') is decoded, cropped and normalised on the device by `transform` (a `JpegDecode`)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def move(v):
@@ -92,6 +92,8 @@ def to_device(
         return v
 
     jpeg = batch.pop("jpeg", None)  # encoded images stay on the CPU: the decoder reads them from there
+    if jpeg is not None and "jpeg_shapes" in batch:  # `jpeg_collate`'s one buffer
+        jpeg = unpack_jpeg(jpeg, batch.pop("jpeg_shapes"))
     batch = {k: move(v) for k, v in batch.items()}
     if jpeg is not None:
         xs = transform(jpeg, batch.pop("boxes"), batch.pop("flips"), device, flip=flip, index=batch.get("index"))
@@ -279,14 +281,39 @@ class JpegItems(torch.utils.data.Dataset):
 
 
 def jpeg_collate(items) -> dict:
-    "A batch of `JpegItems`: 'jpeg' a list of uint8 tensors, 'boxes' (N, views, 4), 'flips' (N, views), 'y', 'index'."
+    """A batch of `JpegItems` in a few tensors: 'jpeg' the images' bytes end to end in one uint8 buffer (encoded, or
+    decoded by PIL: uint8 (C, H, W)), 'jpeg_shapes' (N, 3): (length, 0, 0) for an encoded image, (C, H, W) for a
+    decoded one; 'boxes' (N, views, 4), 'flips' (N, views), 'y', 'index'. `unpack_jpeg` gives the images back.
+    One buffer, not a list: a loader worker hands every tensor over in shared memory through a file descriptor of
+    its own, and a list of 112 images a batch from 14 workers passed the usual limit of 1,024 open files (an NVIDIA
+    H100 machine's workers died with 'exited unexpectedly'; on a CPU 'received 0 items of ancdata')."""
+    data = [it["jpeg"] for it in items]
     return {
-        "jpeg": [it["jpeg"] for it in items],
+        "jpeg": torch.cat([d.reshape(-1) for d in data]) if data else torch.zeros(0, dtype=torch.uint8),
+        "jpeg_shapes": torch.tensor(
+            [(d.numel(), 0, 0) if d.dim() == 1 else tuple(d.shape) for d in data], dtype=torch.long
+        ).reshape(-1, 3),
         "boxes": torch.stack([it["boxes"] for it in items]),
         "flips": torch.stack([it["flips"] for it in items]),
         "y": torch.tensor([it["y"] for it in items]),
         "index": torch.tensor([it["index"] for it in items]),
     }
+
+
+def unpack_jpeg(buffer: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
+    "The images of a `jpeg_collate` batch: views of `buffer`, 1-d where encoded, (C, H, W) where decoded."
+    shapes = shapes.tolist()
+    sizes = [n if h == 0 else n * h * w for n, h, w in shapes]
+    if sum(sizes) != buffer.numel():
+        raise ValueError(
+            f"jpeg_shapes account for {sum(sizes)} bytes but the buffer holds {buffer.numel()}: build the batch with "
+            "jpeg_collate"
+        )
+    out, at = [], 0
+    for (n, h, w), size in zip(shapes, sizes):
+        out.append(buffer[at : at + size] if h == 0 else buffer[at : at + size].view(n, h, w))
+        at += size
+    return out
 
 
 DECODE_ON = ("auto", "device", "worker")
