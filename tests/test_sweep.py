@@ -211,7 +211,9 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
     from dml_nb.reproduction.launch import slurm_executor
 
     plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
-    ex = slurm_executor(tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus=0, cpus=1, cluster="local")
+    ex = slurm_executor(
+        tmp_path / "plan" / "slurm", partition="gpu", time_min=10, gpus_per_run=0, cpus=1, cluster="local"
+    )
     launch(plan, "slurm", executor=ex, progress=False)  # the default count: RUN_THREADS, as the sequential path
     for job, name in zip(plan.jobs, _configs()):
         _same_runs(Path(job.run_dir), sequential[name])
@@ -261,15 +263,23 @@ def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
 
 
 def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypatch):
-    "The sbatch header submitit writes for the launcher's options (a stand-in `srun` on PATH: submitit looks for it)."
+    "The sbatch header submitit writes for the launcher's options (stand-ins of SLURM's commands on PATH: the launcher looks for them)."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
     from dml_nb.reproduction.launch import slurm_executor
 
-    (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n")
-    (tmp_path / "srun").chmod(0o755)
+    for name in ("sbatch", "srun", "sacct"):
+        (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     ex = slurm_executor(
-        tmp_path / "slurm", partition="gpu", time_min=720, gpus=2, mem_gb=64, cpus=10, parallel=4, cluster="slurm"
+        tmp_path / "slurm",
+        partition="gpu",
+        time_min=720,
+        gpus_per_run=2,
+        mem_gb=64,
+        cpus=10,
+        parallel=4,
+        cluster="slurm",
     )
     text = ex._executor._make_submission_file_text(
         "python -u -m submitit.core._submit x", "uid"

@@ -36,8 +36,9 @@ from dml_nb.reproduction.sweep import (
 )
 
 # %% auto #0
-__all__ = ['LAUNCHERS', 'Failure', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool', 'slurm_executor', 'submit_slurm',
-           'launch', 'collect', 'count_arg', 'add_sweep_arguments', 'sweep_command']
+__all__ = ['SLURM_TOOLS', 'LAUNCHERS', 'Failure', 'LauncherUnavailable', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool',
+           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'count_arg', 'add_sweep_arguments',
+           'sweep_command']
 
 # %% ../../nbs/69_launch.ipynb #7da3e642
 def _reproduction_notebooks(root: Path) -> list[Path]:
@@ -59,6 +60,10 @@ class Failure:
 
     def __str__(self):
         return f"{Path(self.job.run_dir).name} ({'; '.join(self.job.uses)}): {self.error}; log {self.log}"
+
+
+class LauncherUnavailable(RuntimeError):
+    "A launcher this machine cannot run (no SLURM's commands, no submitit, no GPU): one line naming the problem and the fix."
 
 
 class SweepFailed(RuntimeError):
@@ -90,7 +95,7 @@ def gpu_slots(gpus: Sequence[str | int] | None = None, threads: int | None = Non
 
             gpus = list(range(torch.cuda.device_count()))
     if not gpus:
-        raise RuntimeError(
+        raise LauncherUnavailable(
             "multi_gpu: no GPU is visible (CUDA_VISIBLE_DEVICES is empty, or torch sees none); "
             "use the local launcher (--launch local --workers N) on this machine"
         )
@@ -162,20 +167,46 @@ def _train_job(command: Sequence[str], threads: int | None = RUN_THREADS) -> str
     return command[command.index("-o") + 1]
 
 
+SLURM_TOOLS = ("sbatch", "srun", "sacct")  # what submitit's SLURM executor calls: submit, run the task, poll
+
+
+def check_slurm() -> None:
+    """Raise `LauncherUnavailable` unless SLURM's commands (`SLURM_TOOLS`) are on PATH and submitit is installed:
+    where they are not, submitit's `AutoExecutor` would run the jobs on this machine, one after another."""
+    import shutil
+
+    if missing := [c for c in SLURM_TOOLS if shutil.which(c) is None]:
+        raise LauncherUnavailable(
+            f"slurm: no {', '.join(missing)} on PATH (SLURM's commands are not installed on this machine): "
+            "launch from a machine with SLURM's tools (a cluster's login node), or train here with the local "
+            "launcher (--launch local --workers N)"
+        )
+    try:
+        import submitit  # noqa: F401
+    except ImportError:
+        raise LauncherUnavailable(
+            "the slurm launcher needs submitit, an optional extra: pip install 'dml_nb[slurm]' (or pip install submitit)"
+        ) from None
+
+
 def slurm_executor(
     folder: str | Path,
     partition: str | None = None,
     time_min: int = 60,
-    gpus: int = 1,
+    gpus_per_run: int = 1,
     mem_gb: int = 32,
     cpus: int = 8,
     parallel: int | None = None,
     cluster: str | None = None,
     **extra,
 ):
-    """A `submitit.AutoExecutor` for the runs: one task per run, `gpus` GPUs, `cpus` CPUs and `mem_gb` GB each, on
-    `partition` for at most `time_min` minutes; `parallel` caps the array's tasks at once (`cluster='local'`: submitit's
-    local executor). Needs the `slurm` extra: pip install 'dml_nb[slurm]'."""
+    """A `submitit.AutoExecutor` for the runs: one task per run, `gpus_per_run` GPUs, `cpus` CPUs and `mem_gb` GB each,
+    on `partition` for at most `time_min` minutes; `parallel` caps the array's tasks at once. SLURM's commands must
+    be here (`check_slurm`: else `LauncherUnavailable`, never submitit's silent local run); `cluster='local'` (or
+    'debug'): submitit's local executor, for tests. Needs the `slurm` extra: pip install 'dml_nb[slurm]'."""
+    if cluster in (None, "slurm"):
+        check_slurm()
+        cluster = "slurm"
     try:
         import submitit
     except ImportError as e:
@@ -185,7 +216,7 @@ def slurm_executor(
     ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
     params = {
         "timeout_min": int(time_min),
-        "gpus_per_node": int(gpus),
+        "gpus_per_node": int(gpus_per_run),
         "cpus_per_task": int(cpus),
         "mem_gb": int(mem_gb),
         "tasks_per_node": 1,
@@ -259,7 +290,8 @@ def launch(
     **slurm,
 ) -> list[Failure]:
     """Run the plan's pending runs into their run folders: `local` (`workers` processes), `multi_gpu` (one per GPU),
-    `slurm` (a submitit job array; `slurm` options to `slurm_executor`). `local` and `multi_gpu` leave out the runs
+    `slurm` (a submitit job array; `slurm` options to `slurm_executor`: `partition`, `time_min`, `gpus_per_run`, ...;
+    `LauncherUnavailable` where SLURM's commands are not installed). `local` and `multi_gpu` leave out the runs
     the plan found this machine cannot start (the notebook shows them as not run); `slurm` submits them, since its
     nodes may have what the submitting machine lacks. A run restored from a results folder that a figure needs the
     embeddings or weights of (`Job.rebuild`) is trained again. Raises `SweepFailed` naming the runs that
@@ -391,6 +423,15 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
     pp = dict(
         params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root
     )
+    gpus = args.gpus.split(",") if args.gpus else None
+    try:  # a launcher this machine cannot run: told before any planning
+        if args.launch == "slurm":
+            check_slurm()
+        elif args.launch == "multi_gpu":
+            gpu_slots(gpus, args.threads)
+    except LauncherUnavailable as e:
+        print(f"dml-reproduce: error: {e}", file=sys.stderr)
+        return 2
     plan = None
     if args.plan or (args.launch and not args.from_plan):
         plan = plan_notebook(notebooks, args.plan_dir or _default_plan_dir(args, root), **pp)
@@ -418,12 +459,12 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
                 args.launch,
                 workers=args.workers,
                 threads=args.threads,
-                gpus=args.gpus.split(",") if args.gpus else None,
+                gpus=gpus,
                 **(
                     {
                         "partition": args.partition,
                         "time_min": args.time,
-                        "gpus": args.gpus_per_run,
+                        "gpus_per_run": args.gpus_per_run,
                         "mem_gb": args.mem_gb,
                         "cpus": args.cpus_per_run,
                         "parallel": args.array_parallelism,
