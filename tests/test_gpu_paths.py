@@ -161,6 +161,7 @@ def _dml_train():
 
 
 @pytest.mark.skipif(_torchrun() is None or _dml_train() is None, reason="torchrun / dml-train not installed")
+@pytest.mark.slow  # 35 s; one process: tests/test_jpeg_path.py trains identically on both paths, tests/test_learner.py two torchrun processes
 def test_two_gloo_processes_train_the_same_on_the_jpeg_and_pil_paths(tmp_path):
     "dml-train under torchrun, 2 processes, gloo, on CUB-format JPEGs: the JPEG path's run equals the PIL path's."
     from dml_nb.data.checks import write_fake_dataset

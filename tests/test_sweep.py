@@ -205,6 +205,7 @@ def test_a_restored_run_a_figure_needs_is_planned_and_trained_again(tmp_path, se
     _same_runs(run_dir, sequential[name])
 
 
+@pytest.mark.slow  # 45 s; tests/test_slurm_cli.py runs the README's command through submitit's SLURM path instead
 def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
     "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/66_sweep.ipynb."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
