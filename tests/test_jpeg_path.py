@@ -173,6 +173,9 @@ def test_bad_settings_are_clear_errors(files):
     bad.write_bytes(files[0].read_bytes()[:3000])  # the header and part of the scan
     ji = JpegImages(ImageListDataset([bad], [0], make_transform("resnet50", train=True)), decode_on="device")
     items, collate = ji.loader_items(1, "cpu")
+    with pytest.raises(OSError, match=r"broken.jpg.*on_unreadable"):  # the PIL path's load names the file
+        to_device(collate([items[(0, 1)]]), "cpu", transform=ji.batch_transform)
+    ji.batch_transform.fallback = None  # without it: the batch's indices
     with pytest.raises(RuntimeError, match=r"dataset indices \[0\].*check-data"):
         to_device(collate([items[(0, 1)]]), "cpu", transform=ji.batch_transform)
 
@@ -241,3 +244,46 @@ def test_jpeg_collate_packs_and_unpacks(files):
     assert {x.dim() for x in back} == {1, 3}  # the PNG and the CMYK file are decoded in the worker
     with pytest.raises(ValueError, match="jpeg_collate"):
         unpack_jpeg(b["jpeg"][:-1], b["jpeg_shapes"])
+
+
+@pytest.mark.parametrize("how", ["rewritten", "removed"])
+def test_on_unreadable_holds_on_the_jpeg_path_for_an_image_that_breaks_mid_run(files, tmp_path, how):
+    """An image that stops decoding after the check at the start (rewritten with a broken Huffman table, which the
+    header still parses, or removed) follows data.on_unreadable on the JPEG path as on the PIL path: 'error' names the
+    file; 'skip' warns and puts a readable image of the same class in its place, and the batch keeps its shape."""
+    import shutil
+    import warnings
+
+    from dml_nb.data.checks import UnreadableImagesError
+    from dml_nb.reproduction.experiment import tolerate_unreadable
+
+    paths = [shutil.copy(f, tmp_path / f"{k}.jpg") for k, f in enumerate(files[:6])]
+    paths = [Path(p) for p in paths]
+    labels = [0, 0, 0, 1, 1, 1]
+
+    def batch(mode):
+        src = ImageListDataset(paths, labels, make_transform("resnet50", train=True))
+        tolerate_unreadable(src, mode, "test set")
+        ji = JpegImages(src, decode_on="device")
+        items, collate = ji.loader_items(1, "cpu")
+        return to_device(collate([items[(k, 10 + k)] for k in range(6)]), "cpu", transform=ji.batch_transform)
+
+    ref = batch("error")["x"]
+    broken = paths[1]
+    if how == "rewritten":
+        data = bytearray(broken.read_bytes())
+        at = data.find(b"\xff\xc4")  # the first Huffman table: its lengths become nonsense
+        data[at + 5 : at + 25] = b"\xff" * 20
+        broken.write_bytes(bytes(data))
+        assert jpeg_size(bytes(data)) is not None  # the header still reads: only the decode fails
+    else:
+        broken.unlink()
+    with pytest.raises(UnreadableImagesError, match="1.jpg"):
+        batch("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = batch("skip")["x"]
+    assert x.shape == ref.shape and torch.isfinite(x).all()
+    assert any("1.jpg" in str(w.message) and "stands in" in str(w.message) for w in caught)
+    keep = [0, 2, 3, 4, 5]
+    assert torch.equal(x[keep], ref[keep])  # the other images are untouched

@@ -173,6 +173,7 @@ class JpegDecode(torch.nn.Module):
     def __init__(self, spec: BatchAugment, has_flip: bool):
         super().__init__()
         self.spec, self.has_flip = spec, bool(has_flip)
+        self.fallback = None  # index -> uint8 (3, H, W): the PIL path's image (`JpegImages` sets it)
 
     @classmethod
     def from_transform(cls, transform) -> "JpegDecode":
@@ -226,6 +227,20 @@ class JpegDecode(torch.nn.Module):
             x = TF.center_crop(x, [s.size, s.size])
         return TF.horizontal_flip(x) if flip else x
 
+    def _decode_or_fall_back(self, data: torch.Tensor, index: int, device) -> torch.Tensor:
+        """One image of a batch that failed to decode: its own decode, else the PIL path's image of dataset item
+        `index` (`fallback`: under `data.on_unreadable`, an error naming the file or a stand-in of its class). A
+        stand-in of another size is resized to this image's, so that the box drawn from its header applies."""
+        try:
+            return self.decode([data], device)[0]
+        except RuntimeError:
+            pass
+        img = self.fallback(index).to(device)
+        size = jpeg_size(data.numpy().tobytes()) if data.dim() == 1 else tuple(data.shape[-2:])
+        if size is not None and tuple(img.shape[-2:]) != size:
+            img = TF.resize(img, list(size), antialias=True)
+        return img
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x = TF.normalize(x, list(self.spec.mean), list(self.spec.std))
         return x.flip(-3) if self.spec.bgr else x
@@ -238,11 +253,13 @@ class JpegDecode(torch.nn.Module):
         try:
             images = self.decode(data, device)
         except RuntimeError as e:
-            which = "" if index is None else f" (dataset indices {[int(i) for i in index]})"
-            raise RuntimeError(
-                f"cannot decode a batch of JPEGs{which}: {e}. dml-train --check-data lists unreadable "
-                "images; data.on_unreadable: skip leaves them out; data.decode: pil decodes with PIL"
-            ) from e
+            if self.fallback is None or index is None:
+                which = "" if index is None else f" (dataset indices {[int(i) for i in index]})"
+                raise RuntimeError(
+                    f"cannot decode a batch of JPEGs{which}: {e}. dml-train --check-data lists unreadable "
+                    "images; data.on_unreadable: skip leaves them out; data.decode: pil decodes with PIL"
+                ) from e
+            images = [self._decode_or_fall_back(d, int(i), device) for d, i in zip(data, index)]
         boxes, flips = boxes.cpu(), flips.cpu() & flip
         return [
             self.normalize(torch.stack([self.view(im, boxes[i, v], bool(flips[i, v])) for i, im in enumerate(images)]))
@@ -335,6 +352,13 @@ class JpegImages(torch.utils.data.Dataset):
             )
         self.source, self.decode_on = source, decode_on
         self.batch_transform = JpegDecode.from_transform(getattr(source, "transform", None))
+        self.batch_transform.fallback = self.pil_image  # data.on_unreadable holds for a JPEG that fails to decode
+
+    def pil_image(self, i: int) -> torch.Tensor:
+        """Image `i` as the PIL path loads it, uint8 (3, H, W): through the source's `load`, which follows
+        `data.on_unreadable` (`dml_nb.reproduction.experiment.tolerate_unreadable`: an error naming the file, or a
+        readable image of the same class in its place)."""
+        return TF.pil_to_tensor(self.source.load(i))
 
     def __getattr__(self, name):  # labels, num_classes, class_ids, paths, clean_labels, flipped, ... of the source
         if name.startswith("__") or name in ("source", "batch_transform", "decode_on"):
@@ -354,11 +378,8 @@ class JpegImages(torch.utils.data.Dataset):
         try:
             data = open(path, "rb").read()
             size = jpeg_size(data)
-        except OSError as e:
-            raise OSError(
-                f"cannot read image {path} ({e}); replace or remove the file, or drop unreadable images with "
-                "data.on_unreadable: skip (dml-train --check-data lists every unreadable image)"
-            ) from e
+        except OSError:  # gone or unreadable since the start: the source's load follows data.on_unreadable
+            size = None
         if size is None:  # not a plain JPEG: PIL decodes it, as the PIL path does
             img = TF.pil_to_tensor(self.source.load(i))
             return img, tuple(img.shape[-2:])
