@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -34,7 +35,7 @@ from dml_nb.reproduction.results import (
     save_result,
 )
 from dml_nb.reproduction.sweep import Plan, SweepMode, plan_configs
-from dml_nb.core.config import config_to_dict, make_config
+from dml_nb.core.config import ConfigError, config_to_dict, load_config, make_config
 
 from test_reliability import TINY, snapshot
 
@@ -383,3 +384,182 @@ def test_the_committed_results_pass_the_checks(tmp_path, capsys):
         shutil.copytree(p, tmp_path / "results" / p.name)
     got, err = restore(tmp_path, capsys)
     assert err == "" and {p.name for p in got} == {p.name for p in sample}
+
+
+# 6. integer options take whole numbers and store them as ints --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override,key,want",
+    [
+        ("train.batches_per_epoch=2.0", "train.batches_per_epoch", 2),
+        ("train.batches_per_epoch=1e2", "train.batches_per_epoch", 100),
+        ("data.size=32.0", "data.size", 32),
+        ("train.checkpoint_every_steps=3.0", "train.checkpoint_every_steps", 3),
+    ],
+)
+def test_an_integral_float_for_an_integer_option_is_stored_as_an_int(override, key, want):
+    sec, k = key.split(".")
+    got = load_config(overrides=[override])
+    value = getattr(getattr(got, sec), k)
+    assert value == want and type(value) is int, (override, value)
+    as_int = load_config(overrides=[f"{key}={want}"])
+    assert run_key(config_to_dict(got)) == run_key(config_to_dict(as_int))  # the same run folder
+
+
+@pytest.mark.parametrize(
+    "override,fix",
+    [
+        ("train.batches_per_epoch=2.5", "write 2 or 3"),
+        ("train.checkpoint_every_steps=0.5", "write 0 or 1"),
+        ("data.size=true", "not true/false"),
+        ("train.epochs=false", "not true/false"),
+    ],
+)
+def test_a_fractional_or_boolean_value_for_an_integer_option_is_one_line(override, fix):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    msg = str(e.value)
+    assert "\n" not in msg and f"bad value for {key}: " in msg and "whole number" in msg and fix in msg, msg
+
+
+def test_dml_train_with_an_integral_float_trains_in_the_int_configs_folder(tmp_path, capsys):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(A))
+    runs = tmp_path / "runs"
+    argv = [str(tmp_path / "params.yaml"), "--runs-dir", str(runs), "--no-progress"]
+    assert dml_train([*argv, "--set", "train.batches_per_epoch=2.0"]) == 0, capsys.readouterr().err
+    want = run_dir_for(make_config(A), runs)  # A has batches_per_epoch: 2
+    assert [p.name for p in runs.iterdir()] == [want.name]
+    assert yaml.safe_load((want / "config.yaml").read_text())["train"]["batches_per_epoch"] == 2
+
+
+# 7. every numeric option is bounded above ------------------------------------------------------------------------------
+
+
+def test_every_numeric_option_has_an_upper_bound():
+    from dml_nb.core.config import _numeric_fields
+
+    for key, kind in _numeric_fields().items():
+        sec, _, k = key.rpartition(".")
+        huge = 10**300 if kind is int else 1e300
+        with pytest.raises(ConfigError, match=f"bad value for {key}") as e:
+            make_config({sec: {k: huge}} if sec else {k: huge})
+        assert "\n" not in str(e.value) and "1e+300" in str(e.value), str(e.value)  # the value shown short
+    for k in ("gamma", "min_factor"):
+        with pytest.raises(ConfigError, match=f"bad value for train.schedule.{k}"):
+            make_config({"train": {"schedule": {"kind": "multistep", "milestones": [2], k: 1e300}}})
+
+
+@pytest.mark.parametrize(
+    "override,key,bound",
+    [
+        ("train.epochs=1e308", "train.epochs", "100000"),
+        ("train.num_workers=100000", "train.num_workers", "512"),
+        ("eval.nmi_seeds=1000000", "eval.nmi_seeds", "1000"),
+        ("train.batch_size=10000000", "train.batch_size", "1000000"),
+        ("train.lr=1e12", "train.lr", "at most 1e9"),
+        ("train.schedule={kind: multistep, milestones: [3, 1e9], gamma: 0.1}", "train.schedule.milestones", "100000"),
+    ],
+)
+def test_a_too_large_value_is_one_line_and_writes_nothing(tmp_path, capsys, override, key, bound):
+    with pytest.raises(ConfigError) as e:  # checked at load: nothing trains
+        load_config(overrides=[override])
+    msg = str(e.value)
+    assert "\n" not in msg and f"bad value for {key}: " in msg and bound in msg and f"set {key}" in msg, msg
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(A))
+    runs = tmp_path / "runs"
+    code = dml_train([str(tmp_path / "params.yaml"), "--runs-dir", str(runs), "--set", override, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"bad value for {key}" in err, err
+    assert not runs.exists()
+
+
+# 8. eval metrics are checked before the first training step --------------------------------------------------------------
+
+
+def test_a_recall_k_larger_than_the_test_set_stops_before_training(tmp_path, capsys):
+    raw = {**A, "eval": {**A["eval"], "metrics": ["recall@1", "recall@100000"]}}
+    with pytest.raises(ConfigError) as e:
+        run(raw, runs_dir=tmp_path / "runs", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "recall@100000" in msg and "recall@239" in msg and "nmi" in msg, msg
+    assert snapshot(tmp_path / "runs") == {}  # no run folder, no history: no step ran
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    code = dml_train([str(tmp_path / "params.yaml"), "--runs-dir", str(tmp_path / "runs"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "recall@100000" in err, err
+    assert snapshot(tmp_path / "runs") == {}
+
+
+# 9. duplicate seeds are refused ----------------------------------------------------------------------------------------
+
+
+def test_duplicate_seeds_are_refused_before_any_run(tmp_path, monkeypatch):
+    import dml_nb.reproduction.repro as R
+    from dml_nb.reproduction.notebook import Reproduction
+
+    def trained(*a, **k):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(R, "run_one", trained)
+    nb = Reproduction("repro_table3", "shapes", "shapes", A, [0, 0, 1, 2, 1], tmp_path / "f", tmp_path / "runs")
+    with pytest.raises(ConfigError) as e:
+        nb.run({"A": {}})
+    msg = str(e.value)
+    assert "\n" not in msg and "seeds [0, 0, 1, 2, 1]" in msg and "repeat 0, 1" in msg and "[0, 1, 2]" in msg, msg
+    with pytest.raises(ConfigError, match="repeat 3"):
+        R.collect_runs(tmp_path, [R.Row("A", {})], A, [3, 3])
+    assert not (tmp_path / "runs").exists()
+
+
+# 10. no seed disappears silently ---------------------------------------------------------------------------------------
+
+
+def fake_runs(runs: Path, rows, base: dict, seeds, r1: dict) -> dict:
+    "A finished run folder for every row and seed, test R@1 `r1[row] + seed / 100`: {(row, seed): run folder}."
+    from dml_nb.reproduction.repro import job_config
+
+    out = {}
+    for row in rows:
+        for s in seeds:
+            cfg = make_config(job_config(row, base, s))
+            cdict, run_dir = config_to_dict(cfg), run_dir_for(cfg, runs)
+            run_dir.mkdir(parents=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cdict, sort_keys=True))
+            info = {"metrics": {"test/recall@1": r1[row.name] + s / 100}, "config_key": run_key(cdict)}
+            (run_dir / "metrics.json").write_text(json.dumps(info))
+            (run_dir / "done").write_text("2026-01-01T00:00:00+00:00\n")
+            out[(row.name, s)] = run_dir
+    return out
+
+
+def test_a_row_whose_seeds_did_not_all_finish_names_them_in_the_table_and_the_claims(tmp_path):
+    from dml_nb.reproduction.claims import Claims
+    from dml_nb.reproduction.repro import Row, collect_runs, compare, summarize
+
+    rows, seeds = [Row("A", {}), Row("B", {"train": {"lr": 0.5}})], [0, 1, 2, 3]
+    folders = fake_runs(tmp_path / "runs", rows, A, seeds, {"A": 0.5, "B": 0.3})
+    (folders[("A", 1)] / "metrics.json").unlink()  # 'done' without its metrics
+    stopped = folders[("A", 2)]
+    for name in ("done", "metrics.json"):
+        (stopped / name).unlink()
+    key = run_key(config_to_dict(make_config(yaml.safe_load((stopped / "config.yaml").read_text()))))
+    (stopped / "stopped").write_text(json.dumps({"error": "NoTuplesError", "message": "no tuples", "config_key": key}))
+
+    per_seed = collect_runs(tmp_path / "runs", rows, A, seeds)
+    status = dict(zip(per_seed["seed"][per_seed["row"] == "A"], per_seed["status"][per_seed["row"] == "A"]))
+    assert status[0] == status[3] == "ok" and "metrics.json" in status[1] and status[2] == "stopped: no tuples"
+    table = summarize(per_seed, metrics=("recall@1",))
+    assert table.loc["A", "seeds"] == 2 and table.loc["B", "status"] == "ok"
+    note = table.loc["A", "status"]
+    assert note.startswith("seeds 0, 3 ran; ") and "seed 1 not run: " in note and "metrics.json" in note, note
+    assert "seed 2 stopped: no tuples" in note and "\n" not in note, note
+    assert compare(table, pd.DataFrame(index=pd.Index([], name="row")), ["R@1"]).loc["A", "status"] == note
+
+    claims = Claims("t", tmp_path / "figures", per_seed=per_seed)
+    claims.beats("A beats B", table, "A", "B")
+    (item,) = claims.data()["claims"]
+    assert "seeds 0, 3 ran" in item["numbers"] and "seed 2 stopped" in item["numbers"], item["numbers"]
+    claims.save()
+    assert "seeds 0, 3 ran" in (tmp_path / "figures" / "t_claims.md").read_text()

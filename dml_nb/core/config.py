@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +27,9 @@ from dml_nb.core.registry import (
 )
 
 # %% auto #0
-__all__ = ['HASH_RULES', 'RANGES', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig',
-           'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict', 'deep_merge', 'merge_layers',
-           'read_yaml', 'apply_override', 'load_config']
+__all__ = ['HASH_RULES', 'MAX_EPOCHS', 'RANGES', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig',
+           'TrainConfig', 'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict', 'deep_merge',
+           'merge_layers', 'read_yaml', 'apply_override', 'load_config']
 
 # %% ../../nbs/04_config.ipynb #dd7b8c31
 HASH_RULES = ("always", "omit_at_default")  # how a field enters `config_to_dict` (config.yaml) and so the run hash
@@ -224,17 +225,35 @@ def _build_section(cls, values: dict, section: str):
             kwargs[key] = _build_section(tp, value or {}, path)
             continue
         if not _type_ok(value, tp):
-            raise ConfigError(f"bad value for {path}: {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+            raise ConfigError(_bad_value(path, value, tp))
         kwargs[key] = (
             float(value)
             if tp is float
             else int(value)
-            if tp is int and isinstance(value, float)
+            if _int_field(tp) and isinstance(value, float)
             else list(value)
             if tp is list
             else value
         )
     return cls(**kwargs)
+
+
+def _int_field(tp) -> bool:
+    "Whether `tp` is an integer field (`int`, `Optional[int]`): an integral float given for it (2.0, 1e2) is stored as an int."
+    args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+    return int in args and float not in args
+
+
+def _bad_value(path: str, value, tp) -> str:
+    "The one line on a value of the wrong type: the key, the value, what is allowed and, for an integer field, the fix."
+    msg = f"bad value for {path}: {value!r} ({type(value).__name__}); expected {_describe(tp)}"
+    if not _int_field(tp):
+        return msg
+    if isinstance(value, bool):
+        return f"{msg}: {path} takes a whole number, not true/false"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{msg}: {path} takes a whole number; write {math.floor(value)} or {math.ceil(value)}"
+    return f"{msg}: {path} takes a whole number"
 
 
 _FLAT = {"model": ("backbone", "pretrained"), "method": ("name",)}
@@ -433,30 +452,48 @@ def config_to_dict(cfg) -> dict:
     return out
 
 # %% ../../nbs/04_config.ipynb #0b2f31e0
-import math
+def _up_to(hi: int, what: str = "") -> tuple:
+    "The range of a count: a positive integer up to `hi` (`what`: what it counts)."
+    return (lambda v: 1 <= v <= hi, f"a positive integer up to {hi}{what}")
 
-_POSITIVE = (lambda v: v >= 1, "a positive integer")
+
+MAX_EPOCHS = 100_000  # the bound of every count of epochs (train.epochs, eval.every, the schedule's milestones)
 # the valid range of every numeric option of the schema, in one place: {key: (test, what a valid value is)}. Every
 # float must also be finite (nan and inf pass no test). `make_config` checks them all before anything is written.
+# Each has an upper bound far above any paper's setting: a value past it is a slip (1e308 epochs or workers would
+# hang the run or exhaust the memory), not a setting.
 RANGES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295 (2**32 - 1: what NumPy's seeding accepts)"),
-    "data.size": _POSITIVE,
-    "data.images_per_class": _POSITIVE,
+    "data.size": _up_to(8192, " (the image side in pixels)"),
+    "data.images_per_class": _up_to(10_000),
     "data.label_noise": (lambda v: 0 <= v < 1, "a number in [0, 1) (the fraction of each training class relabelled)"),
-    "train.epochs": _POSITIVE,
-    "train.batch_size": _POSITIVE,
-    "train.samples_per_class": _POSITIVE,
-    "train.batches_per_epoch": _POSITIVE,
-    "train.lr": (lambda v: v > 0, "a finite number > 0 (a negative learning rate ascends the loss)"),
-    "train.weight_decay": (lambda v: v >= 0, "a finite number >= 0 (a negative decay inflates the weights)"),
-    "train.grad_clip": (lambda v: v > 0, "a finite number > 0, or null for no clipping"),
-    "train.num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the training process)"),
-    "train.checkpoint_every_steps": _POSITIVE,
-    "train.schedule.gamma": (lambda v: v > 0, "a finite number > 0 (the factor at each milestone)"),
+    "train.epochs": _up_to(MAX_EPOCHS),
+    "train.batch_size": _up_to(1_000_000),
+    "train.samples_per_class": _up_to(10_000),
+    "train.batches_per_epoch": _up_to(10_000_000),
+    "train.lr": (
+        lambda v: 0 < v <= 1e9,  # far above any setting: the divergence checks train at 1e8 on purpose
+        "a finite number > 0 and at most 1e9 (a negative learning rate ascends the loss)",
+    ),
+    "train.weight_decay": (
+        lambda v: 0 <= v <= 10,
+        "a finite number >= 0 and at most 10 (a negative decay inflates the weights)",
+    ),
+    "train.grad_clip": (lambda v: 0 < v <= 1e9, "a finite number > 0 and at most 1e9, or null for no clipping"),
+    "train.num_workers": (lambda v: 0 <= v <= 512, "an integer from 0 to 512 (0: load in the training process)"),
+    "train.checkpoint_every_steps": _up_to(10**9),
+    "train.schedule.gamma": (
+        lambda v: 0 < v <= 100,
+        "a finite number > 0 and at most 100 (the factor at each milestone)",
+    ),
     "train.schedule.min_factor": (lambda v: 0 <= v <= 1, "a number in [0, 1] (the cosine's last factor)"),
-    "eval.every": _POSITIVE,
-    "eval.batch_size": _POSITIVE,
-    "eval.nmi_seeds": (lambda v: v >= 1, "a positive integer (the k-means starts NMI is averaged over)"),
+    "train.schedule.milestones": (
+        lambda v: 0 <= v <= MAX_EPOCHS and float(v).is_integer(),
+        f"a list of epochs, each a whole number from 0 to {MAX_EPOCHS}",
+    ),
+    "eval.every": _up_to(MAX_EPOCHS, " (epochs)"),
+    "eval.batch_size": _up_to(1_000_000),
+    "eval.nmi_seeds": _up_to(1000, " (the k-means starts NMI is averaged over)"),
 }
 
 
@@ -476,18 +513,24 @@ def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
 
 def _check_ranges(cfg: Config) -> None:
     "Every numeric option inside its range (`RANGES`) and finite: a one-line `ConfigError` naming the key and the range."
-    values = {k: _get(cfg, k) for k in _numeric_fields()}
-    if isinstance(cfg.train.schedule, dict):
-        values.update(
-            {f"train.schedule.{k}": cfg.train.schedule[k] for k in ("gamma", "min_factor") if k in cfg.train.schedule}
-        )
-    for key, v in values.items():
+    values = [(k, _get(cfg, k)) for k in _numeric_fields()]
+    s = cfg.train.schedule
+    if isinstance(s, dict):
+        values += [(f"train.schedule.{k}", s[k]) for k in ("gamma", "min_factor") if k in s]
+        ms = s.get("milestones", [])
+        values += [("train.schedule.milestones", m) for m in (ms if isinstance(ms, (list, tuple)) else [ms])]
+    for key, v in values:
         if v is None:
             continue
         test, what = RANGES.get(key, (lambda v: True, "a finite number"))
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v)
         if not ok:
-            raise ConfigError(f"bad value for {key}: {v!r}; expected {what}")
+            raise ConfigError(f"bad value for {key}: {_short(v)}; expected {what}; set {key} within that range")
+
+
+def _short(v) -> str:
+    "`v` for a message: a huge integer (10**300 from a YAML 1e300) as 1e+300, not its 300 digits."
+    return f"{float(v):.6g}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30 else repr(v)
 
 
 def _get(cfg: Config, key: str):

@@ -171,12 +171,18 @@ def better(table: pd.DataFrame, a: str, b: str, metric: str = "R@1") -> Verdict:
 
 
 def fmt(table: pd.DataFrame, *names: str, metric: str = "R@1") -> str:
-    "'name metric mean ± std' for the given rows and, for two rows, their difference ± SE, for a claim's detail."
+    """'name metric mean ± std' for the given rows and, for two rows, their difference ± SE, for a claim's detail. A
+    row that ran on only some of its seeds adds its status in brackets (`repro.seeds_status`: the seeds it used, and
+    why the others are missing)."""
     out = []
     for n in names:
         s = stat(table, n, metric)
+        status = table.loc[n, "status"] if "status" in table and n in table.index else "ok"
+        partial = f" ({status})" if s.n > 0 and isinstance(status, str) and status != "ok" else ""
         out.append(
-            f"{n} {metric} {'n/a' if s.n == 0 else f'{s.mean:.1f}'}" + ("" if math.isnan(s.std) else f" ± {s.std:.1f}")
+            f"{n} {metric} {'n/a' if s.n == 0 else f'{s.mean:.1f}'}"
+            + ("" if math.isnan(s.std) else f" ± {s.std:.1f}")
+            + partial
         )
     if len(names) == 2 and ran(table, *names, metric=metric):
         d, se = difference(stat(table, names[0], metric), stat(table, names[1], metric))

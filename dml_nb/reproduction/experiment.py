@@ -30,7 +30,7 @@ from dml_nb.core.base import (
     lock_dir,
     remove_temp_files,
 )
-from ..core.registry import METHODS, REAL_DATASETS
+from ..core.registry import METHODS, METRICS, REAL_DATASETS, parse_metric
 from ..data.formats import DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
 from ..core.config import Config, ConfigError, config_to_dict, make_config
@@ -52,9 +52,9 @@ from dml_nb.reproduction.results import (
 )
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable', 'build_learner',
-           'RunResult', 'run_dir_for', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again',
-           'run_seeds']
+__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable',
+           'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'recorded_threads',
+           'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -241,6 +241,25 @@ def _built(what: str, build):
         raise ConfigError(f"{what}: {msg}") from e
 
 
+def check_metric_sizes(cfg: Config, evals: dict) -> None:
+    """Every `recall@k` of `eval.metrics` against the evaluation sets `evals` of `build_datasets` (a dataset, or a
+    (query, gallery) pair): each query needs k neighbours (the other images of a set, the gallery of a pair). Else a
+    one-line `ConfigError` naming the metric, the set and the valid metrics, raised as the sets are built: before
+    the first training step, not after the first epoch."""
+    ks = {m: k for m in cfg.eval.metrics if isinstance(k := parse_metric(m), int)}
+    for name, ds in evals.items():
+        pair = isinstance(ds, (tuple, list))
+        n = len(ds[1]) if pair else len(ds) - 1  # the neighbours each query has
+        for m, k in ks.items():
+            if k > n:
+                has = f"its gallery has {n} images" if pair else f"{n + 1} images: {n} neighbours for each query"
+                raise ConfigError(
+                    f"eval.metrics: {m} needs {k} neighbours of each query, but the {name} set of {cfg.data.name} "
+                    f"is too small ({has}); use k <= {n}. Valid metrics here: recall@1 to recall@{n}, "
+                    + ", ".join(METRICS[1:])
+                )
+
+
 def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool = True) -> "Learner":
     "Datasets, sampler, backbone, recipe and `Learner` for `cfg`."
     from dml_nb.core.base import seed_everything
@@ -250,6 +269,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
     cfg = make_config(cfg)
     seed_everything(cfg.seed)
     train, evals = build_datasets(cfg, progress=progress)
+    check_metric_sizes(cfg, evals)  # a recall@k the sets cannot give: before anything trains
     backbone = _built(
         f"model.backbone {cfg.model.backbone!r}",
         lambda: build_backbone(cfg.model.backbone, pretrained=cfg.model.pretrained, **cfg.model.options),
@@ -341,6 +361,11 @@ def load_result(run_dir: str | Path) -> RunResult:
     run_dir = Path(run_dir)
     if not (run_dir / "done").exists():
         raise FileNotFoundError(f"{run_dir} holds no finished run (no 'done' marker)")
+    if not (run_dir / "metrics.json").is_file():
+        raise FileNotFoundError(
+            f"{run_dir} has a 'done' marker but no metrics.json (its results are lost): delete the folder to train "
+            "the run again"
+        )
     info = json.loads((run_dir / "metrics.json").read_text())
     import pandas as pd
 
@@ -643,12 +668,29 @@ def train_again(result: RunResult, progress: bool = False) -> RunResult:
     return run(result.config, run_dir=result.run_dir, progress=progress, wait=True, threads=threads)
 
 # %% ../../nbs/60_experiment.ipynb #f8139276
+def check_seeds(seeds: Sequence[int], what: str = "seeds") -> list[int]:
+    """`seeds` as a list of ints. A seed given twice is a one-line `ConfigError` naming the repeated ones: it is the
+    same run counted again, so the spread over the seeds (and every standard error) would shrink towards 0."""
+    try:
+        vals = [int(s) for s in seeds]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} {list(seeds)!r}: each seed must be a whole number (0 to 4294967295)") from None
+    dup = [s for s in dict.fromkeys(vals) if vals.count(s) > 1]
+    if dup:
+        raise ConfigError(
+            f"{what} {vals} repeat {', '.join(map(str, dup))}: a seed given twice is the same run counted again (its "
+            f"spread and SE would shrink towards 0); give each seed once, e.g. {list(dict.fromkeys(vals))}"
+        )
+    return vals
+
+
 def run_seeds(
     config: Config | dict, seeds: Sequence[int] = (0, 1, 2), runs_dir: str | Path = "runs", progress: bool = True
 ):
-    "Run `config` once per seed; returns (per-seed DataFrame, summary DataFrame with mean and std)."
+    "Run `config` once per seed (each once: `check_seeds`); returns (per-seed DataFrame, summary DataFrame with mean and std)."
     import pandas as pd
 
+    seeds = check_seeds(seeds)
     base = config_to_dict(make_config(config))
     rows = []
     for s in seeds:

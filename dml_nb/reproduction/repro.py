@@ -20,16 +20,17 @@ from .claims import metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
-from .results import RunStopped, restored
+from .experiment import check_seeds
+from .results import RunStopped, one_line, restored, run_key, stopped_record
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
-from ..core.config import ConfigError, make_config, merge_layers
+from ..core.config import ConfigError, config_to_dict, make_config, merge_layers
 from .viz import markdown_table
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'SECTIONS', 'paper_variant', 'output_dirs', 'base_config',
            'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner', 'portable', 'job_config', 'run_rows',
-           'reported_as', 'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs']
+           'reported_as', 'seeds_status', 'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs']
 
 # %% ../../nbs/64_repro.ipynb #485c4a64
 EMBEDDED = (
@@ -275,9 +276,11 @@ def run_rows(
 ) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
     reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.reproduction.sweep`:
-    a plan, or collect-only) a run not finished is listed, or is an error, instead of trained."""
+    a plan, or collect-only) a run not finished is listed, or is an error, instead of trained. A seed given twice
+    is an error (`check_seeds`)."""
     from dml_nb.reproduction.sweep import sweep_mode
 
+    seeds = check_seeds(seeds)  # a seed given twice: refused before anything runs
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
     results, skipped, mode = {}, {}, sweep_mode()
     from tqdm.auto import tqdm as bar_class  # read at each call: `text_progress` may have replaced it
@@ -324,14 +327,32 @@ def reported_as(per_seed: pd.DataFrame) -> str:
     )
 
 # %% ../../nbs/64_repro.ipynb #a5f1edbd
+def seeds_status(lines: pd.DataFrame) -> str:
+    """The status of one row from its lines of the per-seed frame: 'ok' when every seed ran, the first line's reason
+    when none did, else which seeds ran and each other seed with its reason (one line): 'seeds 0, 3 ran; seed 1 not
+    run: ...; seed 2 stopped: ...'. So that no seed leaves a mean silently."""
+    good = (lines["status"] == "ok").to_numpy()
+    if good.all() or not good.any():
+        return "ok" if good.all() else lines["status"].iloc[0]
+    seeds = [str(s) for s in lines["seed"]] if "seed" in lines else [f"#{i + 1}" for i in range(len(lines))]
+    why = {}  # reason -> the seeds it stopped
+    for s, st, g in zip(seeds, lines["status"], good):
+        if not g:
+            why.setdefault(one_line(str(st)), []).append(s)
+    ran = [s for s, g in zip(seeds, good) if g]
+    plural = lambda ss: f"seed{'s' if len(ss) > 1 else ''} {', '.join(ss)}"
+    return f"{plural(ran)} ran; " + "; ".join(f"{plural(ss)} {st}" for st, ss in why.items())
+
+
 def summarize(
     per_seed: pd.DataFrame, metrics: Sequence[str] = ("recall@1", "recall@2", "nmi"), percent: bool = True
 ) -> pd.DataFrame:
-    "Mean and std over seeds per row (rows keep their order): columns '<metric>' and '<metric> std', 'seeds', 'status'."
+    """Mean and std over seeds per row (rows keep their order): columns '<metric>' and '<metric> std', 'seeds' (how
+    many ran) and 'status' (`seeds_status`: `ok`, why the row did not run, or which seeds ran and why the others did not)."""
     out = []
     for name, g in per_seed.groupby("row", sort=False):
         ok = g[g["status"] == "ok"]
-        rec = {"row": name, "seeds": len(ok), "status": "ok" if len(ok) else g["status"].iloc[0]}
+        rec = {"row": name, "seeds": len(ok), "status": seeds_status(g)}
         for m in metrics:
             vals = ok[m].astype(float) * (100 if percent else 1) if m in ok else pd.Series(dtype=float)
             rec[metric_label(m)] = vals.mean() if len(vals) else np.nan
@@ -383,12 +404,21 @@ def write_table(
     return [csv, md]
 
 # %% ../../nbs/64_repro.ipynb #ff4fa13c
-def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None) -> dict:
-    "The line of `row` and `seed`: its status and, for a finished run, its metrics (of the row's head) and folder."
+def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None, key: str | None = None) -> dict:
+    """The line of `row` and `seed`: its status and, for a finished run, its metrics (of the row's head) and folder.
+    A run that stopped by design (its `stopped` record, of config `key`) is 'stopped: <reason>'; a finished run whose
+    results cannot be read ('done' without `metrics.json`) is 'not run: <why>'."""
     rec = {"row": row.name, "group": row.group, "seed": seed}
-    if skipped or not (run_dir / "done").exists():
-        return {**rec, "status": skipped or f"not run: no finished run in {run_dir.name}"}
-    res = load_result(run_dir)
+    if skipped:
+        return {**rec, "status": skipped}
+    if not (run_dir / "done").exists():
+        stop = stopped_record(run_dir, key)
+        why = f"stopped: {one_line(stop['message'])}" if stop else f"not run: no finished run in {run_dir.name}"
+        return {**rec, "status": why}
+    try:
+        res = load_result(run_dir)
+    except (OSError, ValueError, KeyError) as e:  # 'done' without its results: listed with the reason
+        return {**rec, "status": f"not run: {portable(one_line(str(e)).replace(str(run_dir), run_dir.name))}"}
     test, train = _metrics_of(res, row.head, "test"), _metrics_of(res, row.head, "train")
     return {
         **rec,
@@ -411,19 +441,21 @@ def collect_runs(
     """The collector: run folders under `runs_dir` into a frame.
     Without `rows`: one line per finished run (run, method, dataset, seed, epochs, wall time, every stored metric).
     With `rows` (layered on `base`, over `seeds`): one line per row and seed in that order, read from the folder of
-    its config: row, group, seed, status (`ok`, the reason `skipped[(row, seed)]` gives, or no finished run), the
+    its config: row, group, seed, status (`ok`, the reason `skipped[(row, seed)]` gives, the reason a run that
+    stopped by design recorded, a finished run without its results, or no finished run), the
     test metrics of the row's head, its `train/` metrics, wall time, the epoch reported and the run folder."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise FileNotFoundError(f"{runs_dir} is not a folder of runs")
     if rows is not None:
-        jobs = [(r, int(s)) for r in rows for s in seeds]
+        jobs = [(r, s) for r in rows for s in check_seeds(seeds)]
+        cfgs = [make_config(job_config(r, base, s)) for r, s in jobs]
         return pd.DataFrame(
             [
                 _row_record(
-                    r, s, run_dir_for(make_config(job_config(r, base, s)), runs_dir), (skipped or {}).get((r.name, s))
+                    r, s, run_dir_for(c, runs_dir), (skipped or {}).get((r.name, s)), run_key(config_to_dict(c))
                 )
-                for r, s in jobs
+                for (r, s), c in zip(jobs, cfgs)
             ]
         )
     recs = []
