@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -231,6 +232,24 @@ def test_a_half_entry_left_in_the_cache_is_replaced(saved, tmp_path, capsys):
     (half / "checkpoint.pt").write_text("mine")
     before = snapshot(half)
     assert restore(tmp_path, capsys) == ([], "") and snapshot(half) == before
+
+
+def test_a_restore_removes_the_stale_temporary_folders_a_killed_restore_left(saved, tmp_path, capsys):
+    e = entry(saved, tmp_path)
+    (tmp_path / "runs").mkdir()
+    left = {n: tmp_path / "runs" / n for n in (f".{e.name}.restore-k1ll3d_x", f".{e.name}.restore-k1ll3d_y.half")}
+    fresh = tmp_path / "runs" / f".{e.name}.restore-inuse123"  # another restore's, now: left alone
+    other = tmp_path / "runs" / ".plans"  # not a restore's
+    for d in (*left.values(), fresh, other):
+        d.mkdir()
+        shutil.copy(e / "config.yaml", d / "config.yaml")
+    old = time.time() - 2 * 3600
+    for d in (*left.values(), other):
+        os.utime(d, (old, old))
+    got, err = restore(tmp_path, capsys)
+    assert got == [tmp_path / "runs" / e.name] and err == "", err
+    assert not any(d.exists() for d in left.values()), sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert fresh.is_dir() and other.is_dir()
 
 
 # 3. save_result never follows links and never writes outside the results folder ---------------------------------------
@@ -563,3 +582,105 @@ def test_a_row_whose_seeds_did_not_all_finish_names_them_in_the_table_and_the_cl
     assert "seeds 0, 3 ran" in item["numbers"] and "seed 2 stopped" in item["numbers"], item["numbers"]
     claims.save()
     assert "seeds 0, 3 ran" in (tmp_path / "figures" / "t_claims.md").read_text()
+
+
+# 11. environment folders and the folders dml-reproduce writes to ------------------------------------------------------
+
+
+def test_a_relative_dml_results_or_dml_runs_is_taken_from_the_project_root(tmp_path, monkeypatch):
+    from dml_nb.reproduction.reproduce import machine_paths
+    from dml_nb.reproduction.sweep import notebook_parameters
+
+    root = tmp_path.resolve()
+    (root / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
+    (root / "nbs").mkdir()
+    monkeypatch.chdir(root / "nbs")  # where papermill's kernel runs a notebook
+    monkeypatch.setenv(RESULTS_ENV, "my-results")
+    monkeypatch.setenv("DML_RUNS", "my-runs")
+    assert results_dir() == root / "my-results"
+    assert results_folder(None, root) == root / "my-results"
+    assert notebook_parameters()["output"]["runs_dir"] == str(root / "my-runs")
+    assert dict(machine_paths(root))[str(root / "my-runs")] == "<runs>"
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
+def test_dml_runs_naming_a_file_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, under):
+    f = tmp_path / "a-file"
+    f.write_text("kept")
+    runs = f / "runs" if under else f
+    monkeypatch.setenv("DML_RUNS", str(runs))
+    plan = tmp_path / "missing-plan.json"  # never read: the run cache fails first
+    with pytest.raises(SystemExit) as e:
+        reproduce_main(["--results-dir", "none", "--launch", "local", "--from-plan", str(plan), "--no-collect"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "DML_RUNS" in err and str(runs) in err and "--runs-dir" in err, err
+    assert f.read_text() == "kept"
+
+
+def test_a_results_folder_under_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("kept")
+    plan = tmp_path / "missing-plan.json"
+    with pytest.raises(SystemExit) as e:
+        reproduce_main(["--results-dir", str(f / "results"), "--launch", "local", "--from-plan", str(plan)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(f / "results") in err and "--results-dir none" in err, err
+
+
+def test_a_results_folder_that_cannot_be_written_says_how_to_turn_saving_off(saved, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("kept")
+    with pytest.raises(ConfigError) as e:
+        save_result(saved["runs"] / saved["A"].name, f / "results")
+    msg = str(e.value)
+    assert "\n" not in msg and str(f / "results") in msg, msg
+    assert "--results-dir none" in msg and "DML_RESULTS=none" in msg, msg
+    assert f.read_text() == "kept"
+
+
+def test_a_set_key_too_deep_is_one_line_not_a_recursion_error(tmp_path, capsys):
+    deep = "a." * 20000 + "b=1"
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[deep])
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400 and "'a'" in msg and "train" in msg, msg[:500]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(A))
+    runs = tmp_path / "runs"
+    code = dml_train([str(tmp_path / "params.yaml"), "--runs-dir", str(runs), "--set", deep, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and "--set" in err, err[:500]
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [("metrics.json", ""), ("metrics.json", '{"metrics": {"test/rec'), ("metrics.json", "[1, 2]"), ("history.csv", "")],
+)
+def test_a_truncated_or_empty_result_file_is_one_line_naming_it_and_the_fix(saved, tmp_path, name, text):
+    run_dir = tmp_path / saved["A"].name
+    shutil.copytree(saved["runs"] / saved["A"].name, run_dir)
+    (run_dir / name).write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_result(run_dir)
+    msg = str(e.value)
+    assert "\n" not in msg and str(run_dir / name) in msg and "delete" in msg and "restore" in msg, msg
+    assert (run_dir / name).read_text() == text and (run_dir / "done").exists()  # nothing removed
+
+
+def test_duplicate_seeds_in_a_notebooks_parameters_are_refused_in_setup(tmp_path):
+    from dml_nb.reproduction.notebook import notebook_defaults, setup
+
+    output = {
+        "progress": False,
+        "figures_dir": str(tmp_path / "f"),
+        "runs_dir": str(tmp_path / "runs"),
+        "results": False,
+    }
+    params = {**notebook_defaults("repro_table3"), "seeds": [0, 0, 1], "output": output}
+    with pytest.raises(ValueError) as e:  # before the seeds are shrunk to one under tests, before any folder is made
+        setup("repro_table3", params)
+    msg = str(e.value)
+    assert "\n" not in msg and "repro_table3" in msg and "repeat 0" in msg and "[0, 1]" in msg, msg
+    assert params["seeds"] == [0, 0, 1] and not (tmp_path / "runs").exists() and not (tmp_path / "f").exists()

@@ -27,9 +27,9 @@ from dml_nb.core.registry import (
 )
 
 # %% auto #0
-__all__ = ['HASH_RULES', 'MAX_EPOCHS', 'RANGES', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig',
-           'TrainConfig', 'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict', 'deep_merge',
-           'merge_layers', 'read_yaml', 'apply_override', 'load_config']
+__all__ = ['HASH_RULES', 'MAX_EPOCHS', 'RANGES', 'MAX_KEY_DEPTH', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig',
+           'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict',
+           'deep_merge', 'merge_layers', 'read_yaml', 'apply_override', 'load_config']
 
 # %% ../../nbs/04_config.ipynb #dd7b8c31
 HASH_RULES = ("always", "omit_at_default")  # how a field enters `config_to_dict` (config.yaml) and so the run hash
@@ -595,12 +595,21 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     return merge_layers(_unflatten(merged), _unflatten(raw))
 
 
+MAX_KEY_DEPTH = 8  # the parts of a --set key: section.option.… (train.schedule.milestones is 3)
+
+
 def apply_override(raw: dict, assignment: str) -> dict:
     "Apply one `a.b.c=value` override (value parsed as YAML)."
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     key, value = assignment.split("=", 1)
     parts = key.strip().split(".")
+    if len(parts) > MAX_KEY_DEPTH:  # before any nesting: a deep key would exhaust the recursion limit
+        sections = ", ".join(f.name for f in dataclasses.fields(Config))
+        raise ConfigError(
+            f"--set: key {parts[0]!r}.… is {len(parts)} parts deep, at most {MAX_KEY_DEPTH}: write "
+            f"section.option=value, a section being one of {sections}"
+        )
     if not all(parts):
         raise ConfigError(f"--set: bad key {key!r}")
     update = parse_yaml(value, f"--set {assignment}") if value.strip() else None

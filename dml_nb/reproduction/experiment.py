@@ -366,10 +366,26 @@ def load_result(run_dir: str | Path) -> RunResult:
             f"{run_dir} has a 'done' marker but no metrics.json (its results are lost): delete the folder to train "
             "the run again"
         )
-    info = json.loads((run_dir / "metrics.json").read_text())
     import pandas as pd
 
-    hist = pd.read_csv(run_dir / "history.csv").to_dict("records") if (run_dir / "history.csv").exists() else []
+    def broken(name: str, why: str) -> ValueError:
+        return ValueError(
+            one_line(
+                f"{run_dir / name} is truncated or not a run's {name} ({why}): delete the run folder {run_dir} to "
+                "train the run again, or restore it from a results folder (dml-reproduce --results-dir)"
+            )
+        )
+
+    try:
+        info = json.loads((run_dir / "metrics.json").read_text())
+    except ValueError as e:  # empty, cut by a full disk or a kill, not UTF-8
+        raise broken("metrics.json", str(e) or type(e).__name__) from None
+    if not isinstance(info, dict) or not isinstance(info.get("metrics"), dict):
+        raise broken("metrics.json", "no 'metrics' mapping")
+    try:
+        hist = pd.read_csv(run_dir / "history.csv").to_dict("records") if (run_dir / "history.csv").exists() else []
+    except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
+        raise broken("history.csv", str(e) or type(e).__name__) from None
     if (keep := results_dir()) is not None:
         save_result(run_dir, keep)  # `dml-reproduce`: every finished run it reads
     return RunResult(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), info["metrics"], hist, info)

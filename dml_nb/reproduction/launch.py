@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
-from .results import clear_restored, restored, run_key
+from .results import clear_restored, restored, run_key, runs_folder
 from ..core.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
@@ -406,7 +406,7 @@ def add_sweep_arguments(ap) -> None:
 
 
 def _default_plan_dir(args, root: Path) -> Path:
-    runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
+    runs = runs_folder(args.runs_dir, root)
     return runs / ".plans" / ("all" if not args.notebooks else "+".join(Path(n).stem for n in args.notebooks))
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 from ..core.base import in_test, project_root
 from .claims import Claims
 from .results import restore_results
-from .experiment import RUN_THREADS, load_result
+from .experiment import RUN_THREADS, check_seeds, load_result
 from ..methods.base import task_health
 from dml_nb.reproduction.repro import (
     EMBEDDED,
@@ -391,6 +391,9 @@ def _check_parameters(stem: str, params: Mapping, defaults: Mapping | None) -> N
             f"{stem}: the parameter 'seeds' must be a non-empty list of integers from 0 to 4294967295, "
             f"e.g. [0, 1, 2]; got {seeds!r}"
         )
+    check_seeds(
+        seeds, f"{stem}: the parameter 'seeds'"
+    )  # a seed twice: the same run counted twice (before any shrinking)
     if defaults is None:
         return
     import types

@@ -21,7 +21,7 @@ from ..core.base import source_hash, atomic_write, data_root, in_test, project_r
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
 from .experiment import check_seeds
-from .results import RunStopped, one_line, restored, run_key, stopped_record
+from .results import RunStopped, one_line, restored, run_key, runs_folder, stopped_record
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..core.config import ConfigError, config_to_dict, make_config, merge_layers
@@ -63,8 +63,8 @@ def output_dirs(
         root = project_root()
         base_f, base_r = (
             root / "figures",
-            Path(os.environ.get("DML_RUNS") or root / "runs"),
-        )  # $DML_RUNS: a shared run cache
+            runs_folder(None, root),
+        )  # $DML_RUNS: a shared run cache (relative: from the project root)
     if variant:
         base_f = base_f / variant
     given = lambda d: (

@@ -21,6 +21,7 @@ from ..core.base import atomic_write
 from .claims import RULES, load_claims, resolved_text
 from .experiment import RECIPES_VERSION
 from .results import RESULTS_ENV, restore_results, results_path
+from .results import check_runs_folder, env_folder, folder_problem, runs_folder
 from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
@@ -230,13 +231,13 @@ def results_folder(given: str | None, root: str | Path) -> Path | None:
     if given is not None:
         out = results_path(given)
     elif (env := os.environ.get(RESULTS_ENV)) is not None:
-        out = results_path(env)
+        out = None if results_path(env) is None else env_folder(RESULTS_ENV, root)  # relative: from the project root
     else:
         out = None if in_test() else Path(root) / "results"
-    if out is not None and out.exists() and not out.is_dir():  # before anything is trained or written
+    if out is not None and (problem := folder_problem(out)) is not None:  # before anything is trained or written
         raise ValueError(
-            f"results folder {out} is a file, not a folder: name a folder with --results-dir DIR (or "
-            f"${RESULTS_ENV}), or switch it off with --results-dir none"
+            f"results folder {out} {problem}: name a folder you can write to with --results-dir DIR (or "
+            f"${RESULTS_ENV}), or switch saving off with --results-dir none ({RESULTS_ENV}=none)"
         )
     return out
 
@@ -273,10 +274,10 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
     root = project_root()
     try:
         results = results_folder(args.results_dir, root)
+        runs = check_runs_folder(args.runs_dir, root)  # before anything is planned, trained or written
     except ValueError as e:
         ap.error(str(e))
     if results is not None:  # what an earlier machine finished: read, not trained again
-        runs = Path(args.runs_dir or os.environ.get("DML_RUNS") or root / "runs")
         if got := restore_results(results, runs):
             print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
     with env_vars(**{RESULTS_ENV: str(results.resolve()) if results is not None else ""}):
@@ -301,7 +302,7 @@ _ADDRESS = re.compile(r"(<.*?)( at 0x[0-9a-fA-F]+)(>)")  # as nbdev_clean's clea
 def machine_paths(root: str | Path, runs_dir: str | Path | None = None) -> list[tuple[str, str]]:
     "(this machine's folder, its name in a committed notebook), longest first: project, run cache, temporary folder, home."
     root = Path(root)
-    runs = Path(runs_dir or os.environ.get("DML_RUNS") or root / "runs")
+    runs = runs_folder(runs_dir, root)
     names = {runs: "<runs>", root: "<project>", Path(tempfile.gettempdir()): "<tmp>", Path.home(): "~"}
     subs = {}
     for path, name in names.items():

@@ -15,17 +15,20 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from ..core.base import RunLockedError, atomic_json, atomic_write, config_hash, lock_dir
+from ..core.base import RunLockedError, atomic_json, atomic_write, config_hash, lock_dir, project_root
 from ..core.params import parse_yaml
 from ..core.registry import BACKBONES
 from ..core.config import Config, ConfigError, config_to_dict, make_config
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'run_key', 'run_folder_name', 'one_line', 'RunStopped',
-           'stopped_record', 'record_stopped', 'check_stopped', 'results_path', 'results_dir', 'save_result',
-           'restore_results', 'restored', 'restored_problem', 'clear_restored', 'result_checksum', 'result_problem']
+__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'run_key',
+           'run_folder_name', 'one_line', 'RunStopped', 'stopped_record', 'record_stopped', 'check_stopped',
+           'results_path', 'results_dir', 'env_folder', 'runs_folder', 'folder_problem', 'check_runs_folder',
+           'save_result', 'restore_results', 'restored', 'restored_problem', 'clear_restored', 'result_checksum',
+           'result_problem']
 
 # %% ../../nbs/60a_results.ipynb #a3c1e7d1
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
@@ -132,8 +135,52 @@ def results_path(value: str | None) -> Path | None:
 
 
 def results_dir() -> Path | None:
-    "The results folder `$DML_RESULTS` names (None when unset, empty or 'none')."
-    return results_path(os.environ.get(RESULTS_ENV))
+    "The results folder `$DML_RESULTS` names (None when unset, empty or 'none'; a relative one: from the project root, `env_folder`)."
+    return None if results_path(os.environ.get(RESULTS_ENV)) is None else env_folder(RESULTS_ENV)
+
+
+RUNS_ENV = "DML_RUNS"  # a run cache (on shared storage): where runs are kept, instead of <project>/runs
+
+
+def env_folder(name: str, root: str | Path | None = None) -> Path | None:
+    """The folder the environment variable `name` names (None when unset or empty). A relative one is taken from the
+    project root (`root`, default `project_root()`), not the working directory: papermill runs a notebook in nbs/."""
+    value = (os.environ.get(name) or "").strip()
+    if not value:
+        return None
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else Path(root or project_root()) / p
+
+
+def runs_folder(given: str | Path | None = None, root: str | Path | None = None) -> Path:
+    "The run cache: `given` (--runs-dir), else `$DML_RUNS` (`env_folder`), else `<project>/runs`."
+    return Path(given) if given else env_folder(RUNS_ENV, root) or Path(root or project_root()) / "runs"
+
+
+def folder_problem(folder: str | Path) -> str | None:
+    "Why `folder` cannot be made or written to (it is a file, it would be under a file, it is not writable), or None."
+    folder = up = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    while not up.exists() and up != up.parent:  # the nearest part that exists
+        up = up.parent
+    if not up.is_dir():
+        return f"cannot be made: {up} is a file, not a folder"
+    if not os.access(up, os.W_OK | os.X_OK):
+        return "cannot be written to" if up == folder else f"cannot be made: {up} cannot be written to"
+    return None
+
+
+def check_runs_folder(given: str | Path | None = None, root: str | Path | None = None) -> Path:
+    "`runs_folder`, or a one-line `ConfigError` naming where it came from when it cannot be made or written to."
+    runs = runs_folder(given, root)
+    if (problem := folder_problem(runs)) is not None:
+        source = "--runs-dir" if given else f"${RUNS_ENV}" if env_folder(RUNS_ENV, root) else "the default"
+        raise ConfigError(
+            f"run cache {runs} ({source}) {problem}: set ${RUNS_ENV} or --runs-dir to a folder you can write to "
+            f"(or unset {RUNS_ENV} for <project>/runs)"
+        )
+    return runs
 
 
 def _say(text: str) -> None:
@@ -168,11 +215,17 @@ def save_result(run_dir: str | Path, results: str | Path) -> Path | None:
     if (problem := result_problem(run_dir)) is not None:
         return _say(f"{where}: {problem}")
     files = {n: data for n in RESULT_FILES if n != "done" and (data := _read(run_dir / n)) is not None}
-    for name, data in files.items():
-        atomic_write(dest / name, data)
-    if (done := _read(run_dir / "done")) is not None:  # last: the marker of a whole entry
-        kept = [l for l in done.decode(errors="replace").splitlines() if not l.startswith("sha256 ")]
-        atomic_write(dest / "done", "\n".join([*kept, f"sha256 {result_checksum(files)}"]) + "\n")
+    try:
+        for name, data in files.items():
+            atomic_write(dest / name, data)
+        if (done := _read(run_dir / "done")) is not None:  # last: the marker of a whole entry
+            kept = [l for l in done.decode(errors="replace").splitlines() if not l.startswith("sha256 ")]
+            atomic_write(dest / "done", "\n".join([*kept, f"sha256 {result_checksum(files)}"]) + "\n")
+    except OSError as e:  # the run itself is kept in the run cache
+        raise ConfigError(
+            f"results folder {results}: cannot write {dest} ({e.strerror or e}): choose a folder you can write to "
+            f"(--results-dir DIR, ${RESULTS_ENV}), or turn saving off with --results-dir none ({RESULTS_ENV}=none)"
+        ) from None
     return dest
 
 
@@ -191,11 +244,30 @@ def restore_results(results: str | Path, runs_dir: str | Path) -> list[Path]:
             _say(f"{src} is not restored from the results folder: {problem}; {_FIX}")
             continue
         dest = runs_dir / src.name
+        _remove_stale_restores(dest)
         if (dest.exists() or dest.is_symlink()) and not _half_entry(dest):
             continue  # the cache's own: never touched
         if _restore_one(src, dest):
             out.append(dest)
     return out
+
+
+RESTORE_STALE_S = 600  # a restore copies three small files: its temporary folder untouched this long is a leftover
+
+
+def _remove_stale_restores(dest: Path) -> None:
+    """Remove the temporary folders of `dest` that a killed restore left beside it (`.<name>.restore-XXXXXXXX`, and
+    its `.half`): only those untouched for `RESTORE_STALE_S` seconds, never one that a restore running now writes."""
+    if not dest.parent.is_dir():
+        return
+    ours = re.compile(rf"\.{re.escape(dest.name)}\.restore-[a-z0-9_]{{8}}(\.half)?")
+    for p in dest.parent.iterdir():
+        try:
+            if ours.fullmatch(p.name) and not p.is_symlink() and p.is_dir():
+                if time.time() - p.stat().st_mtime > RESTORE_STALE_S:
+                    shutil.rmtree(p)
+        except OSError:  # gone meanwhile, or not ours to remove: left
+            pass
 
 
 def _restore_one(src: Path, dest: Path) -> bool:

@@ -22,6 +22,7 @@ from ..core.base import atomic_write, project_root
 from ..core.config import config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
 from .results import RUN_NAME, one_line, restored, restored_problem, stopped_record
+from .results import RUNS_ENV, env_folder
 
 # %% auto #0
 __all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MAX_COUNT', 'RUN_HASH', 'NOTEBOOK_NAME', 'MissingRunsError', 'PlanStop',
@@ -379,7 +380,7 @@ def notebook_parameters(
         params.update(extra)
     if seeds is not None:
         params["seeds"] = [int(s) for s in seeds]
-    runs = runs_dir or (params.get("output") or {}).get("runs_dir") or os.environ.get("DML_RUNS")
+    runs = runs_dir or (params.get("output") or {}).get("runs_dir") or env_folder(RUNS_ENV)
     params["output"] = {
         **(params.get("output") or {}),
         "progress": False,
