@@ -73,8 +73,8 @@ def commands(tmp: Path) -> dict:
         ),
         "tests": (
             "The README's test command",
-            "nbdev_test --do_print --timing && pytest -n 2",
-            ["bash", "-c", "nbdev_test --do_print --timing && pytest -q -n 2"],
+            "nbdev_test --do_print --timing && pytest -n 3",
+            ["bash", "-c", "nbdev_test --do_print --timing && pytest -q -n 3"],
             {"MPLBACKEND": "Agg"},
         ),
     }

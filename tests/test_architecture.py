@@ -324,7 +324,6 @@ OVERSIZED: dict[str, int] = {
     "dml_nb.methods.dnc.DivideAndConquer.__init__": 144,
     "dml_nb.methods.bspml.BSPML.__init__": 121,
     "dml_nb.data.checks.write_fake_dataset": 103,
-    "dml_nb.reproduction.launch.sweep_command": 85,
     "dml_nb.methods.base.MultiTaskMethod.__init__": 75,
     "dml_nb.data.formats.read_cub200": 68,
     "dml_nb.evaluation.neighbours.knn": 68,

@@ -410,6 +410,88 @@ def _default_plan_dir(args, root: Path) -> Path:
     return runs / ".plans" / ("all" if not args.notebooks else "+".join(Path(n).stem for n in args.notebooks))
 
 
+def _launcher_missing(args, gpus) -> int | None:
+    "2, after one line on stderr, when this machine cannot run `args.launch` (told before any planning); else None."
+    try:
+        if args.launch == "slurm":
+            check_slurm()
+        elif args.launch == "multi_gpu":
+            gpu_slots(gpus, args.threads)
+    except LauncherUnavailable as e:
+        print(f"dml-reproduce: error: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _print_plan(plan: Plan, json_out=None) -> None:
+    "The plan's table (runs, what uses them, status), the runs that need another machine, and where the plan is."
+    import pandas as pd
+
+    table = plan.table().drop(columns=["command"])
+    table["uses"] = [j.uses[0] + (f" (+{len(j.uses) - 1} more)" if len(j.uses) > 1 else "") for j in plan.jobs]
+    table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
+    with pd.option_context("display.max_colwidth", 80, "display.width", 200):
+        print(table.to_string(index=False))
+    for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
+        print(
+            f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)"
+        )
+    print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
+    if json_out:
+        plan.save(json_out)
+
+
+def _launch_args(args, plan: Plan, gpus) -> int | None:
+    "Launch the plan's pending runs as `args` say; 1 after naming the failed runs and their logs, else None."
+    slurm = {
+        "partition": args.partition,
+        "time_min": args.time,
+        "gpus_per_run": args.gpus_per_run,
+        "mem_gb": args.mem_gb,
+        "cpus": args.cpus_per_run,
+        "parallel": args.array_parallelism,
+    }
+    try:
+        launch(
+            plan,
+            args.launch,
+            workers=args.workers,
+            threads=args.threads,
+            gpus=gpus,
+            **(slurm if args.launch == "slurm" else {}),
+        )
+    except SweepFailed as e:
+        print("dml-reproduce: these runs failed (their logs say why; launch again to resume them):", file=sys.stderr)
+        for f in e.failures:
+            print(f"  {f}", file=sys.stderr)
+        return 1
+    return None
+
+
+def _collect_args(args, names: list, pp: dict, root: Path, reproduce) -> int:
+    "Run the notebooks `names` on the finished runs (collect only): 0, or 2 after one line when one stops."
+    import papermill
+
+    defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
+    try:
+        if defaults and reproduce is None:
+            raise TypeError(
+                "sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
+                "to collect the default reproduction; `dml-reproduce` passes it"
+            )
+        if (
+            defaults
+        ):  # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claims
+            with collecting():
+                reproduce(names, force=True, root=root)
+        else:
+            collect(names, **pp)
+    except papermill.PapermillExecutionError as e:
+        print(f"dml-reproduce: collect-only stopped: {e.ename}: {e.evalue}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int | None:
     "`dml-reproduce` with a sweep option: plan, launch and/or collect; None when no sweep option was given."
     if not (args.plan or args.launch or args.collect_only):
@@ -424,64 +506,24 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
         params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root
     )
     gpus = args.gpus.split(",") if args.gpus else None
-    try:  # a launcher this machine cannot run: told before any planning
-        if args.launch == "slurm":
-            check_slurm()
-        elif args.launch == "multi_gpu":
-            gpu_slots(gpus, args.threads)
-    except LauncherUnavailable as e:
-        print(f"dml-reproduce: error: {e}", file=sys.stderr)
-        return 2
+    if (code := _launcher_missing(args, gpus)) is not None:
+        return code
     plan = None
     if args.plan or (args.launch and not args.from_plan):
         plan = plan_notebook(notebooks, args.plan_dir or _default_plan_dir(args, root), **pp)
     elif args.from_plan:
         plan = Plan.load(args.from_plan)
     if plan is not None:
-        import pandas as pd
-
-        table = plan.table().drop(columns=["command"])
-        table["uses"] = [j.uses[0] + (f" (+{len(j.uses) - 1} more)" if len(j.uses) > 1 else "") for j in plan.jobs]
-        table["status"] = table["status"].str.replace(r" \(not here: .*\)$", " (not here*)", regex=True)
-        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-            print(table.to_string(index=False))
-        for why in dict.fromkeys(j.unavailable for j in plan.pending() if j.unavailable):
-            print(
-                f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)"
-            )
-        print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
-        if args.json_out:
-            plan.save(args.json_out)
+        _print_plan(plan, args.json_out)
     if args.launch:
-        try:
-            launch(
-                plan,
-                args.launch,
-                workers=args.workers,
-                threads=args.threads,
-                gpus=gpus,
-                **(
-                    {
-                        "partition": args.partition,
-                        "time_min": args.time,
-                        "gpus_per_run": args.gpus_per_run,
-                        "mem_gb": args.mem_gb,
-                        "cpus": args.cpus_per_run,
-                        "parallel": args.array_parallelism,
-                    }
-                    if args.launch == "slurm"
-                    else {}
-                ),
-            )
-        except SweepFailed as e:
-            print(
-                "dml-reproduce: these runs failed (their logs say why; launch again to resume them):", file=sys.stderr
-            )
-            for f in e.failures:
-                print(f"  {f}", file=sys.stderr)
-            return 1
+        if (code := _launch_args(args, plan, gpus)) is not None:
+            return code
         if args.no_collect:
             return 0
+    if args.collect_only or args.launch:
+        names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
+        return _collect_args(args, names, pp, root, reproduce)
+    return 0
     if args.collect_only or args.launch:
         import papermill
 
