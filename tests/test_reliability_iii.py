@@ -426,6 +426,15 @@ def test_an_integral_float_for_an_integer_option_is_stored_as_an_int(override, k
     assert run_key(config_to_dict(got)) == run_key(config_to_dict(as_int))  # the same run folder
 
 
+def test_whole_float_milestones_are_the_int_milestones_run():
+    "The schedule's milestones given as 55.0 are stored as 55: one setting, one run folder."
+    floats = load_config(overrides=["train.schedule={kind: multistep, milestones: [2.0, 1e1], gamma: 0.5}"])
+    ints = load_config(overrides=["train.schedule={kind: multistep, milestones: [2, 10], gamma: 0.5}"])
+    ms = floats.train.schedule["milestones"]
+    assert ms == [2, 10] and all(type(m) is int for m in ms)
+    assert run_key(config_to_dict(floats)) == run_key(config_to_dict(ints))
+
+
 @pytest.mark.parametrize(
     "override,fix",
     [
@@ -684,3 +693,17 @@ def test_duplicate_seeds_in_a_notebooks_parameters_are_refused_in_setup(tmp_path
     msg = str(e.value)
     assert "\n" not in msg and "repro_table3" in msg and "repeat 0" in msg and "[0, 1]" in msg, msg
     assert params["seeds"] == [0, 0, 1] and not (tmp_path / "runs").exists() and not (tmp_path / "f").exists()
+
+
+def test_an_unwritable_run_cache_is_one_line_naming_dml_runs(tmp_path, monkeypatch):
+    "The tests run as root, who writes anywhere: the unwritable folder is simulated (os.access says no for it)."
+    import dml_nb.reproduction.results as R
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    real = os.access
+    monkeypatch.setattr(R.os, "access", lambda p, mode: False if Path(p) == folder else real(p, mode))
+    monkeypatch.setenv("DML_RUNS", str(folder))
+    with pytest.raises(ConfigError, match=r"\$DML_RUNS\) cannot be written to: set \$DML_RUNS or --runs-dir") as e:
+        R.check_runs_folder()
+    assert "\n" not in str(e.value)

@@ -278,6 +278,7 @@ def make_config(raw: dict | Config | None = None) -> Config:
         raw = config_to_dict(raw)
     cfg = _build_section(Config, PRESETS.resolve(_unflatten(raw or {}), MethodConfig.name, ConfigError), "")
     _check_ranges(cfg)
+    _whole_milestones(cfg)
     _check_names(cfg)
     return cfg
 
@@ -430,6 +431,7 @@ def make_section(name: str, values=None, **fields):
     section = _build_section(typing.get_type_hints(Config)[name], values, name)
     cfg = Config(**{name: section})
     _check_ranges(cfg)
+    _whole_milestones(cfg)
     _check_run_sections(cfg)
     return section
 
@@ -526,6 +528,15 @@ def _check_ranges(cfg: Config) -> None:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v)
         if not ok:
             raise ConfigError(f"bad value for {key}: {_short(v)}; expected {what}; set {key} within that range")
+
+
+def _whole_milestones(cfg: Config) -> None:
+    """The schedule's milestones as ints (checked whole numbers by `_check_ranges`): 55.0 and 55 are one setting and
+    one run hash, as for every integer field."""
+    s = cfg.train.schedule
+    ms = s.get("milestones") if isinstance(s, dict) else None
+    if isinstance(ms, (list, tuple)) and any(isinstance(m, float) for m in ms):
+        cfg.train.schedule = {**s, "milestones": [int(m) for m in ms]}
 
 
 def _short(v) -> str:
