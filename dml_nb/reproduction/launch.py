@@ -479,9 +479,7 @@ def _collect_args(args, names: list, pp: dict, root: Path, reproduce) -> int:
                 "sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
                 "to collect the default reproduction; `dml-reproduce` passes it"
             )
-        if (
-            defaults
-        ):  # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claims
+        if defaults:  # the embedded reproduction, through `reproduce`: it records it and rewrites the README's claims
             with collecting():
                 reproduce(names, force=True, root=root)
         else:
@@ -523,26 +521,4 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
     if args.collect_only or args.launch:
         names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
         return _collect_args(args, names, pp, root, reproduce)
-    return 0
-    if args.collect_only or args.launch:
-        import papermill
-
-        defaults = not any((args.params_file, args.overrides, args.seeds, args.runs_dir))
-        names = list(args.notebooks) or (plan.notebooks if plan is not None else notebooks)
-        try:
-            if defaults and reproduce is None:
-                raise TypeError(
-                    "sweep_command(args, reproduce=...) needs `reproduce` (dml_nb.reproduction.reproduce.reproduce) "
-                    "to collect the default reproduction; `dml-reproduce` passes it"
-                )
-            if (
-                defaults
-            ):  # the embedded reproduction: through `reproduce`, which records it and rewrites the README's claim table
-                with collecting():
-                    reproduce(names, force=True, root=root)
-            else:
-                collect(names, **pp)
-        except papermill.PapermillExecutionError as e:
-            print(f"dml-reproduce: collect-only stopped: {e.ename}: {e.evalue}", file=sys.stderr)
-            return 2
     return 0
