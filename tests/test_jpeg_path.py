@@ -222,8 +222,8 @@ print("OK", len(batches))
 def test_jpeg_batches_pass_workers_in_few_file_descriptors(files):
     """A worker hands each tensor of a batch over through a file descriptor: the JPEG path's batches are one buffer
     (`jpeg_collate`), so 4 workers of batches of 64 stay far below a limit of 256 open files. A list of one tensor per
-    image (the earlier collate) needs 512 here and fails ('received 0 items of ancdata'); on an NVIDIA H100 machine 14
-    workers of 112 failed that way against its limit ('DataLoader worker exited unexpectedly')."""
+    image (the earlier collate) needs 512 here and fails ('received 0 items of ancdata'); an NVIDIA H100 machine's 14
+    workers of 112 died on the list ('DataLoader worker exited unexpectedly'; its limit was not read)."""
     import subprocess
     import sys
 

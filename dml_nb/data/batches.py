@@ -302,8 +302,9 @@ def jpeg_collate(items) -> dict:
     decoded by PIL: uint8 (C, H, W)), 'jpeg_shapes' (N, 3): (length, 0, 0) for an encoded image, (C, H, W) for a
     decoded one; 'boxes' (N, views, 4), 'flips' (N, views), 'y', 'index'. `unpack_jpeg` gives the images back.
     One buffer, not a list: a loader worker hands every tensor over in shared memory through a file descriptor of
-    its own, and a list of 112 images a batch from 14 workers passed the usual limit of 1,024 open files (an NVIDIA
-    H100 machine's workers died with 'exited unexpectedly'; on a CPU 'received 0 items of ancdata')."""
+    its own: a list of 112 images a batch from 14 workers passes a limit of 1,024 open files (on a CPU, measured:
+    'received 0 items of ancdata'). An NVIDIA H100 machine's workers died on the list ('exited unexpectedly'); that
+    its open-file limit was the cause is inferred, not tested (its limit was not read)."""
     data = [it["jpeg"] for it in items]
     return {
         "jpeg": torch.cat([d.reshape(-1) for d in data]) if data else torch.zeros(0, dtype=torch.uint8),
