@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json
 import math
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Iterable, Mapping, NamedTuple
@@ -17,10 +18,11 @@ from ..core.base import atomic_write
 from .viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
-__all__ = ['Z', 'LEVEL', 'RULE', 'CLAIMS_SCHEMA', 'CLAIMS_VERSION', 'SETTING_FIELDS', 'RULES', 'Verdict', 'Stat', 'critical',
-           'welch_df', 'Difference', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran', 'better', 'fmt',
-           'resolvable', 'metric_label', 'metric_key', 'paired_difference', 'resolved_text', 'resolution_sentence',
-           'cost_sentence', 'render_claims_markdown', 'write_claims', 'load_claims', 'Claims']
+__all__ = ['Z', 'LEVEL', 'RULE', 'CLAIMS_SCHEMA', 'CLAIMS_VERSION', 'SETTING_FIELDS', 'RULES', 'FOREST_COLUMNS', 'Verdict',
+           'Stat', 'critical', 'welch_df', 'Difference', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran',
+           'better', 'fmt', 'resolvable', 'metric_label', 'metric_key', 'paired_difference', 'source_table',
+           'paper_difference', 'comparison', 'resolved_text', 'resolution_sentence', 'cost_sentence',
+           'render_claims_markdown', 'paper_sentence', 'write_claims', 'load_claims', 'forest_frame', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0  # the rule's level: a difference must clear what Z standard errors clear under a normal law...
@@ -244,6 +246,64 @@ def paired_difference(
     sd = float(d.std(ddof=1))
     return float(d.mean()), sd / math.sqrt(len(d)), len(d), sd
 
+# %% ../../nbs/63_claims.ipynb #17c7db38
+def source_table(source) -> str:
+    """The table of a paper that a number of a paper file comes from: its `source` (`params/<stem>/paper.csv`) up to
+    the first parenthesis, a sub-table's letter dropped ('DiVA Table 3 (Margin [59])' -> 'DiVA Table 3', 'Table 7b' ->
+    'Table 7'); '' where no source is given."""
+    if not isinstance(source, str) or not source.strip():
+        return ""
+    return re.sub(r"(\d)[a-z]$", r"\1", source.split("(", 1)[0].strip())
+
+
+def paper_difference(paper: pd.DataFrame | None, a: str, b: str, metric: str = "R@1") -> tuple[float, str]:
+    """(the paper's difference of rows `a` and `b` on `metric`, why it is left out or ''), from `paper` (the paper's
+    numbers by row, as `repro.paper_numbers` reads them): NaN where the paper gives no number for either row. A
+    difference whose two numbers come from different tables (`source_table` of their `source`: e.g. one paper's table
+    beside another paper's, trained under another protocol) is kept but marked with why, and neither drawn nor shown
+    as the paper's difference; a file without a `source` column is taken to be one table."""
+    if paper is None or metric not in paper or a not in paper.index or b not in paper.index:
+        return math.nan, ""
+    d = float(paper.loc[a, metric]) - float(paper.loc[b, metric])  # NaN where the paper has no number
+    if "source" not in paper or math.isnan(d):
+        return d, ""
+    ta, tb = source_table(paper.loc[a, "source"]), source_table(paper.loc[b, "source"])
+    if ta and tb and ta != tb:
+        return d, f"{a}'s number is from {ta}, {b}'s from {tb}"
+    return d, ""
+
+
+def comparison(
+    table: pd.DataFrame,
+    a: str,
+    b: str,
+    metric: str = "R@1",
+    paper: pd.DataFrame | None = None,
+    per_seed: pd.DataFrame | None = None,
+) -> dict:
+    """One comparison 'row `a` beats row `b`' of `table` on `metric`, as a part of a claim made of several
+    (`Claims.beats_all`): its verdict (`better`), difference, SE, Welch's df, threshold (t SE), the paper's difference
+    (`paper_difference`) and, given `per_seed`, the difference paired by seed; NaN where a number cannot be had."""
+    both = ran(table, a, b, metric=metric)
+    diff = difference(stat(table, a, metric), stat(table, b, metric)) if both else Difference(math.nan, math.nan)
+    paper_d, omitted = paper_difference(paper, a, b, metric)
+    pair = paired_difference(per_seed, table, a, b, metric) if both and per_seed is not None else None
+    return {
+        "part": f"{a} vs {b}",
+        "a": a,
+        "b": b,
+        "metric": metric,
+        "verdict": better(table, a, b, metric).value,
+        "difference": diff[0],
+        "se": diff[1],
+        "df": diff.df,
+        "threshold": diff.threshold,
+        "paper": paper_d,
+        "paper_omitted": omitted,
+        "difference_paired": pair[0] if pair else math.nan,
+        "se_paired": pair[1] if pair else math.nan,
+    }
+
 # %% ../../nbs/63_claims.ipynb #c1a1f11f
 CLAIMS_SCHEMA, CLAIMS_VERSION = "dml_nb.claims", 1  # a claims file's "schema" and "version"
 SETTING_FIELDS = ("dataset", "backbone", "epochs", "seeds", "paper_dataset")  # beside the setting's "text"
@@ -313,10 +373,28 @@ def render_claims_markdown(data: Mapping) -> str:
         cost_sentence(data.get("cost")),
         f"**Setting.** {setting['text']}" if setting.get("text") else "",
         f"**Tasks.** {tasks}" if tasks else "",
+        paper_sentence(data["claims"]),
         data.get("rule_text") or "",
     ]
     parts = [p for p in parts if p]
     return table + ("\n" + "\n\n".join(parts) + "\n" if parts else "")
+
+
+def paper_sentence(claims: Iterable[Mapping]) -> str:
+    """The **Paper.** sentence of a claims file's `claims`: each claim (or part of one) whose paper difference is left
+    out (`paper_omitted`: its two numbers come from different tables), with why; '' when none is."""
+    left = [
+        (c["claim"] + (f", {p['part']}" if p is not c else ""), p["paper_omitted"])
+        for c in claims
+        for p in [c, *c.get("parts", [])]
+        if p.get("paper_omitted")
+    ]
+    if not left:
+        return ""
+    return (
+        "**Paper.** The paper's difference is shown only where both numbers come from one table of one paper; "
+        "left out (two tables, two protocols): " + "; ".join(f"{c} ({why})" for c, why in left) + "."
+    )
 
 
 def write_claims(folder: str | Path, data: Mapping) -> Path:
@@ -348,23 +426,91 @@ def _finite(x) -> float | None:
     return float(x) if x is not None and np.isfinite(x) else None
 
 
-def _record(item: Mapping) -> dict:
-    "One claim of `Claims.items` as the JSON writes it (NaN and infinities as None)."
+def _numbers(item: Mapping) -> dict:
+    "The numbers of a claim or of a part of one, as the JSON writes them (NaN and infinities as None)."
     d, thr = _finite(item["difference"]), _finite(item["threshold"])
     return {
-        "claim": item["claim"],
-        "verdict": item["verdict"],
-        "numbers": item["numbers"],
-        "metric": item["metric"],
         "difference": d,
         "se": _finite(item["se"]),
         "df": _finite(item["df"]),
         "threshold": thr,
         "margin": d / thr if d is not None and thr else None,
         "paper_difference": _finite(item["paper"]),
+        "paper_omitted": item.get("paper_omitted") or None,
         "difference_paired": _finite(item.get("difference_paired")),
         "se_paired": _finite(item.get("se_paired")),
     }
+
+
+def _record(item: Mapping) -> dict:
+    "One claim of `Claims.items` as the JSON writes it, with its parts where it has them (`Claims.beats_all`)."
+    out = {k: item[k] for k in ("claim", "verdict", "numbers", "metric")} | _numbers(item)
+    if item.get("parts"):
+        out["parts"] = [{k: p[k] for k in ("part", "a", "b", "metric", "verdict")} | _numbers(p) for p in item["parts"]]
+    return out
+
+# %% ../../nbs/63_claims.ipynb #6717e765
+FOREST_COLUMNS = [
+    "claim",
+    "label",
+    "group",
+    "verdict",
+    "metric",
+    "difference",
+    "se",
+    "t",
+    "threshold",
+    "low",
+    "high",
+    "paper",
+    "paper_omitted",
+]
+
+
+def _forest_label(text: str, metric: str) -> str:
+    return (text if len(text) <= 60 else text[:57] + "...") + (
+        f" [{metric}]" if metric and f"({metric})" not in text else ""
+    )
+
+
+def _forest_line(claim: str, label: str, item: Mapping, group: bool) -> dict:
+    d, thr = item["difference"], item["threshold"]
+    omitted = item.get("paper_omitted") or ""
+    return {
+        "claim": claim,
+        "label": label,
+        "group": group,
+        "verdict": item["verdict"],
+        "metric": item["metric"],
+        "difference": d,
+        "se": item["se"],
+        "t": critical(item["df"]) if np.isfinite(thr) else math.nan,  # a header, or a side with one seed: none
+        "threshold": thr,
+        "low": d - thr,
+        "high": d + thr,
+        "paper": math.nan if omitted else item["paper"],
+        "paper_omitted": omitted,
+    }
+
+
+def forest_frame(items: Iterable[Mapping]) -> pd.DataFrame:
+    """The rows of the forest plot of `Claims.items`, top to bottom (`FOREST_COLUMNS`): a claim with one difference is
+    one line; a claim made of several comparisons (`Claims.beats_all`) a header line (its name, no difference) and
+    one line per part (`group` True on all of them), each with its own difference, t, threshold (t SE: the interval
+    `low` to `high`) and paper difference (NaN where the paper gives none or its numbers come from two tables:
+    `paper_omitted` says why). A claim with neither a difference nor parts is not drawn."""
+    lines = []
+    for i in items:
+        parts = i.get("parts") or []
+        if parts:
+            metrics = {p["metric"] for p in parts}
+            lines.append(_forest_line(i["claim"], _forest_label(i["claim"], i["metric"]), i, True))
+            for p in parts:
+                own = p["part"] + (f" [{p['metric']}]" if len(metrics) > 1 else "")
+                lines.append(_forest_line(i["claim"], own, p, True))
+        elif np.isfinite(i["difference"]):
+            lines.append(_forest_line(i["claim"], _forest_label(i["claim"], i["metric"]), i, False))
+    return pd.DataFrame(lines, columns=FOREST_COLUMNS)
 
 # %% ../../nbs/63_claims.ipynb #a3f641cf
 class Claims:
@@ -440,11 +586,7 @@ class Claims:
             difference(stat(table, a, metric), stat(table, b, metric)) if both else None,
             metric,
         )
-        p = self.paper
-        if p is not None and metric in p and a in p.index and b in p.index:
-            self.items[-1]["paper"] = float(p.loc[a, metric]) - float(
-                p.loc[b, metric]
-            )  # NaN where the paper has no number
+        self.items[-1]["paper"], self.items[-1]["paper_omitted"] = paper_difference(self.paper, a, b, metric)
         self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in (a, b) if r in table.index})
         pair = paired_difference(self.per_seed, table, a, b, metric) if both and self.per_seed is not None else None
         if pair is not None:
@@ -455,6 +597,27 @@ class Claims:
                 difference_paired=dp,
             )
             self.paired_spread.setdefault(metric, {})[(a, b)] = (sd, n)
+        return v
+
+    def beats_all(
+        self, claim: str, table: pd.DataFrame, pairs: Iterable[tuple], metric: str = "R@1", detail: str | None = None
+    ) -> Verdict:
+        """`check` a claim made of several comparisons of `table`'s rows: each of `pairs`, `(a, b)` or
+        `(a, b, metric)`, that row a beats row b (`better`); the claim holds when every one holds (`all_hold`), the
+        very verdict of `all_hold(better(...) for ...)`. Each comparison is kept as a part of the claim, with its own
+        difference, threshold (t SE) and paper difference (`comparison`), and `plot` draws it on its own line under
+        the claim's name. `detail` (default: `fmt` of the rows) is the claim's numbers. The parts change neither the
+        resolution nor its paired form (`compared` counts their rows, as for a claim judged with `all_hold`)."""
+        pairs = [(p[0], p[1], p[2] if len(p) > 2 else metric) for p in pairs]
+        if not pairs:
+            raise ValueError(f"claim {claim!r}: beats_all needs at least one (a, b) pair of rows to compare")
+        parts = [comparison(table, a, b, m, self.paper, self.per_seed) for a, b, m in pairs]
+        metrics = list(dict.fromkeys(m for *_, m in pairs))
+        if detail is None:
+            rows = list(dict.fromkeys(r for a, b, _ in pairs for r in (a, b)))
+            detail = "; ".join(fmt(table, *rows, metric=m) for m in metrics)
+        v = self.check(claim, all_hold(Verdict(p["verdict"]) for p in parts), detail, metric=" / ".join(metrics))
+        self.items[-1]["parts"] = parts
         return v
 
     def compared(self, table: pd.DataFrame, metric: str = "R@1", rows: Iterable[str] | None = None) -> None:
@@ -558,24 +721,27 @@ class Claims:
         write_claims(self.figures_dir, data)
         return self.frame()
 
+    def forest(self) -> pd.DataFrame:
+        "What `plot` draws, one line per row of the plot from the top (`forest_frame` of the claims)."
+        return forest_frame(self.items)
+
     def plot(self, save: bool = True):
-        """The forest plot of the claims that compare two rows (`plot_forest`): each difference with its own interval
-        (± t SE, the rule's threshold), the paper's difference, zero, and in grey what its seeds cannot resolve (the
-        same threshold about zero); saved as `<figures_dir>/<stem>_claims.png`."""
-        rows = [i for i in self.items if np.isfinite(i["difference"])]
-        label = lambda i: (
-            (i["claim"] if len(i["claim"]) <= 60 else i["claim"][:57] + "...")
-            + (f" [{i['metric']}]" if i["metric"] and f"({i['metric']})" not in i["claim"] else "")
-        )
-        left = len(self.items) - len(rows)
+        """The forest plot of the claims that compare two rows (`plot_forest`) and of the parts of claims made of
+        several comparisons (`beats_all`: a header with the claim's name, then each part): each difference with its
+        own interval (± t SE, the rule's threshold), the paper's difference where both its numbers come from one
+        table, zero, and in grey what its seeds cannot resolve (the same threshold about zero); saved as
+        `<figures_dir>/<stem>_claims.png`. Its rows and numbers: `forest`."""
+        rows = self.forest()
+        left = len(self.items) - rows["claim"].nunique()
         fig = plot_forest(
-            [label(i) for i in rows],
-            [i["difference"] for i in rows],
-            [i["se"] for i in rows],
-            [i["paper"] for i in rows],
-            [i["verdict"] for i in rows],
-            [i["threshold"] for i in rows],
-            z=[critical(i["df"]) for i in rows],
+            list(rows["label"]),
+            rows["difference"],
+            rows["se"],
+            rows["paper"],
+            list(rows["verdict"]),
+            rows["threshold"],
+            z=rows["t"],
+            groups=[c if p else "" for c, p in zip(rows["claim"], rows["group"])],
             title=f"{self.stem}: what the claims test"
             + (f" ({left} claim(s) without one difference not drawn)" if left else ""),
         )

@@ -38,7 +38,7 @@ from .viz import save_figure, set_style
 
 # %% auto #0
 __all__ = ['CONFIG_SECTIONS', 'OUTPUT_KEYS', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'user_folder',
-           'text_progress']
+           'text_progress', 'idle_epochs', 'idle_frame', 'idle_report']
 
 # %% ../../nbs/68_notebook.ipynb #3a902a03
 @dataclass
@@ -177,41 +177,14 @@ class Reproduction:
         }
 
     def tasks(self) -> str:
-        """Whether every task of every run `run` ran still had a non-zero loss and gradient in its last epoch
-        (`task_health`), and for each row with an idle task: in how many seeds, why, and the task's own logs (DaNCE:
-        the share of key weights that survive its cutoffs). '' when no run finished."""
+        """For each row of the runs `run` ran, when each task of its runs was idle, epoch by epoch (`idle_frame`,
+        `idle_report`): the epoch from which a task stayed idle in how many seeds, per seed, why in the last epoch and
+        the task's own logs (DaNCE: the share of key weights that survive its cutoffs); a task never idle is said to
+        be. '' when no run finished."""
         ps = getattr(self, "per_seed", None)
         if ps is None or "run" not in ps:
             return ""
-        ok = ps[ps["status"] == "ok"].drop_duplicates("run")
-        if ok.empty:
-            return ""
-        idle = {}  # (row, task) -> [health of that task in each seed where it idled]
-        for row, run in zip(ok["row"], ok["run"]):
-            for task, h in task_health(load_result(self.runs / run).history_frame()).items():
-                if not h["alive"]:
-                    idle.setdefault((row, task), []).append(h)
-        seeds = ok.groupby("row")["run"].count()
-        if not idle:
-            return f"Every task of each of the {len(ok)} runs had a non-zero loss and gradient in its last epoch."
-        parts = []
-        for (row, task), hs in idle.items():
-            logs = {
-                k: sum(h[k] for h in hs) / len(hs)
-                for k in hs[0]
-                if k not in ("loss", "grad", "alive", "why", "relative_grad")
-                and all(isinstance(h.get(k), float) for h in hs)
-            }
-            parts.append(
-                f"{row} {task} idle in {len(hs)} of {seeds[row]} seeds ({'; '.join(dict.fromkeys(h['why'] for h in hs))}"
-                + "".join(f"; mean {k} {v:.2f}" for k, v in logs.items())
-                + ")"
-            )
-        return (
-            "In the last epoch every other task had a non-zero loss and gradient; idle (`task_health`): "
-            + ", ".join(parts)
-            + "."
-        )
+        return idle_report(idle_frame(ps, self.runs))
 
     def finish(self, claims: Claims | None = None) -> None:
         """The notebook's last cell: print where its files went (the figures folder, relative to the project, and the
@@ -516,3 +489,119 @@ def text_progress() -> None:
             super().__init__(*args, file=file or out, **kw)
 
     tqdm.auto.tqdm = TerminalBar  # `run_rows` reads it at each call
+
+# %% ../../nbs/68_notebook.ipynb #1b32f73e
+def idle_epochs(history) -> dict[str, dict]:
+    """When each task of one run was idle: `task_health` applied to every epoch of its `history` (the rows
+    `Learner.fit` returns, or a run's `history_frame()`), the criterion of the last-epoch check: in an epoch a task is
+    idle when its mean loss or gradient is zero, its gradient is below 1e-3 of the largest task's, or (a D&C
+    learner) it got no tuples. Returns {task: {'epochs': the epochs it was judged in, 'idle': those in which it was
+    idle, 'from': the epoch from which it stayed idle through the last epoch it was judged in (None: alive in that
+    epoch), 'last': its `task_health` in that epoch}}."""
+    rows = list(history.to_dict("records") if hasattr(history, "to_dict") else history)
+    if not rows or any(r.get("epoch") is None for r in rows):
+        raise ValueError(
+            "idle_epochs needs a history with an 'epoch' in every row (Learner.fit's rows, or history.csv)"
+        )
+    out: dict[str, dict] = {}
+    for row in rows:
+        for task, h in task_health([row]).items():  # one epoch: judged against that epoch's largest gradient
+            t = out.setdefault(task, {"epochs": [], "idle": [], "from": None, "last": None})
+            t["epochs"].append(int(row["epoch"]))
+            t["last"] = h
+            if not h["alive"]:
+                t["idle"].append(int(row["epoch"]))
+    for t in out.values():
+        for e in reversed(t["epochs"]):
+            if e not in t["idle"]:
+                break
+            t["from"] = e
+    return out
+
+
+def idle_frame(per_seed: pd.DataFrame, runs: str | Path) -> pd.DataFrame:
+    """One line per task of each finished run of `per_seed` (the lines `run_rows` returns: row, seed, status, run),
+    read from the run cache `runs` (`idle_epochs`): `row`, `seed`, `run`, `task`, `tasks` (how many tasks the row's
+    runs have: more than one, a multi-task row), `idle` (the epochs it was idle), `idle_from` (the epoch from which it
+    stayed idle to the end; None: alive at the end), `why` (why it was idle in its last epoch, '' alive) and `logs`
+    (the task's own logs in its last epoch: DaNCE's share of key weights kept, ...)."""
+    cols = ["row", "seed", "run", "task", "tasks", "idle", "idle_from", "why", "logs"]
+    ok = per_seed[per_seed["status"] == "ok"].drop_duplicates("run") if "run" in per_seed else per_seed.iloc[:0]
+    lines = []
+    for row, seed, run in zip(ok["row"], ok["seed"], ok["run"]):
+        for task, t in idle_epochs(load_result(Path(runs) / run).history_frame()).items():
+            h = t["last"]
+            logs = {k: v for k, v in h.items() if k not in _HEALTH_KEYS and isinstance(v, float)}
+            lines.append([row, int(seed), run, task, 0, t["idle"], t["from"], "" if h["alive"] else h["why"], logs])
+    frame = pd.DataFrame(lines, columns=cols)
+    frame["tasks"] = frame.groupby("row")["task"].transform("nunique").astype(int) if lines else 0
+    return frame
+
+
+_HEALTH_KEYS = ("loss", "grad", "alive", "why", "relative_grad")  # task_health's own: not the task's logs
+
+
+def _seed_epochs(idle: list, start) -> str:
+    "One seed's idle epochs as the report gives them: 'from 4', 'epochs 2, 3 and from 6', 'epochs 4, 6, 7, then active'."
+    before = ", ".join(str(e) for e in idle if start is None or e < start)
+    if start is None:
+        return f"epoch{'s' if len(idle) > 1 else ''} {before}, then active" if idle else "never"
+    return (f"epoch{'s' if ',' in before else ''} {before} and " if before else "") + f"from {start}"
+
+
+def _start(v) -> int | None:
+    "An `idle_from` of `idle_frame` as an int, or None (alive at the end; a frame may hold it as NaN)."
+    return None if v is None or pd.isna(v) else int(v)
+
+
+def _task_report(task: str, lines: pd.DataFrame) -> str:
+    "The report of one task of one row over its seeds (`lines` of `idle_frame`): from which epoch it stayed idle."
+    n, starts = len(lines), [s for s in map(_start, lines["idle_from"]) if s is not None]
+    counts = {e: starts.count(e) for e in sorted(set(starts))}
+    text = ", ".join(f"from epoch {e} in {k} of {n} seed{'s' if n > 1 else ''}" for e, k in counts.items())
+    text = f"{task} idle {text}" if counts else f"{task} never stayed idle to the end"
+    if counts and len(starts) < n:
+        text += f", not idle at the end in {n - len(starts)} of {n}"
+    seeds = "; ".join(
+        f"seed {s}: {_seed_epochs(i, _start(f))}" for s, i, f in zip(lines["seed"], lines["idle"], lines["idle_from"])
+    )
+    end = lines[lines["why"] != ""]
+    keys = [k for k in (end["logs"].iloc[0] if len(end) else {}) if all(k in d for d in end["logs"])]
+    means = "".join(f"; mean {k} {sum(d[k] for d in end['logs']) / len(end):.2f}" for k in keys)
+    last = f"; in the last epoch: {'; '.join(dict.fromkeys(end['why']))}{means}" if len(end) else ""
+    return f"{text} ({seeds}{last})"
+
+
+def idle_report(frame: pd.DataFrame) -> str:
+    """The claims file's **Tasks.** sentence from `idle_frame`: for each row with a task idle in some epoch, each
+    task's epoch from which it stayed idle, per seed ('idle from epoch E in k of n seeds'), why in the last epoch and
+    its own logs, and its tasks that were never idle; then the rows none of whose tasks was ever idle. '' for no run."""
+    if frame.empty:
+        return ""
+    import inspect
+
+    rel = f"{inspect.signature(task_health).parameters['rel'].default:.0e}".replace("e-0", "e-")
+    parts, quiet, single = [], [], []
+    for row, lines in frame.groupby("row", sort=False):
+        n = lines["seed"].nunique()
+        idle = [t for t, g in lines.groupby("task", sort=False) if any(len(i) for i in g["idle"])]
+        never = [t for t in dict.fromkeys(lines["task"]) if t not in idle]
+        if not idle and len(never) == 1:
+            single.append(row)
+        elif not idle:
+            quiet.append(f"{row} ({', '.join(never)}; {n} seed{'s' if n > 1 else ''})")
+        if not idle:
+            continue
+        text = "; ".join(_task_report(t, lines[lines["task"] == t]) for t in idle)
+        parts.append(f"{row}: {text}" + (f"; {', '.join(never)} never idle" if never else ""))
+    head = (
+        f"Idle tasks, epoch by epoch (`task_health` in every epoch: idle when a task's loss or gradient is zero, its "
+        f"gradient below {rel} of the largest task's, or a D&C learner has no tuples; idle from epoch E: in every "
+        "epoch from E to the last)"
+    )
+    never_idle = [
+        f"every task of {', '.join(quiet)}" if quiet else "",
+        f"the single-task rows {', '.join(single)}" if single else "",
+    ]
+    tail = f"Never idle in any epoch: {'; '.join(p for p in never_idle if p)}." if quiet or single else ""
+    return " ".join(p for p in (f"{head}: {'. '.join(parts)}." if parts else f"{head}: none.", tail) if p)

@@ -391,6 +391,18 @@ def plot_bars(
 VERDICT_COLOURS = {"holds": PALETTE[2], "fails": PALETTE[3], "unresolved": "0.45", "not tested": "0.75"}
 
 
+def _forest_groups(ax, y: np.ndarray, groups: Sequence[str]) -> None:
+    """`plot_forest`'s groups: a light band behind each run of consecutive rows (at heights `y`) of one non-empty
+    group, and the run's first row (its header) in bold. Call after the tick labels are set."""
+    ticks, start = ax.get_yticklabels(), 0
+    for i in range(1, len(groups) + 1):
+        if i == len(groups) or groups[i] != groups[start]:
+            if groups[start]:
+                ax.axhspan(y[i - 1] - 0.45, y[start] + 0.45, color="0.96", lw=0, zorder=0)
+                ticks[start].set_fontweight("bold")
+            start = i
+
+
 def plot_forest(
     labels: Sequence[str],
     diffs: Sequence[float],
@@ -402,11 +414,14 @@ def plot_forest(
     ax=None,
     xlabel: str = "difference of the two rows (points)",
     title: str | None = None,
+    groups: Sequence[str] | None = None,
 ):
     """One row per claim (top to bottom): the difference `diffs` (dot, coloured by its verdict) with ± `z` `ses`
     (line; none where the SE is NaN; `z` one multiple, or one per claim: the rule's t), the paper's difference
     (`paper`, diamond; NaN: the paper gives none), zero (vertical line) and, in grey, ± `resolves`: differences
-    smaller than the seeds resolve."""
+    smaller than the seeds resolve. `groups` (one name per row, '' for none) draws the parts of a claim made of
+    several comparisons together: consecutive rows of one group on a shaded band, the group's first row (its header,
+    the claim's name, with no difference of its own) in bold."""
     n = len(labels)
     d, s = np.asarray(diffs, dtype=float), np.asarray(ses, dtype=float)
     pp = np.full(n, np.nan) if paper is None else np.asarray(paper, dtype=float)
@@ -433,12 +448,13 @@ def plot_forest(
     ax.axvline(0, color="black", lw=0.8)
     interval = f"± {zs[0]:g} SE" if np.ndim(z) == 0 else "± t SE (the rule's threshold)"
     ax.errorbar([], [], xerr=[], color="black", label=f"ours: difference {interval}")
-    for verdict in dict.fromkeys(v):
-        k = [i for i in range(n) if v[i] == verdict]
+    for verdict in dict.fromkeys(v[i] for i in range(n) if np.isfinite(d[i])):  # a header has no dot
+        k = [i for i in range(n) if v[i] == verdict and np.isfinite(d[i])]
         ax.plot(d[k], y[k], "o", color=VERDICT_COLOURS.get(verdict, "0.45"), ms=7, label=verdict)
     if np.isfinite(pp).any():
         ax.plot(pp, y, "D", color="black", mfc="white", ms=6, label="the paper's difference")
     ax.set_yticks(y, labels, fontsize=8)
+    _forest_groups(ax, y, list(groups) if groups is not None else [""] * n)
     ax.set_ylim(-0.7, n - 0.3)
     ax.set_xlabel(xlabel)
     ax.margins(x=0.08)
