@@ -4,7 +4,6 @@
 
 # %% ../../nbs/69_launch.ipynb #9929a3ed
 from __future__ import annotations
-import argparse
 import os
 import subprocess
 import sys
@@ -19,11 +18,10 @@ from tqdm.auto import tqdm
 
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
-from .results import clear_restored, restored, run_key, runs_folder
+from .results import MAX_COUNT, clear_restored, count_arg, restored, run_key, runs_folder
 from ..core.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
-    MAX_COUNT,
     PLAN_ENV,
     SETTLED,
     Job,
@@ -37,8 +35,7 @@ from dml_nb.reproduction.sweep import (
 
 # %% auto #0
 __all__ = ['SLURM_TOOLS', 'LAUNCHERS', 'Failure', 'LauncherUnavailable', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool',
-           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'count_arg', 'add_sweep_arguments',
-           'sweep_command']
+           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'add_sweep_arguments', 'sweep_command']
 
 # %% ../../nbs/69_launch.ipynb #7da3e642
 def _reproduction_notebooks(root: Path) -> list[Path]:
@@ -349,17 +346,6 @@ def collect(
         )
         for nb in tqdm(paths, desc="notebooks", disable=not progress)
     ]
-
-
-def count_arg(text: str) -> int:
-    "An argparse type: a whole number from 1 to `MAX_COUNT` (workers, threads per run)."
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_COUNT}; got {text!r}")
-    return n
 
 
 def add_sweep_arguments(ap) -> None:
