@@ -349,3 +349,27 @@ def test_a_papermill_notebook_reads_its_policy_in_setup(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["collect", "collect", "None"]
+
+
+def test_dml_reproduce_passes_its_policy_down_to_the_launcher(tmp_path, monkeypatch):
+    "The command's policy (threads, results folder) reaches the launcher, which is handed it rather than reading it."
+    import dml_nb.reproduction.launch as L
+    from dml_nb.reproduction.reproduce import reproduce_main
+    from dml_nb.reproduction.sweep import plan_configs
+
+    raw = {"method": {"name": "baseline", "embedding_dim": 8}, "seed": 0}
+    plan_configs({"A": raw}, tmp_path / "plan", tmp_path / "runs")
+    seen = {}
+
+    def launch(plan, launcher, threads=None, **kw):
+        seen.update(threads=threads, policy=run_policy(), env=os.environ.get("DML_RESULTS"))
+        return []
+
+    monkeypatch.setattr(L, "launch", launch)
+    monkeypatch.setenv("DML_RESULTS", str(tmp_path / "from-env"))
+    argv = ["--launch", "local", "--from-plan", str(tmp_path / "plan" / "plan.json"), "--no-collect", "--threads", "3"]
+    assert reproduce_main(argv) == 0
+    assert seen["threads"] == 3 and seen["policy"].threads == 3
+    assert seen["policy"].results == tmp_path / "from-env"  # read once, at the command's start
+    assert seen["env"] == str((tmp_path / "from-env").resolve())  # and handed on to the processes it starts
+    assert run_policy() == RunPolicy()  # the command's policy ends with it

@@ -315,7 +315,7 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
     with policy.applied(), env_vars(**policy.environ()):  # in force here, and handed to each notebook's process
         run = functools.partial(reproduce, write_notebooks=args.write_notebooks, write_committed=args.write_committed)
         try:
-            code = sweep_command(args, reproduce=run)
+            code = sweep_command(args, reproduce=run, policy=policy)
         except PlanError as e:  # --from-plan: a plan file that cannot be launched, one line
             print(f"dml-reproduce: error: {e}", file=sys.stderr)
             return 2
