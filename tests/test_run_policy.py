@@ -373,3 +373,24 @@ def test_dml_reproduce_passes_its_policy_down_to_the_launcher(tmp_path, monkeypa
     assert seen["policy"].results == tmp_path / "from-env"  # read once, at the command's start
     assert seen["env"] == str((tmp_path / "from-env").resolve())  # and handed on to the processes it starts
     assert run_policy() == RunPolicy()  # the command's policy ends with it
+
+
+def test_a_notebooks_run_saves_what_it_read_in_the_policys_results_folder(tmp_path):
+    "Reading saves nothing, so `Reproduction.run` keeps its rows' runs in the results folder its policy names."
+    import uuid
+
+    import dml_nb.reproduction.notebook as N
+    from dml_nb.reproduction.repro import Row, base_config, output_dirs
+
+    runs = (
+        output_dirs()[1].parent / f"keep-{uuid.uuid4().hex[:8]}"
+    )  # under pytest the harness keeps to the smoke folder
+    base = base_config()
+    policy = RunPolicy(results=tmp_path / "kept")
+    nb = N.Reproduction("repro_x", "shapes", "shapes", base, [0], tmp_path / "figures", runs, False, 1, policy, False)
+    per_seed, _ = nb.run([Row("M", {"name": "baseline", "embedding_dim": 8})])
+    assert per_seed["status"].tolist() == ["ok"]
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == per_seed["run"].tolist()
+    nb.policy = RunPolicy()  # no results folder: nothing saved
+    nb.run([Row("N", {"name": "baseline", "embedding_dim": 16})])
+    assert len(list((tmp_path / "kept").iterdir())) == 1

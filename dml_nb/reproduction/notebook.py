@@ -82,15 +82,16 @@ class Reproduction:
         )
         return per_seed, results
 
-    def keep(self, rows: Sequence[Row]) -> None:
-        """Save the run of each of `rows` and the seeds (finished, or stopped by design) in the policy's results
-        folder, when it names one (`dml-reproduce`): reading a run saves nothing (`load_result`), so this is where
-        the notebook keeps what it read."""
+    def keep(self, rows: Sequence[Row], base: Mapping | None = None) -> None:
+        """Save the run of each of `rows` on `base` (default: the notebook's) and the seeds (finished, or stopped by
+        design) in the policy's results folder, when it names one (`dml-reproduce`): reading a run saves nothing
+        (`load_result`), so this is where the notebook keeps what it read. `run` calls it; a notebook that calls
+        `run_rows` itself calls it for those rows."""
         if (folder := self.policy.results) is None:
             return
         for r in rows:
             for s in self.seeds:
-                save_result(run_dir_for(make_config(job_config(r, self.base, s)), self.runs), folder)
+                save_result(run_dir_for(make_config(job_config(r, base or self.base, s)), self.runs), folder)
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:
         "The paper's numbers on `dataset` (default: the shown one)."
