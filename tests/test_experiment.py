@@ -297,7 +297,7 @@ def test_dml_train_threads(tmp_path, capsys):
     (params := tmp_path / "p.yaml").write_text(yaml.safe_dump(TINY))
     with pytest.raises(SystemExit) as e:
         main([str(params), "--threads", "0", "-o", str(tmp_path / "r")])
-    assert e.value.code == 2 and "--threads: expected a whole number of at least 1; got '0'" in capsys.readouterr().err
+    assert e.value.code == 2 and "--threads: expected a whole number from 1 to 512; got '0'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     assert main([str(params), "--threads", "2", "-o", str(tmp_path / "r"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "r" / "metrics.json").read_text())["threads"] == 2

@@ -201,10 +201,12 @@ def test_dml_reproduce_alone_names_figures(project, monkeypatch):
 
     seen = []
     monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, parameters, **kw: seen.append(parameters))
-    reproduce(["repro_table3"], root=project, progress=False)
+    reproduce(["repro_table3"], root=project, progress=False, write_committed=True)
     assert seen == [
-        {"output": {"progress": False, "figures_dir": str(project / "figures"), "results": False}}
+        {"output": {"progress": False, "results": False, "figures_dir": str(project / "figures")}}
     ]  # restored by dml-reproduce itself
+    reproduce(["repro_table3"], root=project, progress=False, force=True)  # without --write-committed
+    assert seen[1] == {"output": {"progress": False, "results": False}}  # the notebook's own figures/local/
 
 
 @pytest.mark.parametrize(
@@ -261,9 +263,10 @@ def test_progress_of_a_papermill_run_reaches_the_terminal_not_the_notebook(tmp_p
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("from dml_nb.reproduction.notebook import text_progress\ntext_progress()"),
         nbformat.v4.new_code_cell(
-            "from tqdm.auto import tqdm\nfor i in tqdm(range(3), desc='runs'): pass\nbar = tqdm(total=0); bar.close()"
+            "import tqdm.auto\nfrom dml_nb.reproduction.notebook import terminal_bars\nbefore = tqdm.auto.tqdm\n"
+            "with terminal_bars():\n    for i in tqdm.auto.tqdm(range(3), desc='runs'): pass\n"
+            "    bar = tqdm.auto.tqdm(total=0); bar.close()\nassert tqdm.auto.tqdm is before  # restored after the run"
         ),
     ]  # the learner's bar starts at total=0
     nbformat.write(nb, tmp_path / "in.ipynb")

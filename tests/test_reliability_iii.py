@@ -28,6 +28,7 @@ from dml_nb.reproduction.launch import launch
 from dml_nb.reproduction.reproduce import reproduce_main, results_folder
 from dml_nb.reproduction.results import (
     RESULTS_ENV,
+    RunPolicy,
     RunStopped,
     check_stopped,
     restore_results,
@@ -363,7 +364,8 @@ def test_rebuild_clears_only_a_restored_run_of_the_jobs_config(saved, tmp_path, 
 @pytest.mark.parametrize("value", ["none", "NONE", " None "])
 def test_dml_results_none_means_off(tmp_path, monkeypatch, value):
     monkeypatch.setenv(RESULTS_ENV, value)
-    assert results_dir() is None and results_folder(None, tmp_path) is None
+    env = RunPolicy.from_env(tmp_path, results_default=tmp_path / "results")
+    assert env.results is None and results_folder(None, tmp_path, env) is None
 
 
 @pytest.mark.parametrize(
@@ -606,10 +608,13 @@ def test_a_relative_dml_results_or_dml_runs_is_taken_from_the_project_root(tmp_p
     monkeypatch.chdir(root / "nbs")  # where papermill's kernel runs a notebook
     monkeypatch.setenv(RESULTS_ENV, "my-results")
     monkeypatch.setenv("DML_RUNS", "my-runs")
-    assert results_dir() == root / "my-results"
-    assert results_folder(None, root) == root / "my-results"
-    assert notebook_parameters()["output"]["runs_dir"] == str(root / "my-runs")
-    assert dict(machine_paths(root))[str(root / "my-runs")] == "<runs>"
+    env = RunPolicy.from_env(root)  # what an entry point reads
+    assert env.results == root / "my-results" and env.runs == root / "my-runs"
+    assert results_folder(None, root, env) == root / "my-results"
+    with env.applied():
+        assert results_dir() == root / "my-results"
+        assert notebook_parameters()["output"]["runs_dir"] == str(root / "my-runs")
+        assert dict(machine_paths(root))[str(root / "my-runs")] == "<runs>"
 
 
 @pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
@@ -705,5 +710,5 @@ def test_an_unwritable_run_cache_is_one_line_naming_dml_runs(tmp_path, monkeypat
     monkeypatch.setattr(R.os, "access", lambda p, mode: False if Path(p) == folder else real(p, mode))
     monkeypatch.setenv("DML_RUNS", str(folder))
     with pytest.raises(ConfigError, match=r"\$DML_RUNS\) cannot be written to: set \$DML_RUNS or --runs-dir") as e:
-        R.check_runs_folder()
+        R.check_runs_folder(policy=R.RunPolicy.from_env())
     assert "\n" not in str(e.value)

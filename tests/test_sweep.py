@@ -26,7 +26,7 @@ from dml_nb.reproduction.reproduce import reproduce_main
 from dml_nb.reproduction.launch import launch
 from dml_nb.reproduction.sweep import MissingRunsError, Plan, PlanStop, SweepMode, SweepResult, _add_jobs, plan_configs
 from dml_nb.reproduction.experiment import load_result
-from dml_nb.reproduction.results import RESULTS_ENV, restore_results, restored, save_result
+from dml_nb.reproduction.results import RESULTS_ENV, RunPolicy, restore_results, restored, save_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,12 +298,15 @@ def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypa
 
 
 def test_dml_runs_is_the_default_run_cache(tmp_path, monkeypatch):
-    "Every worker and notebook finds the shared cache through $DML_RUNS; an explicit runs_dir still wins."
+    """Every worker and notebook finds the shared cache through the run policy its entry point read from $DML_RUNS;
+    an explicit runs_dir still wins."""
     monkeypatch.setattr("dml_nb.reproduction.repro.in_test", lambda: False)
     (tmp_path / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
     monkeypatch.chdir(tmp_path)
     assert output_dirs()[1] == tmp_path / "runs"
     monkeypatch.setenv("DML_RUNS", str(tmp_path / "shared"))
+    assert output_dirs()[1] == tmp_path / "runs", "read at an entry point only"
+    monkeypatch.setattr("dml_nb.reproduction.results._POLICY", RunPolicy.from_env(tmp_path))
     assert output_dirs()[1] == tmp_path / "shared" and output_dirs(runs_dir=tmp_path / "mine")[1] == tmp_path / "mine"
 
 
@@ -325,7 +328,9 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
         raise ClusterError(why)
 
     monkeypatch.setattr(Learner, "fit", fit)
-    monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
+    monkeypatch.setattr(  # the policy an entry point (dml-train, a notebook's setup) installs from $DML_RESULTS
+        "dml_nb.reproduction.results._POLICY", RunPolicy(results=tmp_path / "results")
+    )
     name, raw = next(iter(_configs().items()))
     run_dir = run_dir_for(make_config(raw), tmp_path / "runs")
     with pytest.raises(ClusterError):

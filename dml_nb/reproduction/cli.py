@@ -15,7 +15,7 @@ from ..data.formats import DatasetFormatError, DatasetNotFoundError
 from ..data.checks import UnreadableImagesError
 from ..core.registry import PRESETS
 from ..core.config import Config, ConfigError, load_config
-from .results import RunStopped
+from .results import RunPolicy, RunStopped, count_arg, save_result
 from .experiment import config_data_root, process_rank, check_data, run, run_dir_for
 
 # %% auto #0
@@ -94,17 +94,6 @@ def _check_data_report(cfg: Config, progress: bool) -> int:
     return 0 if skip else 2
 
 
-def _count(text: str) -> int:
-    "An argparse type: a whole number of at least 1."
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {text!r}")
-    return n
-
-
 def _parser() -> argparse.ArgumentParser:
     "The arguments of `dml-train`."
     presets = PRESETS.listing().replace("\n", "\n  ")  # read from the sources: --help loads no torch
@@ -133,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--wait", action="store_true", help="wait for another process training into the same run directory")
     ap.add_argument(
         "--threads",
-        type=_count,
+        type=count_arg,
         default=None,
         metavar="N",
         help="CPU threads to train on (default: torch's, i.e. $OMP_NUM_THREADS or the cores); recorded in "
@@ -145,8 +134,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-train`."
+    """Entry point of `dml-train`. Its run policy: train, and save the run (finished, or stopped by design) in the
+    results folder `$DML_RESULTS` names, if set (a launcher of `dml-reproduce` sets it for the runs it starts)."""
     args = _parser().parse_args(argv)
+    policy = RunPolicy(results=RunPolicy.from_env().results)  # the one read of the environment, here at the entry
     try:
         cfg = load_config(*args.params, overrides=args.overrides)
         if args.check_data:
@@ -155,14 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         is_main = process_rank() == 0
         stored = (Path(args.run_dir) if args.run_dir else run_dir_for(cfg, args.runs_dir)).joinpath("done").exists()
         try:
-            res = run(
-                cfg,
-                runs_dir=args.runs_dir,
-                run_dir=args.run_dir,
-                progress=not args.no_progress and is_main,
-                wait=args.wait,
-                threads=args.threads,
-            )
+            with policy.applied():  # a run that stops by design is saved where it stops
+                res = run(
+                    cfg,
+                    runs_dir=args.runs_dir,
+                    run_dir=args.run_dir,
+                    progress=not args.no_progress and is_main,
+                    wait=args.wait,
+                    threads=args.threads,
+                )
             if dist:
                 import torch
 
@@ -184,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dml-train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return code
     if is_main:
+        if policy.results is not None:
+            save_result(res.run_dir, policy.results)  # a run stored before is saved too (once: a saved one is kept)
         print(headline(res, stored))
     return 0
 

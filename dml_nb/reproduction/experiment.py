@@ -45,10 +45,8 @@ from dml_nb.reproduction.results import (
     record_stopped,
     restored,
     restored_problem,
-    results_dir,
     run_folder_name,
     run_key,
-    save_result,
 )
 
 # %% auto #0
@@ -357,7 +355,8 @@ def _versions() -> dict:
 
 
 def load_result(run_dir: str | Path) -> RunResult:
-    "The stored result of a finished run directory (one with a `done` marker); saved in the results folder `$DML_RESULTS` names, if set."
+    """The stored result of a finished run directory (one with a `done` marker). It only reads: a caller that keeps the
+    runs it reads in a results folder saves them there itself (`results.save_result`)."""
     run_dir = Path(run_dir)
     if not (run_dir / "done").exists():
         raise FileNotFoundError(f"{run_dir} holds no finished run (no 'done' marker)")
@@ -386,8 +385,6 @@ def load_result(run_dir: str | Path) -> RunResult:
         hist = pd.read_csv(run_dir / "history.csv").to_dict("records") if (run_dir / "history.csv").exists() else []
     except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
         raise broken("history.csv", str(e) or type(e).__name__) from None
-    if (keep := results_dir()) is not None:
-        save_result(run_dir, keep)  # `dml-reproduce`: every finished run it reads
     return RunResult(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), info["metrics"], hist, info)
 
 

@@ -4,7 +4,6 @@
 
 # %% ../../nbs/69_launch.ipynb #9929a3ed
 from __future__ import annotations
-import argparse
 import os
 import subprocess
 import sys
@@ -19,11 +18,10 @@ from tqdm.auto import tqdm
 
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
-from .results import clear_restored, restored, run_key, runs_folder
+from .results import MAX_COUNT, RunPolicy, clear_restored, count_arg, restored, run_key, runs_folder
 from ..core.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
-    MAX_COUNT,
     PLAN_ENV,
     SETTLED,
     Job,
@@ -37,8 +35,7 @@ from dml_nb.reproduction.sweep import (
 
 # %% auto #0
 __all__ = ['SLURM_TOOLS', 'LAUNCHERS', 'Failure', 'LauncherUnavailable', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool',
-           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'count_arg', 'add_sweep_arguments',
-           'sweep_command']
+           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'add_sweep_arguments', 'sweep_command']
 
 # %% ../../nbs/69_launch.ipynb #7da3e642
 def _reproduction_notebooks(root: Path) -> list[Path]:
@@ -351,17 +348,6 @@ def collect(
     ]
 
 
-def count_arg(text: str) -> int:
-    "An argparse type: a whole number from 1 to `MAX_COUNT` (workers, threads per run)."
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_COUNT}; got {text!r}")
-    return n
-
-
 def add_sweep_arguments(ap) -> None:
     "The sweep options of `dml-reproduce`: plan, launch, collect-only."
     g = ap.add_argument_group("sweeps (plan, launch, collect)")
@@ -410,13 +396,13 @@ def _default_plan_dir(args, root: Path) -> Path:
     return runs / ".plans" / ("all" if not args.notebooks else "+".join(Path(n).stem for n in args.notebooks))
 
 
-def _launcher_missing(args, gpus) -> int | None:
+def _launcher_missing(args, gpus, threads: int | None = None) -> int | None:
     "2, after one line on stderr, when this machine cannot run `args.launch` (told before any planning); else None."
     try:
         if args.launch == "slurm":
             check_slurm()
         elif args.launch == "multi_gpu":
-            gpu_slots(gpus, args.threads)
+            gpu_slots(gpus, threads)
     except LauncherUnavailable as e:
         print(f"dml-reproduce: error: {e}", file=sys.stderr)
         return 2
@@ -441,8 +427,8 @@ def _print_plan(plan: Plan, json_out=None) -> None:
         plan.save(json_out)
 
 
-def _launch_args(args, plan: Plan, gpus) -> int | None:
-    "Launch the plan's pending runs as `args` say; 1 after naming the failed runs and their logs, else None."
+def _launch_args(args, plan: Plan, gpus, threads: int | None = None) -> int | None:
+    "Launch the plan's pending runs as `args` say, `threads` CPU threads per run; 1 after naming the failed runs and their logs, else None."
     slurm = {
         "partition": args.partition,
         "time_min": args.time,
@@ -456,7 +442,7 @@ def _launch_args(args, plan: Plan, gpus) -> int | None:
             plan,
             args.launch,
             workers=args.workers,
-            threads=args.threads,
+            threads=threads,
             gpus=gpus,
             **(slurm if args.launch == "slurm" else {}),
         )
@@ -490,8 +476,10 @@ def _collect_args(args, names: list, pp: dict, root: Path, reproduce) -> int:
     return 0
 
 
-def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int | None:
-    "`dml-reproduce` with a sweep option: plan, launch and/or collect; None when no sweep option was given."
+def sweep_command(args, root: str | Path | None = None, reproduce=None, policy: RunPolicy | None = None) -> int | None:
+    """`dml-reproduce` with a sweep option: plan, launch and/or collect; None when no sweep option was given. `policy`
+    is the command's run policy (`dml-reproduce` passes the one it built): its `threads` are the CPU threads of each
+    launched run (None: `args.threads`)."""
     if not (args.plan or args.launch or args.collect_only):
         return None
     root = Path(root) if root is not None else project_root()
@@ -504,7 +492,8 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
         params_file=args.params_file, overrides=args.overrides, seeds=args.seeds, runs_dir=args.runs_dir, root=root
     )
     gpus = args.gpus.split(",") if args.gpus else None
-    if (code := _launcher_missing(args, gpus)) is not None:
+    threads = policy.threads if policy is not None and policy.threads is not None else args.threads
+    if (code := _launcher_missing(args, gpus, threads)) is not None:
         return code
     plan = None
     if args.plan or (args.launch and not args.from_plan):
@@ -514,7 +503,7 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None) -> int |
     if plan is not None:
         _print_plan(plan, args.json_out)
     if args.launch:
-        if (code := _launch_args(args, plan, gpus)) is not None:
+        if (code := _launch_args(args, plan, gpus, threads)) is not None:
             return code
         if args.no_collect:
             return 0

@@ -4,6 +4,8 @@
 
 # %% ../../nbs/68_notebook.ipynb #cd1ab104
 from __future__ import annotations
+import ast
+import contextlib
 import os
 import re
 import sys
@@ -15,8 +17,8 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
-from .results import restore_results
-from .experiment import RUN_THREADS, check_seeds, load_result
+from .results import RunPolicy, restore_results, save_result, use_policy
+from .experiment import RUN_THREADS, check_seeds, load_result, run_dir_for
 from ..methods.base import task_health
 from dml_nb.reproduction.repro import (
     EMBEDDED,
@@ -37,8 +39,8 @@ from ..core.config import make_config
 from .viz import save_figure, set_style
 
 # %% auto #0
-__all__ = ['CONFIG_SECTIONS', 'OUTPUT_KEYS', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'user_folder',
-           'text_progress', 'idle_epochs', 'idle_frame', 'idle_report']
+__all__ = ['CONFIG_SECTIONS', 'OUTPUT_KEYS', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'cell_values',
+           'user_folder', 'terminal_bars', 'idle_epochs', 'idle_frame', 'idle_report']
 
 # %% ../../nbs/68_notebook.ipynb #3a902a03
 @dataclass
@@ -54,6 +56,8 @@ class Reproduction:
     runs: Path
     progress: bool = True
     threads: int = RUN_THREADS  # the CPU threads each run trains on (`output.threads`; recorded in its metrics.json)
+    policy: RunPolicy = RunPolicy()  # train / plan / collect-only, and the results folder (`setup` reads it)
+    bars: bool = False  # the progress bars as text on the terminal (`terminal_bars`): a kernel nobody watches
 
     @property
     def embedded(self) -> bool:
@@ -65,9 +69,11 @@ class Reproduction:
         self.epochs_run = sorted(
             {int(job_config(r, self.base, s).get("train", {}).get("epochs", 10)) for r in rows for s in self.seeds}
         )  # what the note says: rows may set their own
-        per_seed, results = run_rows(
-            rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress, threads=self.threads
-        )
+        with self.policy.applied(), terminal_bars() if self.bars else contextlib.nullcontext():
+            per_seed, results = run_rows(
+                rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress, threads=self.threads
+            )
+        self.keep(rows)
         prev = getattr(
             self, "per_seed", None
         )  # for `claims` (pairing by seed, cost, tasks): a row run again replaces its lines
@@ -75,6 +81,17 @@ class Reproduction:
             [None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True
         )
         return per_seed, results
+
+    def keep(self, rows: Sequence[Row], base: Mapping | None = None) -> None:
+        """Save the run of each of `rows` on `base` (default: the notebook's) and the seeds (finished, or stopped by
+        design) in the policy's results folder, when it names one (`dml-reproduce`): reading a run saves nothing
+        (`load_result`), so this is where the notebook keeps what it read. `run` calls it; a notebook that calls
+        `run_rows` itself calls it for those rows."""
+        if (folder := self.policy.results) is None:
+            return
+        for r in rows:
+            for s in self.seeds:
+                save_result(run_dir_for(make_config(job_config(r, base or self.base, s)), self.runs), folder)
 
     def paper(self, dataset: str | None = None) -> pd.DataFrame:
         "The paper's numbers on `dataset` (default: the shown one)."
@@ -306,6 +323,8 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
                 raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
             params[k] = _small(params[k], n)
     dataset = params.get("dataset", "shapes")
+    policy = RunPolicy.from_env()  # the notebook's process starts here: the one read of $DML_PLAN, $DML_RESULTS, ...
+    use_policy(policy)  # for the harness's `run_rows`, which a notebook may also call itself
     try:
         figures, runs = _writable_dirs(stem, output, variant)
     except ValueError as e:
@@ -313,10 +332,10 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     _restore(stem, output.get("results", True), runs)
     shown = (params.get("paper_dataset") or dataset) if dataset in EMBEDDED else dataset
     progress = output.get("progress", True)
-    if progress and not (in_test() or _watched()):
-        text_progress()
+    bars = progress and not (in_test() or _watched())  # text bars on the terminal, during each `run`
     set_style()
-    return Reproduction(stem, dataset, shown, base, list(params["seeds"]), figures, runs, progress, threads)
+    seeds = list(params["seeds"])
+    return Reproduction(stem, dataset, shown, base, seeds, figures, runs, progress, threads, policy, bars)
 
 # %% ../../nbs/68_notebook.ipynb #ea32b450
 def _notebook_of(stem: str) -> Path | None:
@@ -331,7 +350,9 @@ def _notebook_of(stem: str) -> Path | None:
 
 
 def notebook_defaults(stem: str) -> dict | None:
-    "The values of the `parameters` cell of `stem`'s notebook (what a run without parameters uses), or None if unreadable."
+    """The values of the `parameters` cell of `stem`'s notebook (what a run without parameters uses), and of the
+    `defaults` cell after it, read without running them (`cell_values`); None if the notebook cannot be found or read.
+    A cell that is not plain values is a `ValueError` naming its line."""
     import json
 
     path = _notebook_of(stem)
@@ -340,13 +361,65 @@ def notebook_defaults(stem: str) -> dict | None:
     try:
         cells = json.loads(path.read_text())["cells"]
         k = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
-        values: dict = {}
-        exec(compile("".join(cells[k]["source"]), f"{path.name}: parameters", "exec"), {}, values)
-        if k + 1 < len(cells) and "defaults" in cells[k + 1].get("metadata", {}).get("tags", []):  # long defaults
-            exec(compile("".join(cells[k + 1]["source"]), f"{path.name}: defaults", "exec"), {}, values)
-        return {n: v for n, v in values.items() if not n.startswith("_") and not n.isupper()}
-    except Exception:
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return None
+    values = cell_values("".join(cells[k]["source"]), f"{path.name}, parameters cell")
+    if k + 1 < len(cells) and "defaults" in cells[k + 1].get("metadata", {}).get("tags", []):  # long defaults
+        values = cell_values("".join(cells[k + 1]["source"]), f"{path.name}, defaults cell", values)
+    return {n: v for n, v in values.items() if not n.startswith("_") and not n.isupper()}
+
+
+def cell_values(source: str, where: str, values: Mapping | None = None) -> dict:
+    """The names a parameters cell's `source` binds, with their values, read with `ast` and never run: each statement
+    an assignment (`x = ...`, `x: type = ...`) of a literal (`ast.literal_eval`), of containers holding literals and
+    names bound before (in this cell or in `values`), or of `A if x is None else B` (the `defaults` cell's form).
+    Anything else is a `ValueError` naming `where` and the line, so a parameters cell stays plain values."""
+    out = dict(values or {})
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise ValueError(f"{where}, line {e.lineno}: not Python ({e.msg})") from None
+    for st in tree.body:
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, ast.AnnAssign) else []
+        if not targets or getattr(st, "value", None) is None or not all(isinstance(t, ast.Name) for t in targets):
+            raise ValueError(
+                f"{where}, line {st.lineno}: {ast.get_source_segment(source, st)!r} is not an assignment of a value "
+                "to a name (a parameters cell holds only `name = value` lines)"
+            )
+        value = _cell_value(st.value, out, source, where)
+        out.update((t.id, value) for t in targets)
+    return out
+
+
+def _cell_value(node, names: Mapping, source: str, where: str):
+    "The value of expression `node` of a parameters cell: see `cell_values`."
+    if isinstance(node, ast.Name) and node.id in names:
+        return names[node.id]
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_cell_value(e, names, source, where) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {
+            _cell_value(k, names, source, where): _cell_value(v, names, source, where)
+            for k, v in zip(node.keys, node.values)
+        }
+    t = node.test if isinstance(node, ast.IfExp) else None
+    if (
+        isinstance(t, ast.Compare)
+        and len(t.ops) == 1
+        and isinstance(t.ops[0], (ast.Is, ast.IsNot))
+        and isinstance(t.comparators[0], ast.Constant)
+        and t.comparators[0].value is None
+    ):
+        none = _cell_value(t.left, names, source, where) is None
+        return _cell_value(node.body if none == isinstance(t.ops[0], ast.Is) else node.orelse, names, source, where)
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise ValueError(
+            f"{where}, line {node.lineno}: {ast.get_source_segment(source, node)!r} is not a value a parameters cell "
+            "may hold (a literal, a name bound above it, or `A if x is None else B`); it is read, never run"
+        ) from None
 
 
 _KNOWN = ("dataset", "config", "seeds", "paper_dataset", "output")  # what `setup` reads, in every notebook
@@ -472,15 +545,16 @@ def _terminal():
         return sys.__stderr__
 
 
-def text_progress() -> None:
-    """Progress bars as text on the terminal, for a notebook nobody watches (papermill, nbclient): there `tqdm.auto`'s
-    widget bars reach no one and leave lines of `0it [00:00, ?it/s]` in the saved notebook."""
+@contextlib.contextmanager
+def terminal_bars():
+    """Progress bars as text on the terminal for the block, for a notebook nobody watches (papermill, nbclient):
+    there `tqdm.auto`'s widget bars reach no one and leave lines of `0it [00:00, ?it/s]` in the saved notebook.
+    `tqdm.auto.tqdm` (which `run_rows` and the learner's bar read at each call) is the terminal bar inside the
+    block and the one it was before after it, also when the block raises: `Reproduction.run` scopes it to its rows."""
     import tqdm.auto
     import tqdm.std
 
-    if getattr(tqdm.auto.tqdm, "to_terminal", False):
-        return
-    out = _terminal()
+    before, out = tqdm.auto.tqdm, _terminal()
 
     class TerminalBar(tqdm.std.tqdm):
         to_terminal = True
@@ -488,7 +562,11 @@ def text_progress() -> None:
         def __init__(self, *args, file=None, **kw):
             super().__init__(*args, file=file or out, **kw)
 
-    tqdm.auto.tqdm = TerminalBar  # `run_rows` reads it at each call
+    tqdm.auto.tqdm = TerminalBar
+    try:
+        yield TerminalBar
+    finally:
+        tqdm.auto.tqdm = before
 
 # %% ../../nbs/68_notebook.ipynb #1b32f73e
 def idle_epochs(history) -> dict[str, dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
 import sys
 import tempfile
@@ -20,8 +19,8 @@ from tqdm.auto import tqdm
 from ..core.base import atomic_write
 from .claims import RULES, load_claims, resolved_text
 from .experiment import RECIPES_VERSION
-from .results import RESULTS_ENV, restore_results, results_path
-from .results import check_runs_folder, env_folder, folder_problem, runs_folder
+from .results import RESULTS_ENV, RunPolicy, restore_results, results_path
+from .results import check_runs_folder, folder_problem, runs_folder
 from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
@@ -174,12 +173,20 @@ def reproduce(
     root: str | Path | None = None,
     progress: bool = True,
     write_notebooks: bool = False,
+    write_committed: bool = False,
 ) -> dict:
     """Run the regime notebook and the reproduction notebooks (default: all, in dependency order), skipping those
     already run on this source; returns the state. `write_notebooks`: each executed notebook is written back over
-    its source with its outputs (`write_executed`), so that it shows its table, figures and claims when opened."""
+    its source with its outputs (`write_executed`), so that it shows its table, figures and claims when opened.
+    Only with `write_committed` (`dml-reproduce --write-committed`) do they write the committed outputs: `figures/`
+    itself, its `.reproduced.json` and the README's claim table (and only then may `write_notebooks` be given);
+    without it each notebook writes to `figures/local/`, as a user's papermill run does, and no tracked file changes."""
     import papermill
 
+    if write_notebooks and not write_committed:  # their outputs must match the committed figures/
+        raise ValueError(
+            "--write-notebooks writes the committed notebooks (nbs/<name>.ipynb): give --write-committed too"
+        )
     root = Path(root) if root is not None else project_root()
     # dependency order: the regime's baseline-only sweep, then the flagship, then the rest
     nbs = [p for p in [root / "nbs" / "67_regime.ipynb"] if p.exists()] + sorted(
@@ -190,7 +197,7 @@ def reproduce(
     missing = [str(p) for p in nbs if not p.exists()]
     if missing:
         raise FileNotFoundError(f"no such reproduction notebook: {', '.join(missing)}")
-    state_path = root / "figures" / ".reproduced.json"
+    state_path = root / "figures" / ("" if write_committed else "local") / ".reproduced.json"  # what ran, where
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     out_dir = Path(tempfile.gettempdir()) / "dml_nb_reproduce"
     out_dir.mkdir(exist_ok=True)
@@ -206,10 +213,8 @@ def reproduce(
             str(out_dir / nb.name),
             cwd=str(root / "nbs"),
             progress_bar=False,
-            parameters={
-                "output": {"progress": False, "figures_dir": str(root / "figures"), "results": False}
-            },  # restored above
-        )  # the one writer of figures/
+            parameters={"output": _output_parameters(root, write_committed)},
+        )  # with `write_committed`: the one writer of figures/
         if write_notebooks:
             write_executed(out_dir / nb.name, nb, root)
         state[nb.stem] = {
@@ -219,27 +224,48 @@ def reproduce(
             "date": time.strftime("%Y-%m-%d"),
         }
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True) + "\n")
-    if (root / "README.md").exists():
+    if write_committed and (root / "README.md").exists():
         update_readme_claims(root / "README.md", root / "figures")
     return state
 
 
-def results_folder(given: str | None, root: str | Path) -> Path | None:
-    """The results folder of `dml-reproduce` (`results.save_result`): `given`, else `$DML_RESULTS`, else
-    `<project>/results` ('none' in any case, or empty: no folder). None under tests: smoke runs never reach the
-    committed one."""
-    if given is not None:
-        out = results_path(given)
-    elif (env := os.environ.get(RESULTS_ENV)) is not None:
-        out = None if results_path(env) is None else env_folder(RESULTS_ENV, root)  # relative: from the project root
-    else:
-        out = None if in_test() else Path(root) / "results"
+def results_folder(given: str | None, root: str | Path, env: RunPolicy | None = None) -> Path | None:
+    """The results folder of `dml-reproduce` (`results.save_result`): `given`, else the one of `env`, the policy
+    `RunPolicy.from_env` read at the command's start (`$DML_RESULTS`; `dml-reproduce` gives it `<project>/results`
+    as its default, None under tests: smoke runs never reach the committed one); 'none' in any case, or empty: none."""
+    out = results_path(given) if given is not None else (env or RunPolicy()).results
     if out is not None and (problem := folder_problem(out)) is not None:  # before anything is trained or written
         raise ValueError(
             f"results folder {out} {problem}: name a folder you can write to with --results-dir DIR (or "
             f"${RESULTS_ENV}), or switch saving off with --results-dir none ({RESULTS_ENV}=none)"
         )
     return out
+
+
+def _command_policy(args, root: Path) -> RunPolicy:
+    """The run policy of `dml-reproduce`, built once here from its arguments and the environment (`RunPolicy.from_env`:
+    `$DML_RESULTS`, `$DML_RUNS`), with its folders checked (a `ValueError` naming the problem). The results folder's
+    runs are restored into the run cache first; they are saved into the committed `<project>/results` only with
+    `--write-committed`."""
+    committed = None if in_test() else root / "results"
+    env = RunPolicy.from_env(root, results_default=committed)
+    results = results_folder(args.results_dir, root, env)
+    runs = check_runs_folder(args.runs_dir, root, env)  # before anything is planned, trained or written
+    if results is not None:  # what an earlier machine finished: read, not trained again
+        if got := restore_results(results, runs):
+            print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
+    keep = args.write_committed or results is None or results.resolve() != (root / "results").resolve()
+    return RunPolicy(
+        results=results if keep else None,
+        runs=Path(args.runs_dir) if args.runs_dir else env.runs,
+        threads=args.threads,
+    )
+
+
+def _output_parameters(root: Path, write_committed: bool) -> dict:
+    "The `output` parameter `reproduce` gives each notebook: `figures/` itself only with `write_committed`."
+    out = {"progress": False, "results": False}  # the results folder: restored by dml-reproduce itself
+    return {**out, "figures_dir": str(root / "figures")} if write_committed else out
 
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
@@ -250,40 +276,46 @@ def reproduce_main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(
         prog="dml-reproduce",
-        description="Re-run the reproduction notebooks (resumable) and rewrite the README's claim table.",
+        description="Re-run the reproduction notebooks (resumable). Alone it writes no tracked file: the notebooks "
+        "write to figures/local/, the runs to the run cache. --write-committed regenerates the committed outputs: "
+        "figures/<notebook>.*, figures/.reproduced.json, the README's claim table, the runs saved in <project>/results.",
+    )
+    ap.add_argument(
+        "--write-committed",
+        action="store_true",
+        help="write the committed outputs (figures/ itself, the README's claim table, new entries of <project>/results; "
+        "with --write-notebooks the notebooks too): the maintainers' regeneration",
     )
     ap.add_argument("notebooks", nargs="*", help="notebook names (e.g. repro_table3); default: all")
     ap.add_argument("--force", action="store_true", help="re-run notebooks even if their source did not change")
     ap.add_argument(
         "--write-notebooks",
         action="store_true",
-        help="write each executed notebook back over nbs/<name>.ipynb "
+        help="with --write-committed: write each executed notebook back over nbs/<name>.ipynb "
         "with its outputs (table, figures, claims), without machine paths, timings or progress bars",
     )
     ap.add_argument(
         "--results-dir",
         help="the results folder: every finished run read is saved there (config, metrics, "
         "history; never checkpoints or embeddings), and the runs saved there are restored into the run cache "
-        "first (default $DML_RESULTS, else <project>/results; 'none': neither)",
+        "first (default $DML_RESULTS, else <project>/results, which is saved into only with --write-committed; "
+        "'none': neither)",
     )
     add_sweep_arguments(ap)
     ap.error = lambda message: ap.exit(2, f"dml-reproduce: error: {' '.join(message.split())}\n")  # one line
     args = ap.parse_args(argv)
     from .sweep import PlanError, env_vars
 
-    root = project_root()
+    if args.write_notebooks and not args.write_committed:
+        ap.error("--write-notebooks writes the committed notebooks (nbs/<name>.ipynb): give --write-committed too")
     try:
-        results = results_folder(args.results_dir, root)
-        runs = check_runs_folder(args.runs_dir, root)  # before anything is planned, trained or written
+        policy = _command_policy(args, project_root())
     except ValueError as e:
         ap.error(str(e))
-    if results is not None:  # what an earlier machine finished: read, not trained again
-        if got := restore_results(results, runs):
-            print(f"dml-reproduce: {len(got)} finished run(s) restored from {results} into {runs}", file=sys.stderr)
-    with env_vars(**{RESULTS_ENV: str(results.resolve()) if results is not None else ""}):
-        run = functools.partial(reproduce, write_notebooks=args.write_notebooks)
+    with policy.applied(), env_vars(**policy.environ()):  # in force here, and handed to each notebook's process
+        run = functools.partial(reproduce, write_notebooks=args.write_notebooks, write_committed=args.write_committed)
         try:
-            code = sweep_command(args, reproduce=run)
+            code = sweep_command(args, reproduce=run, policy=policy)
         except PlanError as e:  # --from-plan: a plan file that cannot be launched, one line
             print(f"dml-reproduce: error: {e}", file=sys.stderr)
             return 2

@@ -4,7 +4,10 @@
 
 # %% ../../nbs/60a_results.ipynb #5b68017c
 from __future__ import annotations
+import argparse
+import contextlib
 import csv
+import dataclasses
 import datetime
 import hashlib
 import io
@@ -17,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
 from ..core.base import RunLockedError, atomic_json, atomic_write, config_hash, lock_dir, project_root
 from ..core.params import parse_yaml
@@ -24,11 +28,11 @@ from ..core.registry import BACKBONES
 from ..core.config import Config, ConfigError, config_to_dict, make_config
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'run_key',
-           'run_folder_name', 'one_line', 'RunStopped', 'stopped_record', 'record_stopped', 'check_stopped',
-           'results_path', 'results_dir', 'env_folder', 'runs_folder', 'folder_problem', 'check_runs_folder',
-           'save_result', 'restore_results', 'restored', 'restored_problem', 'clear_restored', 'result_checksum',
-           'result_problem']
+__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'POLICY_ENV', 'MODES',
+           'MAX_COUNT', 'run_key', 'run_folder_name', 'one_line', 'RunStopped', 'stopped_record', 'record_stopped',
+           'check_stopped', 'results_path', 'results_dir', 'runs_folder', 'folder_problem', 'check_runs_folder',
+           'save_result', 'restore_results', 'restored', 'restored_problem', 'clear_restored', 'RunPolicy',
+           'run_policy', 'use_policy', 'is_count', 'count_arg', 'result_checksum', 'result_problem']
 
 # %% ../../nbs/60a_results.ipynb #a3c1e7d1
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
@@ -135,26 +139,19 @@ def results_path(value: str | None) -> Path | None:
 
 
 def results_dir() -> Path | None:
-    "The results folder `$DML_RESULTS` names (None when unset, empty or 'none'; a relative one: from the project root, `env_folder`)."
-    return None if results_path(os.environ.get(RESULTS_ENV)) is None else env_folder(RESULTS_ENV)
+    "The results folder of the run policy in force (`run_policy().results`): finished runs are saved there; None: none."
+    return run_policy().results
 
 
 RUNS_ENV = "DML_RUNS"  # a run cache (on shared storage): where runs are kept, instead of <project>/runs
 
 
-def env_folder(name: str, root: str | Path | None = None) -> Path | None:
-    """The folder the environment variable `name` names (None when unset or empty). A relative one is taken from the
-    project root (`root`, default `project_root()`), not the working directory: papermill runs a notebook in nbs/."""
-    value = (os.environ.get(name) or "").strip()
-    if not value:
-        return None
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else Path(root or project_root()) / p
-
-
-def runs_folder(given: str | Path | None = None, root: str | Path | None = None) -> Path:
-    "The run cache: `given` (--runs-dir), else `$DML_RUNS` (`env_folder`), else `<project>/runs`."
-    return Path(given) if given else env_folder(RUNS_ENV, root) or Path(root or project_root()) / "runs"
+def runs_folder(
+    given: str | Path | None = None, root: str | Path | None = None, policy: RunPolicy | None = None
+) -> Path:
+    "The run cache: `given` (--runs-dir), else the run policy's (`policy`, default `run_policy()`), else `<project>/runs`."
+    runs = (policy or run_policy()).runs
+    return Path(given) if given else runs or Path(root or project_root()) / "runs"
 
 
 def folder_problem(folder: str | Path) -> str | None:
@@ -171,11 +168,13 @@ def folder_problem(folder: str | Path) -> str | None:
     return None
 
 
-def check_runs_folder(given: str | Path | None = None, root: str | Path | None = None) -> Path:
+def check_runs_folder(
+    given: str | Path | None = None, root: str | Path | None = None, policy: RunPolicy | None = None
+) -> Path:
     "`runs_folder`, or a one-line `ConfigError` naming where it came from when it cannot be made or written to."
-    runs = runs_folder(given, root)
+    runs = runs_folder(given, root, policy)
     if (problem := folder_problem(runs)) is not None:
-        source = "--runs-dir" if given else f"${RUNS_ENV}" if env_folder(RUNS_ENV, root) else "the default"
+        source = "--runs-dir" if given else f"${RUNS_ENV}" if (policy or run_policy()).runs else "the default"
         raise ConfigError(
             f"run cache {runs} ({source}) {problem}: set ${RUNS_ENV} or --runs-dir to a folder you can write to "
             f"(or unset {RUNS_ENV} for <project>/runs)"
@@ -359,6 +358,113 @@ def _recorded_keys(folder: Path) -> set:
     config = _config_of({n: d for n in ("config.yaml",) if (d := _read(folder / n)) is not None})
     keys = {info.get("config_key")} if isinstance(info, dict) and "config_key" in info else set()
     return keys | ({run_key(config_to_dict(config))} if isinstance(config, Config) else set())
+
+# %% ../../nbs/60a_results.ipynb #acae54e37e7d407bbb7b55eff062a284
+POLICY_ENV = dict(
+    plan="DML_PLAN", collect="DML_COLLECT_ONLY", results="DML_RESULTS", runs="DML_RUNS"
+)  # the variables a policy travels in to a notebook's process (`RunPolicy.environ`, `RunPolicy.from_env`)
+MODES = ("train", "plan", "collect")  # what a run that is not finished becomes: trained, listed in a plan, an error
+
+
+def _env_path(value: str | None, root: str | Path | None) -> Path | None:
+    "The folder an environment variable's `value` names (None: unset or empty); a relative one from the project root."
+    value = (value or "").strip()
+    if not value:
+        return None
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else Path(root or project_root()) / p
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPolicy:
+    """What a reproduction run does with a run that is not finished (`mode`: one of `MODES`), and what travels with
+    that: the `plan` file (JSON lines) plan mode lists the runs in, the `results` folder finished runs are saved in
+    (None: none), the run cache `runs` (None: `<project>/runs`) and the CPU `threads` per run (None: the caller's)."""
+
+    mode: str = "train"
+    plan: Path | None = None
+    results: Path | None = None
+    runs: Path | None = None
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"run policy mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode == "plan" and self.plan is None:
+            raise ValueError("a run policy in plan mode needs its plan file (plan=...)")
+        if self.threads is not None and not is_count(self.threads):
+            raise ValueError(f"run policy threads must be a whole number from 1 to {MAX_COUNT}; got {self.threads!r}")
+
+    @classmethod
+    def from_env(
+        cls, root: str | Path | None = None, results_default: Path | None = None, environ: Mapping | None = None
+    ) -> "RunPolicy":
+        """The policy the environment variables `POLICY_ENV` give (`environ`, default `os.environ`): the one place they
+        are read, called at an entry point. `$DML_PLAN` (a file): plan mode; else `$DML_COLLECT_ONLY` (1, true, yes):
+        collect; `$DML_RESULTS` ('none' or empty: none; unset: `results_default`); `$DML_RUNS`. A relative folder
+        is taken from the project root (`root`), not the working directory: papermill runs a notebook in nbs/."""
+        env = os.environ if environ is None else environ
+        plan = _env_path(env.get(POLICY_ENV["plan"]), root)
+        collect = (env.get(POLICY_ENV["collect"]) or "").strip().lower() not in ("", "0", "false", "no")
+        given = env.get(POLICY_ENV["results"])
+        results = results_default if given is None else None if results_path(given) is None else _env_path(given, root)
+        mode = "plan" if plan else "collect" if collect else "train"
+        return cls(mode, plan, results, _env_path(env.get(POLICY_ENV["runs"]), root))
+
+    def environ(self) -> dict:
+        """The environment variables that carry this policy into a notebook's process ({name: value or None to unset}),
+        which its `setup` reads back (`from_env`); `results` None travels as 'none' (off, not the default)."""
+        return {
+            POLICY_ENV["plan"]: None if self.plan is None else str(self.plan),
+            POLICY_ENV["collect"]: "1" if self.mode == "collect" else None,
+            POLICY_ENV["results"]: "none" if self.results is None else str(Path(self.results).resolve()),
+            POLICY_ENV["runs"]: None if self.runs is None else str(Path(self.runs).resolve()),
+        }
+
+    @contextlib.contextmanager
+    def applied(self):
+        "This policy in force for the block (`run_policy`), the one before it again after."
+        global _POLICY
+        before, _POLICY = _POLICY, self
+        try:
+            yield self
+        finally:
+            _POLICY = before
+
+
+_POLICY = RunPolicy()  # the policy in force: `use_policy` (a notebook's setup) or `RunPolicy.applied` (the commands)
+
+
+def run_policy() -> RunPolicy:
+    "The run policy in force: the one its entry point installed, else `RunPolicy()` (train; no results folder)."
+    return _POLICY
+
+
+def use_policy(policy: RunPolicy) -> RunPolicy:
+    """Install `policy` for the rest of the process (a notebook's `setup`: the notebook's kernel is its process); returns
+    the one it replaces. A command scopes its policy to a block instead (`RunPolicy.applied`)."""
+    global _POLICY
+    before, _POLICY = _POLICY, policy
+    return before
+
+
+MAX_COUNT = 512  # the most parallel workers, and CPU threads per run, a command takes
+
+
+def is_count(n) -> bool:
+    "Whether `n` is a whole number from 1 to `MAX_COUNT` (a bool is not)."
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_COUNT
+
+
+def count_arg(text: str) -> int:
+    "An argparse type: a whole number from 1 to `MAX_COUNT` (`dml-train --threads`, `dml-reproduce --workers/--threads`)."
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not is_count(n):
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_COUNT}; got {text!r}")
+    return n
 
 # %% ../../nbs/60a_results.ipynb #c4d5e6f0
 _SUMMED = ("config.yaml", "metrics.json", "history.csv")  # the files the checksum in a saved run's `done` covers

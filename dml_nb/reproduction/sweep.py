@@ -22,18 +22,18 @@ from ..core.base import atomic_write, project_root
 from ..core.config import config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
 from .results import RUN_NAME, one_line, restored, restored_problem, stopped_record
-from .results import RUNS_ENV, env_folder
+from .results import POLICY_ENV, RunPolicy, is_count, run_policy
 
 # %% auto #0
-__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'MAX_COUNT', 'RUN_HASH', 'NOTEBOOK_NAME', 'MissingRunsError', 'PlanStop',
-           'SweepMode', 'SweepResult', 'finished', 'sweep_mode', 'env_vars', 'collecting', 'PlanError', 'Job',
-           'job_problem', 'Plan', 'notebook_parameters', 'notebook_path', 'execute', 'plan_configs', 'plan_notebook']
+__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'RUN_HASH', 'NOTEBOOK_NAME', 'MissingRunsError', 'PlanStop', 'SweepMode',
+           'SweepResult', 'finished', 'sweep_mode', 'env_vars', 'collecting', 'PlanError', 'Job', 'job_problem', 'Plan',
+           'notebook_parameters', 'notebook_path', 'execute', 'plan_configs', 'plan_notebook']
 
 # %% ../../nbs/66_sweep.ipynb #76aba256
 PLAN_ENV, COLLECT_ENV = (
-    "DML_PLAN",
-    "DML_COLLECT_ONLY",
-)  # set by the planner / for collect-only; read by `repro.run_rows`
+    POLICY_ENV["plan"],
+    POLICY_ENV["collect"],
+)  # set by the planner / for collect-only, for a notebook's process: its `setup` reads them (`RunPolicy.from_env`)
 
 
 class MissingRunsError(RuntimeError):
@@ -160,13 +160,13 @@ def finished(run_dir: Path, key: str) -> tuple[bool, bool]:
     return False, True
 
 
-def sweep_mode() -> SweepMode | None:
-    "The mode `run_rows` is in: a plan (`$DML_PLAN` names the file its jobs go to), collect-only (`$DML_COLLECT_ONLY`), or None."
-    plan = os.environ.get(PLAN_ENV)
-    collect = os.environ.get(COLLECT_ENV, "").strip().lower() not in ("", "0", "false", "no")
-    if not plan and not collect:
+def sweep_mode(policy: RunPolicy | None = None) -> SweepMode | None:
+    """The mode `run_rows` is in, from the run policy `policy` (default: the one in force, `run_policy()`): a plan
+    (its `plan` file is where the jobs go), collect-only, or None (train)."""
+    policy = policy or run_policy()
+    if policy.mode == "train":
         return None
-    return SweepMode(Path(plan) if plan else None, collect)
+    return SweepMode(policy.plan if policy.mode == "plan" else None, policy.mode == "collect")
 
 
 @contextmanager
@@ -194,7 +194,6 @@ def collecting():
 
 # %% ../../nbs/66_sweep.ipynb #e09ae89f
 SETTLED = ("done", "stopped")  # the statuses a launcher has nothing left to do for
-MAX_COUNT = 512  # the most parallel workers, and CPU threads per run, a sweep takes
 RUN_HASH = re.compile(r"[0-9a-f]{12}")  # the hash of a run folder's name, as a plan names its job
 NOTEBOOK_NAME = re.compile(r"[\w-]+", re.ASCII)  # a notebook of the project, as a plan names it (no path)
 
@@ -244,7 +243,7 @@ class Job:
 
 
 def _count_or_none(n) -> bool:
-    return n is None or isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_COUNT
+    return n is None or is_count(n)  # `MAX_COUNT`, `is_count`: `results`, where every command's counts are checked
 
 
 def job_problem(job: Job, plan_dir: Path, runs_dir: Path) -> str | None:
@@ -363,7 +362,8 @@ def notebook_parameters(
     runs_dir: str | Path | None = None,
 ) -> dict:
     """The papermill parameters of a notebook run: the `-f` file, the `-y` YAML (or dict) over it (as papermill
-    merges them: key by key), `seeds`, `output.runs_dir` (the given one, else `$DML_RUNS` when set), and
+    merges them: key by key), `seeds`, `output.runs_dir` (the given one, else the run cache of the run policy in force,
+    `run_policy().runs`, when it names one), and
     `output.results: false` (`dml-reproduce` restores the results folder it is given before running any notebook)."""
     params = {}
     if params_file is not None:
@@ -380,7 +380,7 @@ def notebook_parameters(
         params.update(extra)
     if seeds is not None:
         params["seeds"] = [int(s) for s in seeds]
-    runs = runs_dir or (params.get("output") or {}).get("runs_dir") or env_folder(RUNS_ENV)
+    runs = runs_dir or (params.get("output") or {}).get("runs_dir") or run_policy().runs
     params["output"] = {
         **(params.get("output") or {}),
         "progress": False,

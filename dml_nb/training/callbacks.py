@@ -91,8 +91,19 @@ class ProgressCallback(Callback):
 
     order = 30
 
-    def __init__(self, file=None, mininterval: float = 30.0):
-        self.file, self.mininterval, self.bar = file, mininterval, None
+    def __init__(self, file=None, mininterval: float | None = None):
+        self.file, self.mininterval, self.bar = file, mininterval, None  # None: `redraw_interval` of the bar's stream
+
+    @staticmethod
+    def redraw_interval(bar) -> float:
+        """Seconds between redraws of `bar`: 1 where someone watches it redraw in place (a terminal, a JupyterLab
+        widget), 30 where every redraw stays as text (a log file or pipe: papermill's, a SLURM job's)."""
+        if hasattr(bar, "container"):  # tqdm.notebook's widget
+            return 1.0
+        try:
+            return 1.0 if bar.fp.isatty() else 30.0
+        except (AttributeError, ValueError, OSError):
+            return 30.0
 
     def _close(self):
         if self.bar is not None:
@@ -111,7 +122,8 @@ class ProgressCallback(Callback):
             from tqdm.auto import tqdm  # a widget in JupyterLab, text on stderr elsewhere
         else:
             from tqdm import tqdm
-        self.bar, self.epoch = tqdm(total=0, file=self.file, mininterval=self.mininterval, dynamic_ncols=True), None
+        self.bar, self.epoch, self.drawn = tqdm(total=0, file=self.file, dynamic_ncols=True), None, False
+        self.bar.mininterval = self.redraw_interval(self.bar) if self.mininterval is None else self.mininterval
 
     def after_step(self, learner, logs):
         if not learner.is_main:
@@ -126,6 +138,9 @@ class ProgressCallback(Callback):
             self.bar.set_description(f"epoch {learner.epoch + 1}/{learner.epochs}", refresh=False)
         self.bar.update(1)
         self.bar.set_postfix(self._postfix(learner), refresh=False)
+        if not self.drawn:  # the first step at once (epoch, total, loss); then at most every `mininterval` seconds
+            self.bar.refresh()
+            self.drawn = True
 
     def after_epoch(self, learner):
         if self.bar is not None:
