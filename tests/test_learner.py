@@ -18,6 +18,7 @@ from dml_nb.training.callbacks import Callback, ProgressCallback, history_csv
 from dml_nb.core.registry import LOSSES
 from dml_nb.training.learner import Learner
 from dml_nb.training.context import Method
+from dml_nb.evaluation.evaluator import EvalLoop
 from dml_nb.training.checkpoint import NonFiniteLossError, load_checkpoint
 from dml_nb.methods.base import BaselineMethod
 from dml_nb.training.schedule import Schedule
@@ -682,8 +683,8 @@ def test_eval_embeddings_reuse_the_last_evaluation_until_the_weights_change(sets
     learn = learner(sets, epochs=1, steps=2)
     learn.fit()  # evaluates the test set after its one epoch
     passes = []
-    embed = Learner.embed
-    monkeypatch.setattr(Learner, "embed", lambda self, *a, **k: passes.append(1) or embed(self, *a, **k))
+    embed = EvalLoop.embed  # the learner's evaluation part runs the feature passes
+    monkeypatch.setattr(EvalLoop, "embed", lambda self, *a, **k: passes.append(1) or embed(self, *a, **k))
     first = learn.eval_embeddings()
     assert passes == [] and set(first) == {"test"}
     with torch.no_grad():
@@ -702,16 +703,16 @@ def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
         order = 15  # after the evaluation (10), before the logging callbacks
 
         def before_epoch(self, learner):
-            held.append(getattr(learner, "_eval_pass", (None, None))[1] is not None)
+            held.append(learner.evaluation.holds_pass)
 
         def after_epoch(self, learner):
-            held.append(learner._eval_pass[1] is not None)
+            held.append(learner.evaluation.holds_pass)
 
     learn = learner(sets, epochs=2, steps=2, callbacks=[Probe()])
     learn.fit()  # evaluates after each epoch
     assert held == [False, True, False, True]
     assert torch.equal(
-        learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"]
+        learn.eval_embeddings()["test"]["embedding"], learn.evaluation.embed_sets(learn.eval_sets)["test"][0]["embedding"]
     )
 
 
