@@ -78,7 +78,9 @@ def test_the_recipe_its_tasks_and_callbacks_run_once_each_in_one_order(shapes4):
     ]
     assert CALLS.count(("task", "before_epoch", 1)) == 1  # each task hook once: the recipe does not forward it too
     assert len([c for c in CALLS if c[1] == "after_optimizer_step"]) == 4
-    assert learn.method._steps == learn.global_step == 4  # the recipe's own after_optimizer_step ran at every step
+    assert (
+        int(learn.method.steps_done) == learn.global_step == 4
+    )  # the recipe's own after_optimizer_step ran at every step
 
 
 def test_a_recipe_hook_called_directly_still_runs_its_tasks(shapes4):

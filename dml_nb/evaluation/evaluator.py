@@ -58,7 +58,9 @@ class EvalLoop:
     """The evaluation of a run: feature passes of `method` (in eval mode, each item with its own seed, split over the
     processes) and the metrics of every eval set under `evaluator`. It reads the run's position and history from
     `state` (a `RunProgress`: the learner's `RunState`) and writes only `state.latest_metrics`; it keeps the last
-    feature pass of the eval sets for `eval_embeddings`. The `Learner` builds it with the settings of its run."""
+    feature pass of the eval sets for `eval_embeddings`. The `Learner` builds it with the settings of its run.
+    `feature_pass`: what embeds each eval set (default: `embed`; the learner's own `embed`, so that a subclass or a
+    wrapper of `Learner.embed` sees every pass)."""
 
     def __init__(
         self,
@@ -74,7 +76,9 @@ class EvalLoop:
         num_workers: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        feature_pass: Callable | None = None,
     ):
+        self.feature_pass = self.embed if feature_pass is None else feature_pass
         self.method, self.evaluator, self.eval_sets, self.state = method, evaluator, eval_sets, state
         self.seed, self.device, self.autocast, self.channels_last = seed, device, autocast, channels_last
         self.num_workers, self.rank, self.world_size = num_workers, rank, world_size
@@ -177,9 +181,9 @@ class EvalLoop:
         embedded = {}
         for name, ds in sets.items():
             if isinstance(ds, (tuple, list)):
-                embedded.update({f"{name}_{p}": self.embed(d) for p, d in zip(("query", "gallery"), ds)})
+                embedded.update({f"{name}_{p}": self.feature_pass(d) for p, d in zip(("query", "gallery"), ds)})
             else:
-                embedded[name] = self.embed(ds)
+                embedded[name] = self.feature_pass(ds)
         return embedded
 
     def _weights_stamp(self) -> tuple:

@@ -575,7 +575,8 @@ class Learner:
     def _eval_settings(self) -> dict:
         "What the evaluation part reads of this run besides its method, evaluator, eval sets and state."
         keys = ("seed", "device", "autocast", "channels_last", "rank", "world_size")
-        return {k: getattr(self, k) for k in keys} | {"num_workers": self.train_config.num_workers}
+        passes = {"feature_pass": lambda ds: self.embed(ds), "num_workers": self.train_config.num_workers}
+        return {k: getattr(self, k) for k in keys} | passes
 
     def _train_step(self, batch: dict) -> dict:
         e, s = self.epoch, batch["step"]
