@@ -702,16 +702,16 @@ def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
         order = 15  # after the evaluation (10), before the logging callbacks
 
         def before_epoch(self, learner):
-            held.append(getattr(learner, "_eval_pass", (None, None))[1] is not None)
+            held.append(learner.evaluation.holds_pass)
 
         def after_epoch(self, learner):
-            held.append(learner._eval_pass[1] is not None)
+            held.append(learner.evaluation.holds_pass)
 
     learn = learner(sets, epochs=2, steps=2, callbacks=[Probe()])
     learn.fit()  # evaluates after each epoch
     assert held == [False, True, False, True]
     assert torch.equal(
-        learn.eval_embeddings()["test"]["embedding"], learn._embed_sets(learn.eval_sets)["test"][0]["embedding"]
+        learn.eval_embeddings()["test"]["embedding"], learn.evaluation.embed_sets(learn.eval_sets)["test"][0]["embedding"]
     )
 
 

@@ -13,8 +13,9 @@ from torchvision.transforms import v2
 from ..core.base import seed_everything
 
 # %% auto #0
-__all__ = ['DECODE_ON', 'without_flips', 'SeededViews', 'BatchList', 'to_device', 'jpeg_size', 'random_resized_crop_params',
-           'nvjpeg_available', 'JpegDecode', 'JpegItems', 'jpeg_collate', 'unpack_jpeg', 'JpegImages']
+__all__ = ['DECODE_ON', 'without_flips', 'SeededViews', 'BatchList', 'to_device', 'DeviceBatched', 'LoaderItems', 'BatchSource',
+           'Tagged', 'TaggedBatch', 'batch_tag', 'jpeg_size', 'random_resized_crop_params', 'nvjpeg_available',
+           'JpegDecode', 'JpegItems', 'jpeg_collate', 'unpack_jpeg', 'JpegImages']
 
 # %% ../../nbs/17_batches.ipynb #444d8707
 def without_flips(dataset):
@@ -108,6 +109,58 @@ def to_device(
         if views > 1:
             batch["extra_views"] = xs[1:]
     return batch
+
+# %% ../../nbs/17_batches.ipynb #a1b2c3d2
+import numbers
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class DeviceBatched(Protocol):
+    "A dataset of raw images augmented on the device, in batches, by its `batch_transform` (None: on the CPU)."
+
+    batch_transform: Any
+
+
+@runtime_checkable
+class LoaderItems(Protocol):
+    "A dataset with its own loader items: `loader_items(views, device) -> (items dataset, collate)` (the JPEG path)."
+
+    def loader_items(self, views: int, device) -> tuple: ...
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    "A batch sampler as the learner drives it: `set_epoch(epoch)`, then `batches(epoch)`, a list of index batches."
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def batches(self, epoch: int | None = None) -> Sequence: ...
+
+
+@runtime_checkable
+class Tagged(Protocol):
+    "A batch with the group a recipe trains it for (`MultiTaskMethod.tasks_for_batch` reads `batch['group']`)."
+
+    group: int
+    indices: Sequence[int]
+
+
+class TaggedBatch(NamedTuple):
+    "A tagged batch: `group` (a sampler's index, a cluster, a shared or own batch) and the item `indices`."
+
+    group: int
+    indices: Sequence[int]
+
+
+def batch_tag(batch) -> tuple[int | None, Sequence[int]]:
+    """(group, indices) of one batch a sampler yields: a `Tagged` batch, a `(group, indices)` pair (the form the
+    samplers of `data.samplers` and the recipes yield: a `TaggedBatch` is one), or plain indices (group None)."""
+    if isinstance(batch, Tagged):
+        return int(batch.group), batch.indices
+    if isinstance(batch, tuple) and len(batch) == 2 and not isinstance(batch[1], numbers.Integral):
+        return int(batch[0]), batch[1]
+    return None, batch
 
 # %% ../../nbs/17_batches.ipynb #b0377481
 import io

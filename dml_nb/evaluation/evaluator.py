@@ -4,11 +4,11 @@
 
 # %% ../../nbs/33_evaluator.ipynb #f113b127
 from __future__ import annotations
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from ..data.batches import SeededViews, to_device
+from ..data.batches import DeviceBatched, LoaderItems, SeededViews, to_device
 from ..data.cache import RawItems, pad_collate
 from ..core.base import stream_seed
 from ..core.base import gather_rows
@@ -16,7 +16,7 @@ from ..core.config import EvalConfig, make_section
 from .metrics import evaluate
 
 # %% auto #0
-__all__ = ['Evaluator', 'EvaluationMixin']
+__all__ = ['EvaluationMixin', 'Evaluator', 'RunProgress', 'EvalLoop']
 
 # %% ../../nbs/33_evaluator.ipynb #e7a1c0d2
 class Evaluator:
@@ -45,8 +45,53 @@ class Evaluator:
         return f"Evaluator({self.config})"
 
 # %% ../../nbs/33_evaluator.ipynb #122f590f
-class EvaluationMixin:
-    "Feature passes and metrics of a `Learner` (reads its method, device, seed, eval sets, history and `evaluator`)."
+class RunProgress(Protocol):
+    "What evaluation reads of a run and writes into it: its position, its history and the latest metrics."
+
+    epoch: int
+    global_step: int
+    history: list
+    latest_metrics: dict
+
+
+class EvalLoop:
+    """The evaluation of a run: feature passes of `method` (in eval mode, each item with its own seed, split over the
+    processes) and the metrics of every eval set under `evaluator`. It reads the run's position and history from
+    `state` (a `RunProgress`: the learner's `RunState`) and writes only `state.latest_metrics`; it keeps the last
+    feature pass of the eval sets for `eval_embeddings`. The `Learner` builds it with the settings of its run.
+    `feature_pass`: what embeds each eval set (default: `embed`; the learner's own `embed`, so that a subclass or a
+    wrapper of `Learner.embed` sees every pass)."""
+
+    def __init__(
+        self,
+        method,
+        evaluator: Evaluator,
+        eval_sets: Mapping[str, Any],
+        state: RunProgress,
+        *,
+        seed: int,
+        device: torch.device,
+        autocast: Callable,
+        channels_last: bool = False,
+        num_workers: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        feature_pass: Callable | None = None,
+    ):
+        self.feature_pass = self.embed if feature_pass is None else feature_pass
+        self.method, self.evaluator, self.eval_sets, self.state = method, evaluator, eval_sets, state
+        self.seed, self.device, self.autocast, self.channels_last = seed, device, autocast, channels_last
+        self.num_workers, self.rank, self.world_size = num_workers, rank, world_size
+        self._pass: tuple = (None, None)  # (weights stamp, embedded sets) of the last evaluate() of the eval sets
+
+    history = property(lambda self: self.state.history, doc="The run's epochs (rows), from its state.")
+    epoch = property(lambda self: self.state.epoch, doc="Epochs done, from the run's state.")
+    latest_metrics = property(lambda self: self.state.latest_metrics, doc="The last evaluation's metrics.")
+    holds_pass = property(lambda self: self._pass[1] is not None, doc="Whether the last pass's embeddings are kept.")
+
+    def forget(self) -> None:
+        "Let go of the last evaluation's embeddings (the learner calls it before an epoch changes the weights)."
+        self._pass = (None, None)
 
     @torch.no_grad()
     def embed(
@@ -59,7 +104,6 @@ class EvaluationMixin:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Embed items `indices` of `dataset` (default all, in order) with `fn` (default `method.embed`), the method in
         eval mode: ({name: (N, D) float32}, labels). Item `indices[j]` loads with seed `seeds[j]` (default: stream 'eval')."""
-        self.prepare_fit()
         keys = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
         seeds = [stream_seed(self.seed, "eval", i) for i in keys] if seeds is None else [int(s) for s in seeds]
         if len(seeds) != len(keys):
@@ -72,22 +116,27 @@ class EvaluationMixin:
             return {k: gather_rows(v, per, n) for k, v in emb.items()}, gather_rows(y, per, n)
         return self._embed_items(dataset, items, fn, batch_size)
 
-    def _embed_items(
-        self, dataset, items: list, fn=None, batch_size=None
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        transform = getattr(dataset, "batch_transform", None)  # a cached set: resize and crop on the device
-        bs, fn = batch_size or self.evaluator.batch_size, fn or self.method.embed
-        batches = [items[a : a + bs] for a in range(0, len(items), bs)]
+    def _loader(self, dataset, batches: list):
+        "The loader of one feature pass: raw images for a `DeviceBatched` set, the set's own items for `LoaderItems`."
+        transform = dataset.batch_transform if isinstance(dataset, DeviceBatched) else None
         data, collate = (SeededViews(dataset), None) if transform is None else (RawItems(dataset), pad_collate)
-        if hasattr(dataset, "loader_items"):
+        if isinstance(dataset, LoaderItems):
             data, collate = dataset.loader_items(1, self.device)  # the JPEG path
         loader = torch.utils.data.DataLoader(
             data,
             collate_fn=collate,
-            num_workers=self.train_config.num_workers,
+            num_workers=self.num_workers,
             pin_memory=self.device.type == "cuda",
             batch_sampler=batches,
         )
+        return loader, transform
+
+    def _embed_items(
+        self, dataset, items: list, fn=None, batch_size=None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        bs, fn = batch_size or self.evaluator.batch_size, fn or self.method.embed
+        batches = [items[a : a + bs] for a in range(0, len(items), bs)]
+        loader, transform = self._loader(dataset, batches)
         was_training = self.method.training
         self.method.eval()
         outs, labels = {}, []
@@ -111,7 +160,7 @@ class EvaluationMixin:
         sets = self.eval_sets if sets is None else sets
         out, embedded = {}, {}
         for name, ds in sets.items():  # each set's metrics right after its feature pass (the RNG order of every run)
-            embedded.update(self._embed_sets({name: ds}))
+            embedded.update(self.embed_sets({name: ds}))
             if isinstance(ds, (tuple, list)):
                 (q, ql), (g, gl) = embedded[f"{name}_query"], embedded[f"{name}_gallery"]
                 res = {
@@ -124,17 +173,17 @@ class EvaluationMixin:
             for i, (k, r) in enumerate(res.items()):
                 out.update({(f"{name}/{m}" if i == 0 else f"{name}/{k}/{m}"): float(v) for m, v in r.items()})
         if sets is self.eval_sets:
-            self.latest_metrics, self._eval_pass = out, (self._weights_stamp(), embedded)
+            self.state.latest_metrics, self._pass = out, (self._weights_stamp(), embedded)
         return out
 
-    def _embed_sets(self, sets: Mapping[str, Any]) -> dict[str, tuple[dict, torch.Tensor]]:
+    def embed_sets(self, sets: Mapping[str, Any]) -> dict[str, tuple[dict, torch.Tensor]]:
         "{name (a pair: name_query, name_gallery): (embeddings, labels)} of every set."
         embedded = {}
         for name, ds in sets.items():
             if isinstance(ds, (tuple, list)):
-                embedded.update({f"{name}_{p}": self.embed(d) for p, d in zip(("query", "gallery"), ds)})
+                embedded.update({f"{name}_{p}": self.feature_pass(d) for p, d in zip(("query", "gallery"), ds)})
             else:
-                embedded[name] = self.embed(ds)
+                embedded[name] = self.feature_pass(ds)
         return embedded
 
     def _weights_stamp(self) -> tuple:
@@ -142,15 +191,15 @@ class EvaluationMixin:
         counter of every tensor of its state (an optimizer step, a BatchNorm update or a checkpoint load bumps it).
         Non-tensor state (counters, records) does not enter: a method's embedding is a function of its tensors."""
         state = self.method.state_dict(keep_vars=True)
-        return (self.global_step, tuple((k, t._version) for k, t in state.items() if isinstance(t, torch.Tensor)))
+        return (self.state.global_step, tuple((k, t._version) for k, t in state.items() if isinstance(t, torch.Tensor)))
 
     def eval_embeddings(self) -> dict[str, dict[str, torch.Tensor]]:
         """{set name (a pair: name_query, name_gallery): {'labels', embedding name: (N, D)}} on the CPU, of every eval set
         under the current weights: the last `evaluate()`'s feature pass when the weights have not changed since (the
         tensors its metrics came from, not recomputed), else a new pass."""
-        stamp, embedded = self._eval_pass
+        stamp, embedded = self._pass
         if stamp != self._weights_stamp():
-            embedded = self._embed_sets(self.eval_sets)
+            embedded = self.embed_sets(self.eval_sets)
         return {k: {"labels": y.cpu(), **{n: v.cpu() for n, v in emb.items()}} for k, (emb, y) in embedded.items()}
 
     def reported_metrics(self) -> dict:
@@ -181,3 +230,6 @@ class EvaluationMixin:
         if not self.eval_sets:
             return None
         return self.latest_metrics.get(f"{next(iter(self.eval_sets))}/recall@1")
+
+
+EvaluationMixin = EvalLoop  # its name while the Learner inherited it (code that imports that name still runs)

@@ -5,6 +5,8 @@
 # %% ../../nbs/50_methods.ipynb #a5448a06
 from __future__ import annotations
 import copy
+import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -12,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
-from ..training.context import Method
+from ..training.callbacks import TASK_ORDER
+from ..training.context import Method, subscriptions
 from ..blocks.heads import EmbeddingModel, MultiHead
 from ..blocks.decorrelation import Decorrelation
 
@@ -310,25 +313,52 @@ class MultiTaskMethod(Method):
             return embs
         return {"concat": F.normalize(torch.cat(list(embs.values()), dim=-1), dim=-1), **embs}
 
-    # ---------------------------------------------------------------- learner hooks, forwarded to the tasks
+    # ---------------------------------------------------------------- learner events: the recipe's, then its tasks'
+    _tasks_apart = False  # True while the learner runs one of this recipe's hooks: it fires the tasks' entries itself
+
+    def hooks(self, ctx) -> list:
+        """The recipe's hooks (`Method.hooks`) and, as entries of their own at `TASK_ORDER` (in task order), each task's
+        (`Task` hooks, called with the recipe and the context). The recipe's hooks run without their forwarding."""
+        idle = {n for n in ("on_epoch_start", "on_epoch_end") if getattr(type(self), n) is getattr(MultiTaskMethod, n)}
+        own = [
+            dataclasses.replace(h, fn=functools.partial(self._apart, h.fn))
+            for h in super().hooks(ctx)
+            if h.name.rsplit(".", 1)[1] not in idle  # MultiTaskMethod's own only forward
+        ]
+        return own + [h for t in self.tasks.values() for h in self._task_hooks(t, ctx)]
+
+    def _task_hooks(self, task: Task, ctx) -> list:
+        return subscriptions(task, Task, TASK_ORDER, "task", f"{task.name}: ", self, ctx)
+
+    def _apart(self, fn) -> None:
+        self._tasks_apart = True
+        try:
+            fn()
+        finally:
+            self._tasks_apart = False
+
+    def _forward(self, event: str, ctx) -> None:
+        "Run every task's hooks of `event` (a hook of this recipe called directly, not by the learner's event list)."
+        if not self._tasks_apart:
+            for t in self.tasks.values():
+                for h in self._task_hooks(t, ctx):
+                    if h.event == event:
+                        h.fn()
+
     def on_fit_start(self, ctx) -> None:
         self._steps = int(self.steps_done)
-        for t in self.tasks.values():
-            t.on_fit_start(self, ctx)
+        self._forward("before_fit", ctx)
 
     def on_epoch_start(self, ctx) -> None:
-        for t in self.tasks.values():
-            t.on_epoch_start(self, ctx)
+        self._forward("before_epoch", ctx)
 
     def after_optimizer_step(self, ctx) -> None:
         self._steps += 1
         self.steps_done.fill_(self._steps)
-        for t in self.tasks.values():
-            t.after_optimizer_step(self, ctx)
+        self._forward("after_optimizer_step", ctx)
 
     def on_epoch_end(self, ctx) -> None:
-        for t in self.tasks.values():
-            t.on_epoch_end(self, ctx)
+        self._forward("after_epoch", ctx)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -5,14 +5,18 @@
 # %% ../../nbs/41_callbacks.ipynb #6c63b3e5
 from __future__ import annotations
 import csv
+import dataclasses
+import difflib
+import functools
 import io
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..core.base import atomic_write
 
 # %% auto #0
-__all__ = ['Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback', 'EmptyTuplesStop', 'CheckpointCallback']
+__all__ = ['EVENTS', 'METHOD_ORDER', 'TASK_ORDER', 'Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback',
+           'EmptyTuplesStop', 'CheckpointCallback', 'Hook', 'overrides', 'EventList', 'callback_hooks']
 
 # %% ../../nbs/41_callbacks.ipynb #2481e8e1
 class Callback:
@@ -24,6 +28,9 @@ class Callback:
         pass
 
     def before_epoch(self, learner):
+        pass
+
+    def after_optimizer_step(self, learner):
         pass
 
     def after_step(self, learner, logs: dict):
@@ -175,3 +182,72 @@ class CheckpointCallback(Callback):
 
     def after_epoch(self, learner):
         learner.save_checkpoint(epoch_done=True)
+
+# %% ../../nbs/41_callbacks.ipynb #b1c2d3e2
+# the learner's events, in loop order: the fit, each epoch, each step (after the optimiser step, then after the
+# step's logs are counted), the epoch's end, the fit's end
+EVENTS = ("before_fit", "before_epoch", "after_optimizer_step", "after_step", "after_epoch", "after_fit")
+# where the recipe's hooks and its tasks' hooks sit among the callbacks (`Callback.order`, 0 by default): first
+METHOD_ORDER, TASK_ORDER = -30, -25
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    "One subscription to a learner event: `fn()` runs at `event`, in `order` (lower first); `kind` and `name` say whose."
+
+    event: str
+    order: float
+    kind: str  # 'learner', 'method', 'task' or 'callback'
+    name: str
+    fn: Callable[[], None] = dataclasses.field(repr=False, compare=False)
+
+
+def overrides(obj, base: type, name: str) -> bool:
+    "Whether `obj`'s class defines hook `name` other than `base`'s (a hook left as the base's no-op does not subscribe)."
+    return callable(getattr(type(obj), name, None)) and getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+class EventList:
+    """The loop's one ordered list: every hook of every event, run by `fire(event)` in `order` (ties: in the order they
+    were added). The learner fires the events; callbacks, the recipe and its tasks only subscribe."""
+
+    def __init__(self, hooks=()):
+        self.hooks: dict[str, list[Hook]] = {e: [] for e in EVENTS}
+        for h in hooks:
+            if h.event not in self.hooks:
+                close = difflib.get_close_matches(h.event, EVENTS, 1)
+                raise ValueError(
+                    f"{h.name} subscribes to an unknown event {h.event!r}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; the learner's events: {', '.join(EVENTS)}"
+                )
+            self.hooks[h.event].append(h)
+        for e in EVENTS:
+            self.hooks[e].sort(key=lambda h: h.order)  # stable: ties keep their order
+
+    def fire(self, event: str) -> None:
+        "Run the hooks of `event`, in order."
+        for h in self.hooks[event]:
+            h.fn()
+
+    def table(self) -> str:
+        "Each event in loop order with the hooks that run at it: order, kind, name."
+        lines = []
+        for e in EVENTS:
+            lines.append(e)
+            lines += [f"  {h.order:>5g}  {h.kind:<8}  {h.name}" for h in self.hooks[e]] or ["         (nothing)"]
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return self.table()
+
+
+def callback_hooks(cb: Callback, learner) -> list[Hook]:
+    "The events `cb` subscribes to: each hook of `Callback` its class overrides, at `cb.order`, called with the learner."
+    out = []
+    for e in EVENTS:
+        if overrides(cb, Callback, e):
+            fn = getattr(cb, e)
+            call = (lambda fn=fn: fn(learner, learner.logs)) if e == "after_step" else functools.partial(fn, learner)
+            out.append(Hook(e, cb.order, "callback", f"{cb.name}.{e}", call))
+    return out

@@ -4,10 +4,11 @@
 
 # %% ../../nbs/43_checkpoint.ipynb #82f363b9
 from __future__ import annotations
+import dataclasses
 import math
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 # %% auto #0
 __all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'NonFiniteLossError', 'DivergedError', 'rng_state',
-           'set_rng_state', 'to_safe', 'CheckpointError', 'load_checkpoint', 'insane_weights', 'CheckpointMixin']
+           'set_rng_state', 'to_safe', 'CheckpointError', 'load_checkpoint', 'insane_weights', 'RunState',
+           'Checkpointer']
 
 # %% ../../nbs/43_checkpoint.ipynb #3734d5a4
 class NonFiniteLossError(RuntimeError):
@@ -130,42 +132,81 @@ def insane_weights(named: Mapping[str, torch.Tensor]) -> str | None:
     return f"the largest |parameter| is {m:.3g} (in {k!r}), above the bound {MAX_WEIGHT:g}" if m > MAX_WEIGHT else None
 
 # %% ../../nbs/43_checkpoint.ipynb #29661db0
-class CheckpointMixin:
-    "State, restore and save of a `Learner` (reads its method, optimiser, sampler, schedule, position and callbacks)."
+@dataclasses.dataclass
+class RunState:
+    """Where a run is and what it has logged: what the training loop advances, evaluation reads (`RunProgress`) and a
+    checkpoint holds. `sums` / `counts`: per log key, the sum over the current epoch's steps that logged it and their
+    number (a recipe may log a key on some steps only)."""
 
-    def state_dict(self, epoch_done: bool = False) -> dict:
-        "Everything needed to continue this run (tensors and plain Python values only); `epoch_done`: the epoch counted as done."
-        self.prepare_fit()
-        epoch, step = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.step)
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    history: list = dataclasses.field(default_factory=list)  # the epochs' rows
+    row: dict = dataclasses.field(default_factory=dict)  # the current epoch's row
+    latest_metrics: dict = dataclasses.field(default_factory=dict)
+    sums: dict = dataclasses.field(default_factory=dict)
+    counts: dict = dataclasses.field(default_factory=dict)
+
+    def reset_logs(self) -> None:
+        "Start an epoch's logs."
+        self.sums, self.counts = {}, {}
+
+    def add_logs(self, logs: Mapping) -> None:
+        "Add one step's logs."
+        for k, v in logs.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+            self.counts[k] = self.counts.get(k, 0) + 1
+
+    def running(self, key: str) -> float:
+        "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
+        if not self.counts.get(key):
+            return float("nan")
+        return float(self.sums[key] / self.counts[key])
+
+
+class Checkpointer:
+    """The checkpoint of a run: `state_dict` / `load_state_dict` of its parts and `save` to `path` (rank 0 only), only
+    while the model is sane. It is given what it reads (the method, the callbacks, the run's `RunState`, seed, epochs,
+    device) and the parts that change during a run (optimiser, sampler, schedule) with each call; it writes the state,
+    the method and the callbacks on `load_state_dict`. The `Learner` delegates to it."""
+
+    def __init__(
+        self, path, state: RunState, method, callbacks, *, seed: int, epochs: int, lr: float, device, is_main=True
+    ):
+        self.path = None if path is None else Path(path)
+        self.state, self.method, self.callbacks = state, method, callbacks
+        self.seed, self.epochs, self.lr, self.device, self.is_main = seed, epochs, lr, device, is_main
+
+    def state_dict(self, optimizer, sampler, schedule, epoch_done: bool = False, **stamps) -> dict:
+        """Everything needed to continue this run (tensors and plain Python values only); `epoch_done`: the epoch counted
+        as done; `stamps`: `run_key` and `threads` (the CPU threads a run trains on: a resume keeps them)."""
+        s = self.state
+        epoch, step = (s.epoch + 1, 0) if epoch_done else (s.epoch, s.step)
         return to_safe(
             {
                 "format": CHECKPOINT_FORMAT,
                 "epoch": epoch,
                 "step": step,
-                "global_step": self.global_step,
+                "global_step": s.global_step,
                 "epochs": self.epochs,
                 "seed": self.seed,
-                "run_key": getattr(self, "run_key", None),  # experiment.run_key
-                "threads": getattr(
-                    self, "threads", None
-                ),  # the CPU threads experiment.run trains on (a resume keeps them)
+                "run_key": stamps.get("run_key"),
+                "threads": stamps.get("threads"),
                 "method": self.method.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
-                "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict() if hasattr(schedule, "state_dict") else None,
+                "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
                 "rng": rng_state(),
-                "history": self.history,
-                "latest_metrics": self.latest_metrics,
-                "sums": self._sums,
-                "counts": self._counts,
-                "callbacks": {key: cb.state_dict() for key, cb in self._callback_keys()},
+                "history": s.history,
+                "latest_metrics": s.latest_metrics,
+                "sums": s.sums,
+                "counts": s.counts,
+                "callbacks": {key: cb.state_dict() for key, cb in self.callback_keys()},
             }
         )
 
-    def load_state_dict(self, ckpt: dict) -> None:
-        "Restore a `state_dict` (e.g. from `load_checkpoint`)."
-        self.prepare_fit()
-        missing, unexpected = [], []
+    def load_state_dict(self, ckpt: dict, optimizer):
+        "Restore a `state_dict` (e.g. from `load_checkpoint`); returns the sampler's state (the learner applies it in fit)."
         own = self.method.state_dict()
         missing = [k for k in own if k not in ckpt["method"]]
         unexpected = [k for k in ckpt["method"] if k not in own]
@@ -175,22 +216,23 @@ class CheckpointMixin:
                 f"unexpected: {unexpected[:5]}); use another run_dir or resume=False"
             )
         self.method.load_state_dict(ckpt["method"])
-        settings = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(ckpt["optimizer"])  # moments from the checkpoint, settings from here
-        for g, (lr, wd) in zip(self.optimizer.param_groups, settings):
+        settings = [(g["base_lr"], g["weight_decay"]) for g in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt["optimizer"])  # moments from the checkpoint, settings from here
+        for g, (lr, wd) in zip(optimizer.param_groups, settings):
             g["base_lr"], g["weight_decay"] = lr, wd
-        self._sampler_state = ckpt["sampler"]  # applied in fit, after on_fit_start may have rebuilt the sampler
-        self.epoch, self.step, self.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
-        self.history, self.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
-        self._sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
-        self._counts = dict(ckpt["counts"])
-        for key, cb in self._callback_keys():
+        s = self.state
+        s.epoch, s.step, s.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
+        s.history, s.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
+        s.sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
+        s.counts = dict(ckpt["counts"])
+        for key, cb in self.callback_keys():
             state = ckpt["callbacks"].get(key)
             if state is not None:
                 cb.load_state_dict(state)
         set_rng_state(ckpt["rng"])
+        return ckpt["sampler"]
 
-    def _callback_keys(self) -> list[tuple[str, Callback]]:
+    def callback_keys(self) -> list[tuple[str, Callback]]:
         "Checkpoint keys of the callbacks: their names (numbered when a name repeats), not their positions."
         seen: dict[str, int] = {}
         out = []
@@ -199,39 +241,64 @@ class CheckpointMixin:
             out.append((cb.name if n == 0 else f"{cb.name}#{n}", cb))
         return out
 
-    def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
-        "Write `run_dir/checkpoint.pt` atomically (rank 0 only) if the model is sane (else `DivergedError`); returns its path."
-        problem = self._divergence()
-        if problem is not None:
-            self._stop_diverged(problem)
-        if self.checkpoint_path is None or not self.is_main:
+    def resumable(self) -> dict | None:
+        "The checkpoint at `path` to resume from (None: none there); a `DivergedError` if it holds a diverged model."
+        if self.path is None or not self.path.exists():
             return None
-        return atomic_torch_save(self.state_dict(epoch_done), self.checkpoint_path)
+        ck = load_checkpoint(self.path)
+        params = dict(self.method.named_parameters())
+        problem = insane_weights({k: v for k, v in ck["method"].items() if k in params})
+        if problem is not None:
+            raise DivergedError(
+                f"{self.path} holds a diverged model ({problem}): it cannot be resumed. "
+                "Delete it to start the run over, with a lower learning rate (a new run directory)."
+            )
+        return ck
 
-    def _divergence(self) -> str | None:
+    def after_interruption(self) -> dict:
+        "The checkpoint to continue from after a fit stopped in the middle of training (an error if there is none)."
+        if self.path is None or not self.path.exists():
+            raise RuntimeError(
+                "the previous fit of this learner stopped in the middle of training and there is "
+                "no checkpoint to continue from (run_dir=None or none written yet): build a new "
+                "Learner to start over"
+            )
+        return load_checkpoint(self.path)
+
+    def save(self, state_dict: Callable[[], dict]) -> Path | None:
+        "Write `state_dict()` to `path` atomically (rank 0 only) if the model is sane (else `DivergedError`)."
+        problem = self.divergence()
+        if problem is not None:
+            self.stop_diverged(problem)
+        if self.path is None or not self.is_main:
+            return None
+        return atomic_torch_save(state_dict(), self.path)
+
+    def divergence(self) -> str | None:
         "Why the current weights or loss are not sane (see `MAX_WEIGHT`, `MAX_LOSS`), or None."
-        loss = self.running("loss")
-        if self._counts.get("loss") and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
+        loss = self.state.running("loss")
+        if self.state.counts.get("loss") and not (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
             return f"the mean loss of the epoch so far is {loss:.3g}, beyond the bound {MAX_LOSS:g}"
         return insane_weights(dict(self.method.named_parameters()))
 
-    def _kept(self) -> str:
+    def kept(self) -> str:
         "Which checkpoint is kept, for the messages of a stopped run."
-        path = self.checkpoint_path
+        path = self.path
         if path is None or not path.exists():
             return "there is no checkpoint (" + ("run_dir=None" if path is None else "none was written yet") + ")"
         ck = load_checkpoint(path)
         return f"the last good checkpoint is kept at {path} (epoch {ck['epoch']}, step {ck['step']})"
 
-    def _stop_diverged(self, problem: str):
+    def stop_diverged(self, problem: str):
         raise DivergedError(
-            f"training stopped: the run diverged by epoch {self.epoch} (0-based), step {self.step}: {problem}. This "
-            f"state was not saved; {self._kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) or set grad_clip "
-            f"(train.grad_clip). {self._rerun()}"
+            f"training stopped: the run diverged by epoch {self.state.epoch} (0-based), step {self.state.step}: "
+            f"{problem}. This state was not saved; {self.kept()}. Lower the learning rate (lr={self.lr:g}; train.lr) "
+            f"or set grad_clip (train.grad_clip). {self.rerun_hint()}"
         )
 
-    def _rerun(self) -> str:
-        has = self.checkpoint_path is not None and self.checkpoint_path.exists()
+    def rerun_hint(self) -> str:
+        "What re-running the same config does (the end of a stopped run's message)."
+        has = self.path is not None and self.path.exists()
         return (
             "Re-running the same config "
             + ("resumes from that checkpoint and " if has else "")

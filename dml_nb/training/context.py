@@ -4,15 +4,18 @@
 
 # %% ../../nbs/40_context.ipynb #78528b65
 from __future__ import annotations
+import functools
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..core.base import stream_seed
+from ..data.batches import BatchSource
+from .callbacks import EVENTS, METHOD_ORDER, Hook, overrides
 
 # %% auto #0
-__all__ = ['MethodContext', 'BatchFormationError', 'Method']
+__all__ = ['HOOK_NAMES', 'MethodContext', 'BatchFormationError', 'Method', 'subscriptions']
 
 # %% ../../nbs/40_context.ipynb #8bd07bdf
 class MethodContext:
@@ -60,7 +63,7 @@ class MethodContext:
     @property
     def logged_steps(self) -> dict[str, int]:
         "Per log key, the steps of the current epoch that logged it (the mean over processes: the same on each)."
-        return {k: int(n) // self.world_size for k, n in self._learner._counts.items()}
+        return {k: int(n) // self.world_size for k, n in self._learner.state.counts.items()}
 
     def seed(self, name: str, *keys: int) -> int:
         "The seed of random stream `name` at position `keys` (e.g. the epoch), derived from the run seed."
@@ -89,9 +92,10 @@ class MethodContext:
 
     def use_sampler(self, sampler) -> None:
         "Train the following epochs on the batches of `sampler` (a recipe wrapping the run's sampler)."
-        if not hasattr(sampler, "batches"):
+        if not isinstance(sampler, BatchSource):
             raise TypeError(
-                f"use_sampler needs a dml_nb.data.samplers sampler (with batches(epoch)), got {type(sampler).__name__}"
+                f"use_sampler needs a dml_nb.data.samplers sampler (with set_epoch(epoch) and batches(epoch)), got "
+                f"{type(sampler).__name__}"
             )
         self._learner.sampler = sampler
 
@@ -108,6 +112,10 @@ class Method(nn.Module):
     "A training recipe: the modules it trains, one batch -> loss (`training_step`), and what to evaluate (`embed`)."
 
     views: int = 1  # augmentations of each image per batch (2 for DaNCE's positive key)
+    # whether a training step may leave some of the recipe's parameters without a gradient (tasks trained on some
+    # steps only, a sub-learner's head): under DistributedDataParallel the learner then has DDP look for them after
+    # every forward (`find_unused_parameters`); a recipe that uses all its parameters in every step may set False
+    unused_parameters: bool = True
 
     def training_step(self, batch: dict) -> dict:
         "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
@@ -166,3 +174,23 @@ class Method(nn.Module):
 
     def on_epoch_end(self, ctx: MethodContext) -> None:
         "Called once per epoch after its last step, before evaluation and the checkpoint."
+
+    def hooks(self, ctx: MethodContext) -> list[Hook]:
+        "This recipe's subscriptions to the learner's events: each hook method its class defines, at `METHOD_ORDER`."
+        return subscriptions(self, Method, METHOD_ORDER, "method", "", ctx)
+
+
+# the older names of the learner events a recipe's (and a task's) hook methods may use
+HOOK_NAMES = {"before_fit": "on_fit_start", "before_epoch": "on_epoch_start", "after_epoch": "on_epoch_end"}
+
+
+def subscriptions(obj, base: type, order: float, kind: str, label: str, *args) -> list[Hook]:
+    """The hooks `obj` subscribes to: per event (in loop order), its method named after the event and the one of the
+    older name (`HOOK_NAMES`), where its class defines them beyond `base`; each called with `args`."""
+    out = []
+    for event in EVENTS:
+        for name in dict.fromkeys((event, HOOK_NAMES.get(event, event))):
+            if overrides(obj, base, name):
+                fn = functools.partial(getattr(obj, name), *args)
+                out.append(Hook(event, order, kind, label + getattr(type(obj), name).__qualname__, fn))
+    return out

@@ -73,17 +73,24 @@ class TrainingStep(nn.Module):
         return {k: v if k == "loss" or not isinstance(v, torch.Tensor) else v.detach() for k, v in out.items()}
 
 
-def data_parallel(method: nn.Module) -> nn.Module:
+def data_parallel(method: nn.Module, find_unused_parameters: bool = True) -> nn.Module:
     """`TrainingStep(method)` under torch's DistributedDataParallel: copies rank 0's parameters and buffers to
-    every process now; each backward then averages the gradients over the processes, bucket by bucket."""
+    every process now; each backward then averages the gradients over the processes, bucket by bucket.
+    `find_unused_parameters`: a step may leave parameters without a gradient (a recipe's `Method.unused_parameters`),
+    so DDP looks for them after every forward; False for a recipe that uses all of them in every step (DDP warns
+    when it is True and finds none)."""
     import inspect
     from torch.nn.parallel import DistributedDataParallel
 
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:  # torch >= 2.13
-        return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, forward_sync_buffers=False)
+        return DistributedDataParallel(
+            TrainingStep(method), find_unused_parameters=find_unused_parameters, forward_sync_buffers=False
+        )
     # torch < 2.13 has only broadcast_buffers, whose False also leaves the buffers out of DDP's first copy: copy them here
     broadcast_buffers(method)
-    return DistributedDataParallel(TrainingStep(method), find_unused_parameters=True, broadcast_buffers=False)
+    return DistributedDataParallel(
+        TrainingStep(method), find_unused_parameters=find_unused_parameters, broadcast_buffers=False
+    )
 
 
 def mean_over_processes(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from ..core.base import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
@@ -24,18 +23,19 @@ from dml_nb.training.callbacks import (
     CSVLogger,
     EmptyTuplesStop,
     EvalCallback,
+    EventList,
+    Hook,
     ProgressCallback,
+    callback_hooks,
 )
 from .schedule import Schedule
 from ..data.cache import RawItems, pad_collate
-from ..data.batches import BatchList, SeededViews, to_device
+from ..data.batches import BatchList, BatchSource, DeviceBatched, LoaderItems, SeededViews, batch_tag, to_device
 from ..data.samplers import ClassBalancedBatchSampler
 from dml_nb.training.checkpoint import (
-    DivergedError,
+    Checkpointer,
     NonFiniteLossError,
-    CheckpointMixin,
-    insane_weights,
-    load_checkpoint,
+    RunState,
 )
 from dml_nb.training.distributed import (
     all_reduce_logs,
@@ -45,11 +45,13 @@ from dml_nb.training.distributed import (
     dist_info,
     mean_over_processes,
 )
-from ..evaluation.evaluator import EvaluationMixin, Evaluator
+from ..evaluation.evaluator import EvalLoop, Evaluator
 
 # %% auto #0
-__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTINGS', 'NoTuplesError', 'learner_sections',
-           'build_sampler', 'eval_view', 'Learner']
+__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTINGS', 'RUN_ARGUMENTS', 'NoTuplesError',
+           'learner_sections', 'build_sampler', 'eval_view', 'check_parts', 'default_callbacks', 'build_optimizer',
+           'compile_backbones', 'train_loader', 'clip_and_measure', 'check_tuples', 'restore_sampler', 'epoch_batches',
+           'seeded_batches', 'step_loss', 'nonfinite_error', 'run_device', 'add_records', 'train_eval_view', 'Learner']
 
 # %% ../../nbs/45_learner.ipynb #72f08d02
 class NoTuplesError(RuntimeError):
@@ -65,6 +67,8 @@ OPTIMIZERS = choices(TrainConfig, "optimizer")
 # the train fields the sampler reads (`build_sampler`), not the learner: given to the learner alone they would be lost
 SAMPLER_FIELDS = ("batch_size", "samples_per_class", "batches_per_epoch", "sampler")
 CODE_SETTINGS = ("schedule", "optimizer")  # may also be a function (epoch -> factor; param groups -> optimiser)
+# what `Learner.from_config` takes besides the config: the run itself
+RUN_ARGUMENTS = ("eval_sets", "train_eval_ds", "run_dir", "callbacks", "progress")
 
 
 def learner_sections(train=None, eval=None, **settings) -> tuple[TrainConfig, EvalConfig]:
@@ -144,13 +148,234 @@ def eval_view(ds):
     view.transform = preprocessing.transform(train=False)
     return view
 
+# %% ../../nbs/45_learner.ipynb #c1d2e3f4
+def check_parts(method, sampler, train_ds, train_eval_ds) -> None:
+    "The errors of a `Learner` built of parts of the wrong kind: a recipe, a batch sampler, a test-transform view."
+    if not isinstance(method, Method):
+        raise TypeError(f"method must be a dml_nb.training.learner.Method (a recipe), got {type(method).__name__}")
+    if not isinstance(sampler, BatchSource):
+        raise TypeError(
+            f"sampler must have set_epoch(epoch) and batches(epoch) (a dml_nb.data.samplers sampler), got "
+            f"{type(sampler).__name__}"
+        )
+    if train_eval_ds is not None and len(train_eval_ds) != len(train_ds):
+        raise ValueError(
+            f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
+            "the training set (same order) with test transforms"
+        )
+
+
+def default_callbacks(train: TrainConfig, evaluator: Evaluator, progress: bool, extra: Sequence[Callback]) -> list:
+    "A run's callbacks, sorted by order: evaluation, the CSV, the bar, the empty-tuples stop, checkpoints, and `extra`."
+    return sorted(
+        [
+            EvalCallback(evaluator.every),
+            CSVLogger(),
+            *([ProgressCallback()] if progress else []),
+            *([EmptyTuplesStop()] if train.stop_on_empty_tuples else []),
+            CheckpointCallback(train.checkpoint_every_steps),
+            *extra,
+        ],
+        key=lambda c: c.order,
+    )
+
+
+def build_optimizer(method: Method, train: TrainConfig) -> torch.optim.Optimizer:
+    "The optimiser of `method`'s parameter groups under `train` (`lr`, `weight_decay`, `group_options`, `optimizer`)."
+    groups = method.param_groups(train.lr, train.weight_decay)
+    names = [g["name"] for g in groups]
+    for key, opts in train.group_options.items():
+        hit = [g for g in groups if g["name"] == key or g["name"].startswith(key + ".")]
+        if not hit:
+            raise unknown_name_error("parameter group", key, names)
+        bad = set(opts) - {"lr", "weight_decay"}
+        if bad:
+            raise ValueError(f"group_options[{key!r}] may set 'lr' and 'weight_decay', not {sorted(bad)}")
+        for g in hit:
+            g.update({k: float(v) for k, v in opts.items()})
+    for g in groups:
+        g["base_lr"] = g["lr"]
+    spec = train.optimizer
+    if callable(spec):
+        return spec(groups)
+    if spec == "adam":
+        return torch.optim.Adam(groups)
+    if spec == "adamw":
+        return torch.optim.AdamW(groups)
+    if spec == "sgd":
+        return torch.optim.SGD(groups, momentum=0.9)
+    raise unknown_name_error("optimizer", spec, OPTIMIZERS)
+
+
+def compile_backbones(method: Method, compile) -> None:
+    "`torch.compile` every backbone of the recipe in place (`compile`: True or its options; state-dict keys unchanged)."
+    from dml_nb.blocks.models import Backbone
+
+    opts = {} if compile is True else dict(compile)
+    found = [m for m in method.modules() if isinstance(m, Backbone)]
+    if not found:
+        raise ValueError(f"compile=True but {type(method).__name__} has no dml_nb.blocks.models.Backbone to compile")
+    for m in found:
+        m.compile(**opts)
+
+
+def train_loader(train_ds, views: int, batches: BatchList, device: torch.device, train: TrainConfig):
+    """The training loader: the items of `train_ds` (`views` augmentations each) in the batches of `batches`, with
+    `train.num_workers` workers. A cached training set (`DeviceBatched`): the workers only copy uint8 images out of the
+    cache and the views are augmented on the device, in batches; a `LoaderItems` set (the JPEG path,
+    `dml_nb.data.batches.JpegImages`) brings its own items; otherwise every item is augmented on the CPU."""
+    on_device = isinstance(train_ds, DeviceBatched) and train_ds.batch_transform is not None
+    items, collate = (RawItems(train_ds), pad_collate) if on_device else (SeededViews(train_ds, views), None)
+    if isinstance(train_ds, LoaderItems):
+        items, collate = train_ds.loader_items(views, device)
+    return torch.utils.data.DataLoader(
+        items,
+        batch_sampler=batches,
+        collate_fn=collate,
+        num_workers=train.num_workers,
+        persistent_workers=train.num_workers > 0,
+        pin_memory=device.type == "cuda",
+    )
+
+
+def clip_and_measure(optimizer, loss, clip: float | None, world_size: int) -> tuple[float, float]:
+    "Clip the gradients of `optimizer`'s parameters to norm `clip` (if set); (loss, gradient norm), means over the processes."
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if clip:
+        gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
+    stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
+    if world_size > 1:
+        stats = mean_over_processes(stats)  # the mean loss: every rank stops together
+    loss_v, gnorm_v = stats.tolist()
+    return loss_v, gnorm_v
+
+
+def check_tuples(state: RunState, epoch: int, shape, hint: str) -> None:
+    """A `NoTuplesError` when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of
+    `epoch` in `state`; `shape`: the batches' (classes, images per class), `hint`: the recipe's `no_tuples_hint`."""
+    sums, counts = state.sums, state.counts
+    empty = [k for k in sums if (k == "tuples" or k.startswith("tuples/")) and counts.get(k) and float(sums[k]) == 0.0]
+    if not empty:
+        return
+    shape = f" (this run: batches of {shape[0] * shape[1]} = {shape[0]} classes x {shape[1]} images)" if shape else ""
+    raise NoTuplesError(
+        f"training stopped: {', '.join(empty)} was 0 at every one of the {counts[empty[0]]} steps of epoch "
+        f"{epoch + 1}, so {'that task gets' if len(empty) == 1 else 'those tasks get'} no gradient and the run "
+        f"would finish without learning. Usual causes: fewer than 2 classes per batch or fewer than 2 images of a "
+        f"class per batch{shape} (raise train.batch_size / lower or raise train.samples_per_class; intra-class and "
+        "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement)"
+        f"{', or, ' + hint if hint else ''}. The epoch's "
+        "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
+        "train.stop_on_empty_tuples: false."
+    )
+
+
+def restore_sampler(sampler, state):
+    "Give `sampler` a checkpoint's sampler `state` (None: nothing to give); returns what is left to give (None: done)."
+    if state is None or not hasattr(sampler, "load_state_dict"):
+        return state
+    try:
+        sampler.load_state_dict(state)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"the checkpoint's sampler state {state} does not fit the sampler {type(sampler).__name__} ({e}); a "
+            "recipe that replaces the sampler must rebuild the same kind in on_fit_start"
+        ) from e
+    return None
+
+
+def epoch_batches(sampler: BatchSource, epoch: int, num_items: int) -> tuple[list, list]:
+    "([batch indices], [group tag or None]) of epoch `epoch` of `sampler`, checked against a training set of `num_items`."
+    sampler.set_epoch(epoch)
+    tagged = [batch_tag(b) for b in sampler.batches(epoch)]
+    batches, groups = [[int(i) for i in b] for _, b in tagged], [g for g, _ in tagged]
+    if batches:
+        hi = max(max(b) for b in batches)
+        if hi >= num_items:
+            raise IndexError(
+                f"the sampler yields index {hi} but the training set has {num_items} "
+                "items: build the sampler from this dataset's labels"
+            )
+    return batches, groups
+
+
+def seeded_batches(batches: list, flips: list, seed: int, epoch: int, start: int, rank: int) -> list:
+    """The loader's batches of an epoch from step `start` on: each item `(index, seed)` with the seed of stream 'sample'
+    at its place (an unflipped batch's items: `(index, seed, False)`)."""
+    return [
+        [(i, stream_seed(seed, "sample", epoch, s, j, rank), *(() if flips[s] else (False,))) for j, i in enumerate(b)]
+        for s, b in enumerate(batches[start:], start)
+    ]
+
+
+def step_loss(method: Method, out) -> torch.Tensor:
+    "The loss of a `training_step`'s output `out`, which must be a dict with a scalar 'loss' that requires grad."
+    if not isinstance(out, Mapping) or "loss" not in out:
+        raise TypeError(
+            f"{type(method).__name__}.training_step must return a dict with a 'loss' entry, got {type(out).__name__}"
+        )
+    loss = out["loss"]
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+        raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
+    return loss
+
+
+def nonfinite_error(
+    loss_v: float, gnorm_v: float, epoch: int, step: int, lr: float, checkpointer
+) -> NonFiniteLossError:
+    "The error of a step whose loss or gradient norm is not finite (the checkpointer says which checkpoint is kept)."
+    what = f"the loss is {loss_v}" if not math.isfinite(loss_v) else f"the gradient norm is {gnorm_v}"
+    return NonFiniteLossError(
+        f"training stopped: {what} at epoch {epoch} (0-based), step {step}. The optimiser step was not "
+        f"taken (the parameters are those before this step); {checkpointer.kept()}. Lower the learning rate "
+        f"(lr={lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
+        + checkpointer.rerun_hint()
+    )
+
+
+def run_device(train: TrainConfig) -> tuple[torch.device, str | None, bool]:
+    "(device, autocast precision: 'bf16' or None, channels_last) of a train section (`device`, `amp`, `channels_last`)."
+    device = get_device(train.device)
+    bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    amp = "bf16" if train.amp == "bf16" or train.amp == "auto" and bf16_ok else None
+    return device, amp, device.type == "cuda" if train.channels_last == "auto" else train.channels_last == "on"
+
+
+def add_records(row: dict, records: Mapping, method_name: str) -> None:
+    "Merge a recipe's `records(ctx)` into the epoch's `row`; a key the row already has is an error."
+    if clash := sorted(set(records) & set(row)):
+        raise ValueError(
+            f"{method_name}.records returned {clash}, which the epoch's row already has "
+            "(the learner's columns or the step logs): give the records their own names"
+        )
+    row.update(records)
+
+
+def train_eval_view(train_ds, eval_sets: Mapping):
+    "The training set under test transforms, in training order: eval set 'train' if it is one, else `eval_view`."
+    t = eval_sets.get("train")
+    if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(train_ds):
+        return t
+    return eval_view(train_ds)
+
 # %% ../../nbs/45_learner.ipynb #77b0b2a7
-class Learner(EvaluationMixin, CheckpointMixin):
+def _state_field(name: str, doc: str) -> property:
+    "A learner attribute that is the field `name` of its `RunState` (read and written there)."
+    return property(lambda self: getattr(self.state, name), lambda self, v: setattr(self.state, name, v), doc=doc)
+
+
+class Learner:
     """Train `method` on `train_ds` with the batches of `sampler`; evaluate, log, checkpoint, resume. Every training
     and evaluation setting is a field of the config's sections: `train` (`TrainConfig`) and `eval` (`EvalConfig`),
     each a section, a mapping of its fields or None (its defaults), and single fields by name in `settings`
     (`epochs=3, lr=2e-3, metrics=["recall@1"]`). The run itself: `eval_sets`, `train_eval_ds`, `run_dir`, `resume`,
-    `callbacks`, `progress`, `seed`."""
+    `callbacks`, `progress`, `seed`. It is built of parts: `state` (a `RunState`), `evaluation` (an `EvalLoop`),
+    `checkpointer` (a `Checkpointer`) and one event list (`loop_hooks`, `show_loop`)."""
+
+    run_key: str | None = None  # the run's config key (set by `reproduction.experiment.run`; in every checkpoint)
+    threads: int | None = None  # the CPU threads the run trains on (set there too; a resume keeps them)
 
     def __init__(
         self,
@@ -169,88 +394,53 @@ class Learner(EvaluationMixin, CheckpointMixin):
         seed: int = Config.seed,
         **settings,
     ):
-        if not isinstance(method, Method):
-            raise TypeError(f"method must be a dml_nb.training.learner.Method (a recipe), got {type(method).__name__}")
-        if not hasattr(sampler, "batches"):
-            raise TypeError(
-                f"sampler must have batches(epoch) (a dml_nb.data.samplers sampler), got {type(sampler).__name__}"
-            )
+        check_parts(method, sampler, train_ds, train_eval_ds)
         self.train_config, eval_config = learner_sections(train, eval, **settings)
         self.evaluator = Evaluator(eval_config)  # what evaluation reads: metrics, readings, batch size, report
         t = self.train_config
         self.method, self.train_ds, self.sampler, self.seed = method, train_ds, sampler, int(seed)
         self.schedule = t.schedule if callable(t.schedule) else Schedule.build(t.schedule, t.epochs)
-        self.eval_sets = dict(eval_sets or {})
-        if train_eval_ds is not None and len(train_eval_ds) != len(train_ds):
-            raise ValueError(
-                f"train_eval_ds has {len(train_eval_ds)} items, the training set {len(train_ds)}: it must be "
-                "the training set (same order) with test transforms"
-            )
-        self._train_eval_ds = train_eval_ds
+        self.eval_sets, self._train_eval_ds = dict(eval_sets or {}), train_eval_ds
         self.run_dir, self.resume = (None if run_dir is None else Path(run_dir)), resume
-        self.device = get_device(t.device)
-        bf16_ok = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.amp = "bf16" if t.amp == "bf16" or t.amp == "auto" and bf16_ok else None  # None: full precision
-        self.channels_last = self.device.type == "cuda" if t.channels_last == "auto" else t.channels_last == "on"
-        self.batch_transform = getattr(train_ds, "batch_transform", None)  # a cached set: augment on the device
+        self.device, self.amp, self.channels_last = run_device(t)  # amp None: full precision
+        # a cached set: augment on the device
+        self.batch_transform = train_ds.batch_transform if isinstance(train_ds, DeviceBatched) else None
         self.rank, self.world_size = dist_info()
-        self.callbacks = sorted(
-            [
-                EvalCallback(self.evaluator.every),
-                CSVLogger(),
-                *([ProgressCallback()] if progress else []),
-                *([EmptyTuplesStop()] if t.stop_on_empty_tuples else []),
-                CheckpointCallback(t.checkpoint_every_steps),
-                *callbacks,
-            ],
-            key=lambda c: c.order,
-        )
-        self.epoch = self.step = self.global_step = 0
-        self.history, self.row = [], {}  # the epochs' rows; the current epoch's row
-        self.latest_metrics: dict[str, float] = {}
-        self._eval_pass: tuple = (None, None)  # (weights stamp, embedded sets) of the last evaluate()
+        self.callbacks = default_callbacks(t, self.evaluator, progress, callbacks)
+        self.state = RunState()  # position, history, the epoch's logs: what the parts read and a checkpoint holds
+        self.evaluation = EvalLoop(method, self.evaluator, self.eval_sets, self.state, **self._eval_settings())
+        self.checkpointer = Checkpointer(
+            self.checkpoint_path, self.state, method, self.callbacks, seed=self.seed, epochs=t.epochs, lr=t.lr,
+            device=self.device, is_main=self.is_main,
+        )  # fmt: skip
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._parallel = None  # the training step under DistributedDataParallel when world_size > 1
-        self._interrupted = False
+        self._interrupted, self._events, self.logs = False, None, {}  # logs: the last step's
         self.context = MethodContext(self)  # all that the method's hooks see of the run
-        self._sums, self._counts = {}, {}  # per key: a recipe may log a key on some steps only
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: Config | Mapping,
-        method: Method,
-        train_ds,
-        sampler=None,
-        *,
-        eval_sets=None,
-        train_eval_ds=None,
-        run_dir: str | Path | None = None,
-        callbacks: Sequence[Callback] = (),
-        progress: bool = True,
-    ) -> "Learner":
-        "The learner of a run config: its train and eval sections and seed; the sampler (None) from `build_sampler`."
+    def from_config(cls, cfg: Config | Mapping, method: Method, train_ds, sampler=None, **run) -> "Learner":
+        """The learner of a run config: its train and eval sections and seed; the sampler (None) from `build_sampler`.
+        `run`: the run's own arguments, `RUN_ARGUMENTS` (`eval_sets`, `train_eval_ds`, `run_dir`, `callbacks`, ...)."""
+        if bad := sorted(set(run) - set(RUN_ARGUMENTS)):
+            raise TypeError(
+                f"Learner.from_config got {bad}: the config holds the settings; a run's own arguments are {', '.join(RUN_ARGUMENTS)}"
+            )
         cfg = cfg if isinstance(cfg, Config) else make_config(cfg)
         if sampler is None:
             sampler = build_sampler(cfg.train, train_ds.labels, cfg.seed)
-        return cls(
-            method,
-            train_ds,
-            sampler,
-            cfg.train,
-            cfg.eval,
-            eval_sets=eval_sets,
-            train_eval_ds=train_eval_ds,
-            run_dir=run_dir,
-            callbacks=callbacks,
-            progress=progress,
-            seed=cfg.seed,
-        )
+        return cls(method, train_ds, sampler, cfg.train, cfg.eval, **run, seed=cfg.seed)
 
     # ------------------------------------------------------------------ set-up
     epochs = property(lambda self: self.train_config.epochs, doc="`train.epochs`: the epochs of the whole run.")
     lr = property(lambda self: self.train_config.lr, doc="`train.lr`: the base learning rate.")
     eval_batch_size = property(lambda self: self.evaluator.batch_size, doc="`eval.batch_size`: feature passes.")
+    epoch = _state_field("epoch", "Epochs done (0-based: the current epoch).")
+    step = _state_field("step", "Steps done in the current epoch.")
+    global_step = _state_field("global_step", "Optimiser steps done in the run.")
+    history = _state_field("history", "The epochs' rows.")
+    row = _state_field("row", "The current epoch's row (the recipe and callbacks add to it).")
+    latest_metrics = _state_field("latest_metrics", "The last evaluation's metrics of the eval sets.")
 
     @property
     def is_main(self) -> bool:
@@ -260,32 +450,6 @@ class Learner(EvaluationMixin, CheckpointMixin):
     def checkpoint_path(self) -> Path | None:
         return None if self.run_dir is None else self.run_dir / "checkpoint.pt"
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        t = self.train_config
-        groups = self.method.param_groups(t.lr, t.weight_decay)
-        names = [g["name"] for g in groups]
-        for key, opts in t.group_options.items():
-            hit = [g for g in groups if g["name"] == key or g["name"].startswith(key + ".")]
-            if not hit:
-                raise unknown_name_error("parameter group", key, names)
-            bad = set(opts) - {"lr", "weight_decay"}
-            if bad:
-                raise ValueError(f"group_options[{key!r}] may set 'lr' and 'weight_decay', not {sorted(bad)}")
-            for g in hit:
-                g.update({k: float(v) for k, v in opts.items()})
-        for g in groups:
-            g["base_lr"] = g["lr"]
-        spec = t.optimizer
-        if callable(spec):
-            return spec(groups)
-        if spec == "adam":
-            return torch.optim.Adam(groups)
-        if spec == "adamw":
-            return torch.optim.AdamW(groups)
-        if spec == "sgd":
-            return torch.optim.SGD(groups, momentum=0.9)
-        raise unknown_name_error("optimizer", spec, OPTIMIZERS)
-
     def prepare_fit(self):
         if self.optimizer is not None:
             return
@@ -293,56 +457,20 @@ class Learner(EvaluationMixin, CheckpointMixin):
         if self.channels_last:
             self.method.to(memory_format=torch.channels_last)
         if self.train_config.compile:
-            self._compile_backbones()
-        self.optimizer = self._build_optimizer()
+            compile_backbones(self.method, self.train_config.compile)
+        self.optimizer = build_optimizer(self.method, self.train_config)
         self._batches = BatchList()
-        # a cached training set: the workers only copy uint8 images out of the cache; the views are augmented on
-        # the device, in batches (_augment); otherwise every item is augmented on the CPU by its transform
-        items, collate = (
-            (RawItems(self.train_ds), pad_collate)
-            if self.batch_transform is not None
-            else (SeededViews(self.train_ds, self.method.views), None)
-        )
-        if hasattr(self.train_ds, "loader_items"):  # the JPEG path (dml_nb.data.batches.JpegImages): its own items
-            items, collate = self.train_ds.loader_items(self.method.views, self.device)
-        self._loader = torch.utils.data.DataLoader(
-            items,
-            batch_sampler=self._batches,
-            collate_fn=collate,
-            num_workers=self.train_config.num_workers,
-            persistent_workers=self.train_config.num_workers > 0,
-            pin_memory=self.device.type == "cuda",
-        )
+        self._loader = train_loader(self.train_ds, self.method.views, self._batches, self.device, self.train_config)
         if self.run_dir is not None and self.is_main:
             remove_temp_files(self.run_dir)  # writes a killed process left
-        if self.resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
-            ck = load_checkpoint(self.checkpoint_path)
-            problem = insane_weights(
-                {k: v for k, v in ck["method"].items() if k in dict(self.method.named_parameters())}
-            )
-            if problem is not None:
-                raise DivergedError(
-                    f"{self.checkpoint_path} holds a diverged model ({problem}): it cannot be resumed. "
-                    "Delete it to start the run over, with a lower learning rate (a new run directory)."
-                )
+        ck = self.checkpointer.resumable() if self.resume else None
+        if ck is not None:
             self.load_state_dict(ck)
             self.resumed = True
         if self.world_size > 1:
             check_sampler_rank(self.sampler, self.rank, self.world_size)
-            self._parallel = data_parallel(self.method)  # copies rank 0's parameters and buffers everywhere
-
-    def _compile_backbones(self):
-        "`torch.compile` every backbone of the recipe in place (state-dict keys unchanged: checkpoints still load)."
-        from dml_nb.blocks.models import Backbone
-
-        opts = {} if self.train_config.compile is True else dict(self.train_config.compile)
-        found = [m for m in self.method.modules() if isinstance(m, Backbone)]
-        if not found:
-            raise ValueError(
-                f"compile=True but {type(self.method).__name__} has no dml_nb.blocks.models.Backbone to compile"
-            )
-        for m in found:
-            m.compile(**opts)
+            # copies rank 0's parameters and buffers everywhere
+            self._parallel = data_parallel(self.method, self.method.unused_parameters)
 
     def set_lr(self, epoch: int) -> None:
         "Each group's lr = its base lr x the schedule's factor at `epoch`."
@@ -355,35 +483,34 @@ class Learner(EvaluationMixin, CheckpointMixin):
         "Current learning rate of every optimiser group, by name."
         return {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
 
+    # ------------------------------------------------------------------ the event list
+    def loop_hooks(self) -> EventList:
+        """The run's one event list: the learner's own steps, the recipe's and its tasks' hooks (`Method.hooks`) and
+        every callback's, each at its order."""
+        own = [
+            Hook("before_fit", -20, "learner", "Learner: the checkpoint's sampler state", self._restore_sampler),
+            Hook("after_epoch", -20, "learner", "Learner: the recipe's records into the row", self._add_records),
+        ]
+        return EventList(
+            [*own, *self.method.hooks(self.context), *(h for cb in self.callbacks for h in callback_hooks(cb, self))]
+        )
+
+    def show_loop(self) -> None:
+        "Print each event in loop order with the hooks that run at it: order, kind (learner, method, task, callback), name."
+        print(self.loop_hooks().table())
+
     # ------------------------------------------------------------------ training
     def fit(self) -> list[dict]:
         "Train until `epochs` (resuming from `run_dir` if possible); returns the history (one dict per epoch)."
         self.prepare_fit()
         if self._interrupted:  # the last fit stopped inside a step or an epoch's end: continue from the checkpoint
-            if self.checkpoint_path is None or not self.checkpoint_path.exists():
-                raise RuntimeError(
-                    "the previous fit of this learner stopped in the middle of training and there is "
-                    "no checkpoint to continue from (run_dir=None or none written yet): build a new "
-                    "Learner to start over"
-                )
-            self.load_state_dict(load_checkpoint(self.checkpoint_path))
+            self.load_state_dict(self.checkpointer.after_interruption())
             self._interrupted, self.resumed = False, True
         if self.epoch >= self.epochs:
             return self.history  # a finished run is not trained again
         self.method.train()
-        self.method.on_fit_start(self.context)
-        if self._sampler_state is not None and hasattr(self.sampler, "load_state_dict"):
-            try:
-                self.sampler.load_state_dict(self._sampler_state)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"the checkpoint's sampler state {self._sampler_state} does not fit the sampler "
-                    f"{type(self.sampler).__name__} ({e}); a recipe that replaces the sampler must "
-                    "rebuild the same kind in on_fit_start"
-                ) from e
-            self._sampler_state = None
-        for cb in self.callbacks:
-            cb.before_fit(self)
+        self._events = self.loop_hooks()
+        self._events.fire("before_fit")
         try:
             while self.epoch < self.epochs:
                 self._run_epoch()
@@ -393,91 +520,63 @@ class Learner(EvaluationMixin, CheckpointMixin):
             self._interrupted = True
             raise
         finally:
-            for cb in self.callbacks:
-                cb.after_fit(self)
+            self._events.fire("after_fit")
         return self.history
 
+    def _restore_sampler(self) -> None:
+        "Give the sampler the checkpoint's state (after the recipe's `before_fit`, which may have rebuilt the sampler)."
+        self._sampler_state = restore_sampler(self.sampler, self._sampler_state)
+
     def _epoch_batches(self, epoch: int) -> tuple[list, list]:
-        self.sampler.set_epoch(epoch)
-        batches, groups = [], []
-        for b in self.sampler.batches(epoch):
-            if isinstance(b, tuple) and len(b) == 2 and not isinstance(b[1], (int, np.integer)):
-                groups.append(int(b[0]))
-                b = b[1]
-            else:
-                groups.append(None)
-            batches.append([int(i) for i in b])
-        if batches:
-            hi = max(max(b) for b in batches)
-            if hi >= len(self.train_ds):
-                raise IndexError(
-                    f"the sampler yields index {hi} but the training set has {len(self.train_ds)} "
-                    "items: build the sampler from this dataset's labels"
-                )
-        return batches, groups
+        return epoch_batches(self.sampler, epoch, len(self.train_ds))
 
     def _run_epoch(self):
         e = self.epoch
         self.set_lr(e)
         if self.step == 0:
-            self._eval_pass = (
-                None,
-                None,
-            )  # the last evaluation's embeddings: this epoch changes the weights, free them
+            self.evaluation.forget()  # the last evaluation's embeddings: this epoch changes the weights, free them
             seed_everything(stream_seed(self.seed, "epoch", e, self.rank), cuda=self.device.type == "cuda")
-            self._sums, self._counts = {}, {}
-            self.method.on_epoch_start(self.context)
-            for cb in self.callbacks:
-                cb.before_epoch(self)
+            self.state.reset_logs()
+            self._events.fire("before_epoch")
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
         start = self.step
-        flips = [self.method.flips(g) for g in groups]  # an unflipped batch's items: (index, seed, False)
-        self._batches.batches = [
-            [
-                (i, stream_seed(self.seed, "sample", e, s, j, self.rank), *(() if flips[s] else (False,)))
-                for j, i in enumerate(b)
-            ]
-            for s, b in enumerate(batches[start:], start)
-        ]
+        flips = [self.method.flips(g) for g in groups]
+        self._batches.batches = seeded_batches(batches, flips, self.seed, e, start, self.rank)
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
             batch["group"], batch["epoch"], batch["step"] = groups[s], e, s
-            logs = self._train_step(batch)
+            self.logs = self._train_step(batch)
             self.step, self.global_step = s + 1, self.global_step + 1
-            for cb in self.callbacks:
-                cb.after_step(self, logs)
-        problem = self._divergence()  # before evaluating a model that blew up
+            self._events.fire("after_step")
+        problem = self.checkpointer.divergence()  # before evaluating a model that blew up
         if problem is not None:
-            self._stop_diverged(problem)
+            self.checkpointer.stop_diverged(problem)
         if self.world_size > 1:  # the row holds the mean of every log over all processes
-            self._sums, self._counts = all_reduce_logs(self._sums, self._counts, self.device)
+            self.state.sums, self.state.counts = all_reduce_logs(self.state.sums, self.state.counts, self.device)
         self.row = {
             "epoch": e + 1,
             **{f"lr/{k}": v for k, v in self.lrs.items()},
-            **{k: self.running(k) for k in self._sums},
+            **{k: self.running(k) for k in self.state.sums},
             "time": time.time() - t0,
         }
         self.history.append(self.row)  # the recipe and callbacks add to this row (records, metrics)
-        self.method.on_epoch_end(self.context)
-        self._add_records()
-        for cb in self.callbacks:
-            cb.after_epoch(self)  # in order: evaluation, CSV, ..., the checkpoint last
+        self._events.fire("after_epoch")  # the recipe's, its records, then the callbacks: evaluation, ..., checkpoint
         self.epoch, self.step = e + 1, 0
 
     def _add_records(self):
         "Merge the method's `records(ctx)` into the epoch's row; a key the row already has is an error."
-        records = self.method.records(self.context)
-        if clash := sorted(set(records) & set(self.row)):
-            raise ValueError(
-                f"{type(self.method).__name__}.records returned {clash}, which the epoch's row already has "
-                "(the learner's columns or the step logs): give the records their own names"
-            )
-        self.row.update(records)
+        add_records(self.row, self.method.records(self.context), type(self.method).__name__)
 
     def autocast(self):
         "The autocast context of this run (bf16 or disabled)."
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp == "bf16")
+
+    def _eval_settings(self) -> dict:
+        "What the evaluation part reads of this run besides its method, evaluator, eval sets and state."
+        keys = ("seed", "device", "autocast", "channels_last", "rank", "world_size")
+        passes = {"feature_pass": lambda ds: self.embed(ds), "num_workers": self.train_config.num_workers}
+        return {k: getattr(self, k) for k in keys} | passes
 
     def _train_step(self, batch: dict) -> dict:
         e, s = self.epoch, batch["step"]
@@ -497,88 +596,73 @@ class Learner(EvaluationMixin, CheckpointMixin):
         step = self.method.training_step if self._parallel is None else self._parallel
         with self.autocast():
             out = step(batch)
-        if not isinstance(out, Mapping) or "loss" not in out:
-            raise TypeError(
-                f"{type(self.method).__name__}.training_step must return a dict with a 'loss' entry, "
-                f"got {type(out).__name__}"
-            )
-        loss = out["loss"]
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-            raise TypeError("training_step's 'loss' must be a scalar tensor that requires grad")
+        loss = step_loss(self.method, out)
         self.optimizer.zero_grad(set_to_none=self.train_config.zero_grad == "none")
         loss.backward()  # under DDP the gradients are averaged over the processes during the backward
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        clip = self.train_config.grad_clip
-        if clip:
-            gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else loss.new_zeros(())
-        stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
-        if self.world_size > 1:
-            stats = mean_over_processes(stats)  # the mean loss: every rank stops together
-        loss_v, gnorm_v = stats.tolist()
+        loss_v, gnorm_v = clip_and_measure(self.optimizer, loss, self.train_config.grad_clip, self.world_size)
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            self._stop_nonfinite(loss_v, gnorm_v, s)
+            raise nonfinite_error(loss_v, gnorm_v, self.epoch, s, self.lr, self.checkpointer)
         self.optimizer.step()
-        self.method.after_optimizer_step(self.context)
+        self._events.fire("after_optimizer_step")
         if self.world_size > 1:
             broadcast_buffers(self.method)  # BatchNorm statistics and queues of rank 0
         logs = {"loss": loss_v, "grad_norm": gnorm_v}
         for k, v in out.items():  # tensors stay on the device (no sync); summed in float64
             if k != "loss":
                 logs[k] = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
-        for k, v in logs.items():
-            self._sums[k] = self._sums.get(k, 0.0) + v
-            self._counts[k] = self._counts.get(k, 0) + 1
+        self.state.add_logs(logs)
         return logs
-
-    def _stop_nonfinite(self, loss_v, gnorm_v, step):
-        what = f"the loss is {loss_v}" if not math.isfinite(loss_v) else f"the gradient norm is {gnorm_v}"
-        raise NonFiniteLossError(
-            f"training stopped: {what} at epoch {self.epoch} (0-based), step {step}. The optimiser step was not "
-            f"taken (the parameters are those before this step); {self._kept()}. Lower the learning rate "
-            f"(lr={self.lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
-            + self._rerun()
-        )
 
     def check_tuples(self, epoch: int) -> None:
         "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
-        empty = [
-            k
-            for k in self._sums
-            if (k == "tuples" or k.startswith("tuples/")) and self._counts.get(k) and float(self._sums[k]) == 0.0
-        ]
-        if not empty:
-            return
-        shape, hint = self.context.batch_shape, self.method.no_tuples_hint()
-        shape = (
-            f" (this run: batches of {shape[0] * shape[1]} = {shape[0]} classes x {shape[1]} images)" if shape else ""
-        )
-        raise NoTuplesError(
-            f"training stopped: {', '.join(empty)} was 0 at every one of the {self._counts[empty[0]]} steps of epoch "
-            f"{epoch + 1}, so {'that task gets' if len(empty) == 1 else 'those tasks get'} no gradient and the run "
-            f"would finish without learning. Usual causes: fewer than 2 classes per batch or fewer than 2 images of a "
-            f"class per batch{shape} (raise train.batch_size / lower or raise train.samples_per_class; intra-class and "
-            "three-class tasks need 3 images of a class or 3 classes unless their miner samples with replacement)"
-            f"{', or, ' + hint if hint else ''}. The epoch's "
-            "row is in history.csv; the checkpoint still holds the previous epoch. To train anyway, set "
-            "train.stop_on_empty_tuples: false."
-        )
+        check_tuples(self.state, epoch, self.context.batch_shape, self.method.no_tuples_hint())
 
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
-        if not self._counts.get(key):
-            return float("nan")
-        return float(self._sums[key] / self._counts[key])
+        return self.state.running(key)
 
     @property
     def train_eval_set(self):
         "The training set under test transforms, in training order: `train_eval_ds`, eval set 'train', or `eval_view`."
         if self._train_eval_ds is None:
-            t = self.eval_sets.get("train")
-            self._train_eval_ds = (
-                t
-                if t is not None and not isinstance(t, (tuple, list)) and len(t) == len(self.train_ds)
-                else eval_view(self.train_ds)
-            )
+            self._train_eval_ds = train_eval_view(self.train_ds, self.eval_sets)
         return self._train_eval_ds
+
+    # ------------------------------------------------------------------ evaluation and checkpoints: the parts
+    def embed(self, dataset, fn=None, indices=None, seeds=None, batch_size=None):
+        "`EvalLoop.embed` (the method moved to the device first)."
+        self.prepare_fit()
+        return self.evaluation.embed(dataset, fn=fn, indices=indices, seeds=seeds, batch_size=batch_size)
+
+    def evaluate(self, sets: Mapping[str, Any] | None = None, metrics: Sequence[str] | None = None) -> dict[str, float]:
+        "`EvalLoop.evaluate`: the metrics of every set (default the eval sets) and every embedding."
+        self.prepare_fit()
+        return self.evaluation.evaluate(sets, metrics)
+
+    def eval_embeddings(self) -> dict[str, dict[str, torch.Tensor]]:
+        "`EvalLoop.eval_embeddings`: every eval set's embeddings under the current weights, on the CPU."
+        self.prepare_fit()
+        return self.evaluation.eval_embeddings()
+
+    def reported_metrics(self) -> dict:
+        "`EvalLoop.reported_metrics`: what the run reports under `eval.report`."
+        return self.evaluation.reported_metrics()
+
+    def headline_recall(self) -> float | None:
+        "`EvalLoop.headline_recall`: the latest Recall@1 of the first eval set's headline embedding."
+        return self.evaluation.headline_recall()
+
+    def state_dict(self, epoch_done: bool = False) -> dict:
+        "`Checkpointer.state_dict`: everything needed to continue this run; `epoch_done`: the epoch counted as done."
+        self.prepare_fit()
+        stamps = {"run_key": self.run_key, "threads": self.threads}
+        return self.checkpointer.state_dict(self.optimizer, self.sampler, self.schedule, epoch_done, **stamps)
+
+    def load_state_dict(self, ckpt: dict) -> None:
+        "`Checkpointer.load_state_dict`: restore a `state_dict` (the sampler's state is applied in `fit`)."
+        self.prepare_fit()
+        self._sampler_state = self.checkpointer.load_state_dict(ckpt, self.optimizer)
+
+    def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
+        "`Checkpointer.save`: write `run_dir/checkpoint.pt` atomically (rank 0) if the model is sane; returns its path."
+        return self.checkpointer.save(lambda: self.state_dict(epoch_done))
