@@ -106,7 +106,7 @@ def check_data(cfg: Config | dict, images: bool = False, progress: bool = True) 
 @dataclass
 class LabelNoise:
     """The label noise of a training set (`data.label_noise`, BSPML's protocol): its true labels and which samples were
-    relabelled (all False without noise). `build_datasets` returns it beside the sets; a recipe that declares a
+    relabelled (all False without noise). `build_data` returns it beside the sets; a recipe that declares a
     `flipped` argument (BSPML) gets the mask from `build_learner`."""
 
     clean_labels: Any  # (N,) the labels before the noise
