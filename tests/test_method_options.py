@@ -192,3 +192,12 @@ def test_label_noise_is_declared_data_not_attributes_of_the_set():
     assert not hasattr(train, "flipped") and not hasattr(train, "clean_labels")
     learner = build_learner(cfg, progress=False)
     assert torch.equal(learner.method._flipped, torch.as_tensor(noise.flipped))
+
+
+def test_keywords_go_over_the_options_object_or_mapping():
+    base = DiVAOptions(alpha=0.5)
+    assert DiVAOptions.of(base) is base
+    assert DiVAOptions.of(base, rho=2.0).changed() == {"alpha": 0.5, "decorrelation_weight": 2.0}
+    assert DiVAOptions.of({"rho": 1.0}, decorrelation_weight=3.0).decorrelation_weight == 3.0
+    with pytest.raises(TypeError, match="Did you mean 'queue_size'"):
+        DiVAOptions.of(base, qeue_size=3)

@@ -101,8 +101,10 @@ class MethodOptions:
         if isinstance(options, MethodOptions):
             if not isinstance(options, cls):
                 raise TypeError(f"expected {cls.__name__} options, got {type(options).__name__}")
-            return dataclasses.replace(options, **cls.renamed(kwargs)) if kwargs else options
-        given = cls.renamed({**dict(options or {}), **kwargs})
+            if not kwargs:
+                return options
+            options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        given = {**cls.renamed(dict(options or {})), **cls.renamed(kwargs)}  # keywords over the options
         names = [f.name for f in dataclasses.fields(cls)]
         for k in given:
             if k not in names:
