@@ -669,11 +669,12 @@ def test_resume_is_exact_with_spl_state(noisy, tmp_path, kill, solver):
 
 def test_named_readings_of_the_age_and_solver():
     "dml_nb's reading (the defaults) and the paper text's (absolute age, Algorithm 3) are named presets that build."
-    import inspect
     from dml_nb.methods.bspml import BSPML_DML_NB, BSPML_PAPER_TEXT
     from dml_nb.blocks.models import build_backbone
 
-    assert {k: inspect.signature(BSPML).parameters[k].default for k in BSPML_DML_NB} == BSPML_DML_NB
+    from dml_nb.methods.options import BSPMLOptions
+
+    assert {k: getattr(BSPMLOptions(), k) for k in BSPML_DML_NB} == BSPML_DML_NB  # the defaults
     labels = np.repeat(np.arange(6), 10)
     floor = BSPML(build_backbone("small_cnn", width=4, feature_dim=16), 6, labels, embedding_dim=8, **BSPML_DML_NB)
     paper = BSPML(build_backbone("small_cnn", width=4, feature_dim=16), 6, labels, embedding_dim=8, **BSPML_PAPER_TEXT)

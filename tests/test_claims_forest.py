@@ -280,7 +280,5 @@ def test_a_paper_difference_across_two_papers_tables_is_marked_and_not_drawn(tmp
         c.items[1]["parts"][0]["difference"] / c.items[1]["parts"][0]["threshold"]
     )
     md = (tmp_path / "repro_demo_claims.md").read_text()
-    assert (
-        "**Paper.** The paper's difference is shown only where both numbers come from one table of one paper; " in md
-    )
+    assert "**Paper.** The paper's difference is shown only where both numbers come from one table of one paper; " in md
     assert f"BSPML beats Multi-Similarity (R@1) ({why})." in md

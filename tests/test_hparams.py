@@ -12,7 +12,13 @@ import pytest
 import yaml
 
 from dml_nb.core.registry import METHODS
-from dml_nb.core.config import make_config, read_yaml
+from dml_nb.core.config import (
+    make_config,
+    method_option_default,
+    method_options_class,
+    read_yaml,
+    stored_options,
+)
 from dml_nb.reproduction.notebook import params_base
 from dml_nb.reproduction.repro import Row
 
@@ -103,11 +109,18 @@ def paper_of(method: str, source: Path) -> str | None:
     return None
 
 
+def as_dict(cfg) -> dict:
+    "Every field of a `Config`, the method's options spelled as the tables (and `config.yaml`) spell them."
+    out = dataclasses.asdict(cfg)
+    out["method"]["options"] = stored_options(cfg.method.name, out["method"]["options"])
+    return out
+
+
 def resolved_configs():
     "(file, row name, resolved config dict, keys the row sets itself) for every paper-scale config."
     out = []
     for f in sorted((ROOT / "params" / "train").glob("*.yaml")):
-        cfg = dataclasses.asdict(make_config(read_yaml(f)))
+        cfg = as_dict(make_config(read_yaml(f)))
         if cfg["data"]["name"] not in EMBEDDED:
             out.append((f, "", cfg, set()))
     for f in sorted((ROOT / "params").glob("repro_*/*.yaml")):
@@ -117,7 +130,7 @@ def resolved_configs():
             continue
         for name, spec in (raw.get("rows") or {}).items():
             row = Row(name, spec)
-            cfg = dataclasses.asdict(make_config(row.config(base)))
+            cfg = as_dict(make_config(row.config(base)))
             out.append(
                 (
                     f,
@@ -153,9 +166,16 @@ def lookup(cfg: dict, key: str):
         return node
     parts = key.split(".")
     if parts[:2] == ["method", "options"] and len(parts) == 3:
-        p = inspect.signature(METHODS.get(cfg["method"]["name"])).parameters.get(parts[2])
-        if p is not None and p.default is not inspect.Parameter.empty:
-            return p.default
+        name = cfg["method"]["name"]
+        cls = method_options_class(name)
+        if cls is not None:  # the options dataclass's default (a former option name under its new one)
+            default = method_option_default(name, cls.RENAMED.get(parts[2], parts[2]), KeyError)
+            if default is not KeyError:
+                return default
+        else:
+            p = inspect.signature(METHODS.get(name)).parameters.get(parts[2])
+            if p is not None and p.default is not inspect.Parameter.empty:
+                return p.default
     raise KeyError(key)
 
 

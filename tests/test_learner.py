@@ -711,7 +711,8 @@ def test_an_epoch_frees_the_last_evaluations_embeddings_before_training(sets):
     learn.fit()  # evaluates after each epoch
     assert held == [False, True, False, True]
     assert torch.equal(
-        learn.eval_embeddings()["test"]["embedding"], learn.evaluation.embed_sets(learn.eval_sets)["test"][0]["embedding"]
+        learn.eval_embeddings()["test"]["embedding"],
+        learn.evaluation.embed_sets(learn.eval_sets)["test"][0]["embedding"],
     )
 
 

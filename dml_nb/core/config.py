@@ -4,9 +4,11 @@
 
 # %% ../../nbs/04_config.ipynb #791891d8
 from __future__ import annotations
+import ast
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -22,14 +24,17 @@ from dml_nb.core.registry import (
     MINERS,
     PRESETS,
     SPLITS,
+    Registry,
     parse_metric,
     unknown_name_error,
 )
 
 # %% auto #0
-__all__ = ['HASH_RULES', 'MAX_EPOCHS', 'RANGES', 'MAX_KEY_DEPTH', 'hashed', 'added_later', 'choices', 'DataConfig', 'ModelConfig',
-           'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'make_config', 'make_section', 'config_to_dict',
-           'deep_merge', 'merge_layers', 'read_yaml', 'apply_override', 'load_config']
+__all__ = ['HASH_RULES', 'METHOD_OPTIONS', 'MAX_EPOCHS', 'RANGES', 'MAX_KEY_DEPTH', 'hashed', 'added_later', 'choices',
+           'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'make_config',
+           'make_section', 'config_to_dict', 'source_constant', 'method_options_class', 'method_option_names',
+           'method_option_default', 'stored_options', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override',
+           'load_config']
 
 # %% ../../nbs/04_config.ipynb #dd7b8c31
 HASH_RULES = ("always", "omit_at_default")  # how a field enters `config_to_dict` (config.yaml) and so the run hash
@@ -279,7 +284,10 @@ def make_config(raw: dict | Config | None = None) -> Config:
     cfg = _build_section(Config, PRESETS.resolve(_unflatten(raw or {}), MethodConfig.name, ConfigError), "")
     _check_ranges(cfg)
     _whole_milestones(cfg)
+    if cfg.method.name in METHODS:
+        _canonical_options(cfg)
     _check_names(cfg)
+    _check_method_options(cfg)
     return cfg
 
 
@@ -305,8 +313,8 @@ def _proxy_only(cfg: Config) -> bool:
 def _check_parts(cfg: Config) -> None:
     "The loss and miner the recipe's options name, and their options (read from the sources: nothing is imported)."
     name, opts = cfg.method.name, cfg.method.options
-    takes = METHODS.options(name)
-    loss = opts.get("loss", METHODS.default(name, "loss"))
+    takes = method_option_names(name)
+    loss = opts.get("loss", method_option_default(name, "loss"))
     if "loss" in takes:
         if not isinstance(loss, str):
             raise ConfigError(f"bad value for method.loss: {loss!r}; expected a loss name: {', '.join(LOSSES)}")
@@ -322,7 +330,7 @@ def _check_parts(cfg: Config) -> None:
         except TypeError as e:
             raise ConfigError(f"method.loss_options: {e}") from None
     if "miner" in takes:
-        miner = opts.get("miner", METHODS.default(name, "miner"))
+        miner = opts.get("miner", method_option_default(name, "miner"))
         mopts = opts.get("miner_options") or {}
         if not isinstance(mopts, dict):
             raise ConfigError(
@@ -378,12 +386,7 @@ def _check_names(cfg: Config) -> None:
     )
     if cfg.method.name not in METHODS:
         raise ConfigError(str(unknown_name_error("method (method.name)", cfg.method.name, METHODS)))
-    _check_options(
-        "method",
-        cfg.method.name,
-        cfg.method.options,
-        [o for o in METHODS.options(cfg.method.name) if o not in ("backbone", "num_classes", "train_labels")],
-    )
+    _check_options("method", cfg.method.name, cfg.method.options, method_option_names(cfg.method.name))
     _check_parts(cfg)
     _check_run_sections(cfg)
     t = cfg.train
@@ -450,8 +453,77 @@ def config_to_dict(cfg) -> dict:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         if rule == "omit_at_default" and value == default:
             continue
+        if isinstance(cfg, MethodConfig) and f.name == "options":
+            value = stored_options(cfg.name, value)
         out[f.name] = config_to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
+
+# %% ../../nbs/04_config.ipynb #0a7e1c55
+# the options class of each method (`dml_nb.methods.options`): a method module registers it with
+# `@METHOD_OPTIONS.register("name")`; `make_config` finds it by reading the sources and imports that module alone (no torch)
+METHOD_OPTIONS = Registry("method options", symbol="METHOD_OPTIONS")
+
+
+def source_constant(module: str, name: str):
+    """The value of a module-level constant `name = <literal>` of `module`, read from its source with `ast` (the module is
+    not imported): the option checks name the valid values that modules importing torch define."""
+    spec = importlib.util.find_spec(module)
+    for node in ast.parse(Path(spec.origin).read_text(), spec.origin).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{module} defines no constant {name} (a literal at module level)")
+
+
+def method_options_class(name: str):
+    "The options dataclass of method `name` (`METHOD_OPTIONS`), or None for a method that declares none."
+    return METHOD_OPTIONS.get(name) if name in METHOD_OPTIONS else None
+
+
+def method_option_names(name: str) -> list[str]:
+    "The options a config may give method `name`: its options dataclass's fields, else its constructor's keywords."
+    cls = method_options_class(name)
+    if cls is None:
+        return [o for o in METHODS.options(name) if o not in ("backbone", "num_classes", "train_labels")]
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def method_option_default(name: str, option: str, fallback=None):
+    "The default of option `option` of method `name` (`fallback` where it has none)."
+    cls = method_options_class(name)
+    if cls is None:
+        return METHODS.default(name, option, fallback)
+    f = {f.name: f for f in dataclasses.fields(cls)}.get(option)
+    return fallback if f is None or f.default is dataclasses.MISSING else f.default
+
+
+def _canonical_options(cfg: Config) -> None:
+    "A renamed option given by its old name (`RENAMED` of the options class) under its new one, in place."
+    cls = method_options_class(cfg.method.name)
+    if cls is not None:
+        try:
+            cfg.method.options = cls.renamed(cfg.method.options)
+        except ValueError as e:
+            raise ConfigError(f"method {cfg.method.name!r}: {e}") from None
+
+
+def _check_method_options(cfg: Config) -> None:
+    "The method's options built into its options dataclass: every value checked before any data or torch is touched."
+    cls = method_options_class(cfg.method.name)
+    if cls is not None:
+        try:
+            cls(**cfg.method.options)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"method {cfg.method.name!r}: {e}") from None
+
+
+def stored_options(method: str, options: dict) -> dict:
+    """`options` as `config.yaml` and the run hash spell them: a renamed option under the name the first runs were
+    keyed by (`RENAMED` of the options class), so a run keeps its folder whichever name its file used."""
+    cls = method_options_class(method) if isinstance(method, str) else None
+    if cls is None or not cls.RENAMED:
+        return options
+    old = {new: o for o, new in cls.RENAMED.items()}
+    return {old.get(k, k): v for k, v in options.items()}
 
 # %% ../../nbs/04_config.ipynb #0b2f31e0
 def _up_to(hi: int, what: str = "") -> tuple:

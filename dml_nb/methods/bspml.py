@@ -4,18 +4,19 @@
 
 # %% ../../nbs/57_bspml.ipynb #b7f3dabb
 from __future__ import annotations
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..core.registry import LOSSES, METHODS, MINERS, PRESETS, unknown_name_error
+from ..core.registry import LOSSES, METHODS, MINERS, PRESETS
 from ..training.context import Method
 from ..evaluation.metrics import maw_sdaw
 from ..blocks.heads import EmbeddingHead, EmbeddingModel
-from .balanced_spl import SOLVERS, XI_SCOPES, pair_loss_floor, sample_terms, solve_spl_weights
+from .balanced_spl import pair_loss_floor, sample_terms, solve_spl_weights
+from .options import BSPMLOptions
 
 # %% auto #0
 __all__ = ['TERMS_TRANSFORMS', 'LAMBDA_UNITS', 'BSPML_DML_NB', 'BSPML_PAPER_TEXT', 'BSPML']
@@ -29,100 +30,53 @@ LAMBDA_UNITS = ("floor", "absolute")
 class BSPML(Method):
     "Balanced self-paced metric learning: weighted multi-similarity loss + SPL weights from eq. 6 (Algorithm 1)."
 
+    options: BSPMLOptions  # the recipe's options (`dml_nb.methods.options.BSPMLOptions`)
+
     def __init__(
         self,
         backbone: nn.Module,
         num_classes: int,
         train_labels=None,
+        options: BSPMLOptions | Mapping | None = None,
         *,
-        embedding_dim: int = 512,
-        alpha: float = 2.0,
-        beta: float = 50.0,
-        rho: float = 1.0,
-        epsilon: float = 0.1,
-        spl: bool = True,
-        balance: bool = True,
-        xi_scope: str = "class",
-        xi_batch: Sequence[int] = (16, 4),
-        lambda_unit: str = "floor",
-        lambda_init: float = 0.5,
-        c: float = 1.2,
-        lambda_inf: float = 1.0,
-        mu: float | None = None,
-        update_every: int = 1,
-        solver: str = "exact",
-        solver_iters: int | None = None,
-        solver_tol: float = 1e-6,
-        solver_block: float = 0.1,
-        step_size: float = 0.5,
-        step_decay: float = 0.01,
-        solver_P: int | None = 16,
-        solver_K: int | None = 4,
-        mine_terms: bool = False,
-        terms_transform: str = "test",
         flipped: Sequence[bool] | None = None,
+        **kwargs,
     ):
+        """`options`: a `BSPMLOptions` (or a mapping); keyword arguments are its fields, over it. `flipped`: which training
+        samples label noise relabelled (data, not an option: by default the training set's `flipped` at fit start),
+        for the weight statistics of clean and flipped samples."""
         super().__init__()
+        o = BSPMLOptions.of(options, **kwargs)
         if not hasattr(backbone, "feature_dim"):
             raise TypeError("backbone must be a dml_nb.blocks.models backbone (with .feature_dim)")
-        if embedding_dim < 1:
-            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
-        if not 0 < lambda_init <= lambda_inf:
-            raise ValueError(
-                f"need 0 < lambda_init <= lambda_inf, got lambda_init={lambda_init}, lambda_inf={lambda_inf}"
-            )
-        if c < 1:
-            raise ValueError(f"c (the age multiplier) must be >= 1, got {c}")
-        if update_every < 1:
-            raise ValueError(f"update_every (epochs between weight updates) must be >= 1, got {update_every}")
-        if mu is not None and not balance:
-            raise ValueError("mu weighs the balance term, which balance=False switches off: leave mu unset for SPMS")
-        if mu is not None and mu < 0:
-            raise ValueError(f"mu must be >= 0, got {mu}")
-        if terms_transform not in TERMS_TRANSFORMS:
-            raise unknown_name_error("terms_transform", terms_transform, TERMS_TRANSFORMS)
-        if xi_scope not in XI_SCOPES:
-            raise unknown_name_error("xi_scope", xi_scope, XI_SCOPES)
-        if lambda_unit not in LAMBDA_UNITS:
-            raise unknown_name_error("lambda_unit", lambda_unit, LAMBDA_UNITS)
-        if solver not in SOLVERS:
-            raise unknown_name_error("solver", solver, SOLVERS)
-        xi_batch = tuple(int(v) for v in xi_batch)
-        if len(xi_batch) != 2 or min(xi_batch) < 2:
-            raise ValueError(f"xi_batch is (P classes, K samples per class) of a batch, both >= 2; got {xi_batch}")
-        if spl and train_labels is None:
+        if o.spl and train_labels is None:
             raise ValueError(
                 "BSPML with spl=True keeps one weight per training sample: pass train_labels "
                 "(the training set's possibly noisy labels, e.g. ds.labels)"
             )
-        self.model = EmbeddingModel(backbone, EmbeddingHead(backbone.feature_dim, embedding_dim))
-        self.num_classes, self.spl, self.balance = int(num_classes), bool(spl), bool(balance)
-        self.xi_scope, self.xi_batch, self.lambda_unit = xi_scope, xi_batch, lambda_unit
-        self.alpha, self.beta, self.rho, self.epsilon = float(alpha), float(beta), float(rho), float(epsilon)
-        self.update_every, self.mine_terms, self.terms_transform = int(update_every), bool(mine_terms), terms_transform
-        self.solver = dict(
-            solver=solver,
-            iters=solver_iters,
-            tol=float(solver_tol),
-            block=float(solver_block),
-            step_size=float(step_size),
-            step_decay=float(step_decay),
-            P=solver_P,
-            K=solver_K,
+        self.options = o
+        xi_batch = tuple(int(v) for v in o.xi_batch)
+        self.model = EmbeddingModel(backbone, EmbeddingHead(backbone.feature_dim, o.embedding_dim))
+        self.num_classes, self.spl, self.balance = int(num_classes), bool(o.spl), bool(o.balance)
+        self.xi_scope, self.xi_batch, self.lambda_unit = o.xi_scope, xi_batch, o.lambda_unit
+        self.alpha, self.beta, self.rho, self.epsilon = float(o.alpha), float(o.beta), float(o.rho), float(o.epsilon)
+        self.update_every, self.mine_terms, self.terms_transform = (
+            int(o.update_every),
+            bool(o.mine_terms),
+            o.terms_transform,
         )
-        if (solver_P is None) != (solver_K is None) or (solver_K is not None and min(solver_P, solver_K) < 1):
-            raise ValueError(
-                f"solver_P and solver_K are both None (exact gradients) or both >= 1, got {solver_P}, {solver_K}"
-            )
-        if not 0 < solver_block <= 1:
-            raise ValueError(f"solver_block must be in (0, 1], got {solver_block}")
-        if (solver_iters is not None and solver_iters < 0) or not solver_tol >= 0 or step_size <= 0 or step_decay < 0:
-            raise ValueError(
-                f"need solver_iters >= 0, solver_tol >= 0, step_size > 0, step_decay >= 0; got "
-                f"{solver_iters}, {solver_tol}, {step_size}, {step_decay}"
-            )
-        self.miner = MINERS.build("multi_similarity", epsilon=epsilon)
-        self.loss = LOSSES.build("weighted_multi_similarity", alpha=alpha, beta=beta, base=rho, epsilon=epsilon)
+        self.solver = dict(
+            solver=o.solver,
+            iters=o.solver_iters,
+            tol=float(o.solver_tol),
+            block=float(o.solver_block),
+            step_size=float(o.step_size),
+            step_decay=float(o.step_decay),
+            P=o.solver_P,
+            K=o.solver_K,
+        )
+        self.miner = MINERS.build("multi_similarity", epsilon=o.epsilon)
+        self.loss = LOSSES.build("weighted_multi_similarity", alpha=o.alpha, beta=o.beta, base=o.rho, epsilon=o.epsilon)
         labels = None if train_labels is None else torch.as_tensor(np.asarray(train_labels), dtype=torch.long)
         if labels is not None:
             if labels.dim() != 1 or len(labels) == 0:
@@ -136,13 +90,13 @@ class BSPML(Method):
                 )
         # the age scale: lambda_unit='floor' reads lambda_init / lambda_inf in units of the mean pair-loss floor
         self.floor = (
-            float(pair_loss_floor(labels, self.alpha, self.rho, xi_scope, xi_batch[1]).mean())
+            float(pair_loss_floor(labels, self.alpha, self.rho, o.xi_scope, xi_batch[1]).mean())
             if labels is not None
             else float("nan")
         )
-        unit = self.floor if lambda_unit == "floor" and labels is not None else 1.0
-        self.lambda_init, self.c, self.lambda_inf = float(lambda_init) * unit, float(c), float(lambda_inf) * unit
-        self.mu = (self.lambda_inf if mu is None else float(mu)) if balance else 0.0
+        unit = self.floor if o.lambda_unit == "floor" and labels is not None else 1.0
+        self.lambda_init, self.c, self.lambda_inf = float(o.lambda_init) * unit, float(o.c), float(o.lambda_inf) * unit
+        self.mu = (self.lambda_inf if o.mu is None else float(o.mu)) if o.balance else 0.0
         self.register_buffer("labels", labels, persistent=False)
         self.register_buffer("weights", None if labels is None else torch.ones(len(labels)))
         self.register_buffer("age", torch.tensor(self.lambda_init, dtype=torch.float64))
@@ -274,9 +228,6 @@ class BSPML(Method):
             if k in self.last_update:
                 out[k] = self.last_update[k]
         return out
-
-# %% ../../nbs/57_bspml.ipynb #4df6b5db
-BSPML.SMOKE = {"solver_iters": 30}  # smoke size (`repro.smoke`, nbdev_test): an iterative weight solve of 30 steps
 
 # %% ../../nbs/57_bspml.ipynb #3efa3124
 # The age schedule and the weight solver, two named readings (07d's fidelity table, points 11 and 12):

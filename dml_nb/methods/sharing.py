@@ -4,24 +4,25 @@
 
 # %% ../../nbs/54_sharing.ipynb #49c35265
 from __future__ import annotations
-import inspect
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from ..core.registry import LOSSES, METHODS, MINERS, PRESETS, unknown_name_error
+from ..core.registry import LOSSES, METHODS, MINERS, PRESETS
 from ..core.base import stream_seed
 from .base import MultiTaskMethod, Task
 from ..data.samplers import ClassBalancedBatchSampler
 from ..evaluation.clustering import cluster_statistics, match_clusters
-from .grouping import early_features, group_samples, standardize_mode
+from .grouping import early_features, group_samples
+from .options import MICOptions, SharingOptions
 from .shared_batches import DISCRIMINATIVE, SHARED, GroupBatchSampler, SharingSampler
 
 # %% auto #0
 __all__ = ['ARCHITECTURES', 'SHARED_SAMPLINGS', 'SHARED_SAMPLERS', 'EMBEDS', 'UPDATES', 'GROUP_ON', 'SHARED_BATCHES',
-           'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingMatters', 'MIC']
+           'TG_PAPER_TEXT', 'MIC_DEFAULTS', 'MIC_CODE', 'has_proxies', 'shared_miner', 'GroupTask', 'SharingMatters',
+           'MIC']
 
 # %% ../../nbs/54_sharing.ipynb #daa7b70e
 ARCHITECTURES = ("discriminative", "shared", "one_head", "separate", "separate_decorrelated")
@@ -71,192 +72,105 @@ class GroupTask(Task):
 class SharingMatters(MultiTaskMethod):
     "Discriminative head phi + shared head phi_star, Algorithm 1's two updates per iteration, adversarial decorrelation."
 
+    options: SharingOptions  # the recipe's options (`dml_nb.methods.options.SharingOptions`)
+    OPTIONS = SharingOptions  # the options class (`MIC`'s: `MICOptions`)
+
     def __init__(
         self,
         backbone: nn.Module,
         num_classes: int,
         train_labels=None,
-        *,
-        embedding_dim: int = 128,
-        shared_dim: int | None = None,
-        architecture: str = "separate_decorrelated",
-        shared_sampling: str = "tstar",
-        shared_sampler: str | None = None,
-        gamma: float = 500.0,
-        updates: str = "algorithm1",
-        shared_probability: float = 1.0,
-        loss: str = "margin",
-        loss_options: Mapping | None = None,
-        miner: Any = "auto",
-        miner_options: Mapping | None = None,
-        num_groups: int = 30,
-        regroup_every: int = 4,
-        group_on: str = "phi_star",
-        first_group_on: str | None = "early",
-        standardize: str | None = None,
-        regroup_standardize: str = "none",
-        shared_batches: str | None = None,
-        group_swap_probability: float = 0.2,
-        rematch_groups: bool = False,
-        embed: str = "concat",
-        regressor_hidden_dim: int = 512,
-        regressor_lr: float | None = None,
-        regressor_weight_decay: float = 1e-6,
-        kmeans_iterations: int = 20,
-        kmeans_redo: int = 1,
-        shared_flip: bool = True,
-        kmeans_max_points_per_centroid: int | None = None,
-        group_batch_workers: int | None = None,
+        options: SharingOptions | Mapping | None = None,
+        **kwargs,
     ):
-        grouping = (
-            shared_sampling in ("tg_std", "tg_nostd") and architecture != "discriminative"
-        )  # a shared task on groups
-        if shared_batches is None:
-            shared_batches = "groups" if grouping and updates == "algorithm1" else "class_balanced"
-        for name, value, valid in (
-            ("architecture", architecture, ARCHITECTURES),
-            ("updates", updates, UPDATES),
-            ("shared_sampling", shared_sampling, SHARED_SAMPLINGS),
-            ("embed", embed, EMBEDS),
-            ("group_on", group_on, GROUP_ON[:2]),
-            ("shared_batches", shared_batches, SHARED_BATCHES),
-        ):
-            if value not in valid:
-                raise unknown_name_error(f"{name} value", value, valid)
-        if first_group_on is not None and first_group_on not in GROUP_ON:
-            raise unknown_name_error("first_group_on value", first_group_on, GROUP_ON)
-        proxies = has_proxies(loss)
-        if shared_sampler is None:
-            shared_sampler = "random" if shared_sampling == "no_constraint" else "semihard" if proxies else "distance"
-        if shared_sampler not in SHARED_SAMPLERS:
-            raise unknown_name_error("shared_sampler", shared_sampler, SHARED_SAMPLERS)
-        if gamma < 0:
-            raise ValueError(f"gamma (decorrelation weight) must be >= 0, got {gamma}")
-        if regroup_every < 1:
-            raise ValueError(f"regroup_every must be >= 1 (epochs), got {regroup_every}")
-        if group_batch_workers is not None and group_batch_workers < 1:
-            raise ValueError(
-                f"group_batch_workers must be >= 1 or None (every shared batch its own draws), got {group_batch_workers}"
-            )
-        if kmeans_max_points_per_centroid is not None and kmeans_max_points_per_centroid < 1:
-            raise ValueError(
-                f"kmeans_max_points_per_centroid must be >= 1 or None (every point), got {kmeans_max_points_per_centroid}"
-            )
-        if not 0 <= shared_probability <= 1:
-            raise ValueError(f"shared_probability must be in [0, 1], got {shared_probability}")
-        if not isinstance(shared_flip, bool):
-            raise TypeError(f"shared_flip is true or false (YAML: shared_flip: false), got {shared_flip!r}")
-        if not shared_flip and updates != "algorithm1":
-            raise ValueError(
-                f"shared_flip=False trains the shared updates' own batches unflipped; updates={updates!r} has "
-                "no batches of their own: use updates='algorithm1'"
-            )
-        if shared_probability < 1 and updates != "algorithm1":
-            raise ValueError(
-                f"shared_probability < 1 skips shared updates of Algorithm 1's iterations; updates={updates!r} "
-                "has no iterations: use updates='algorithm1'"
-            )
-        if regressor_lr is not None and not regressor_lr > 0:
-            raise ValueError(f"regressor_lr must be > 0 or None (the run's lr), got {regressor_lr}")
-        if grouping and num_groups < 2:
-            raise ValueError(f"num_groups must be >= 2 for {shared_sampling!r}, got {num_groups}")
+        """`options`: a `SharingOptions` (or a mapping); keyword arguments are its fields (former names too), over it.
+        The options are checked when built; what needs the data (the training labels of T^G) is checked here."""
+        o = self.OPTIONS.of(options, **kwargs)
+        grouping = o.grouping  # a shared task on groups
         if grouping and train_labels is None:
-            raise ValueError(f"shared_sampling={shared_sampling!r} groups the training set: pass train_labels")
-        if shared_batches == "groups" and not (grouping and updates == "algorithm1"):
-            raise ValueError(
-                "shared_batches='groups' draws the shared update's batch from the T^G groups: it needs "
-                "shared_sampling 'tg_std' or 'tg_nostd' and updates='algorithm1'"
-            )
-        if group_batch_workers is not None and shared_batches != "groups":
-            raise ValueError(
-                f"group_batch_workers replays MIC's data-loader workers of the group batches; shared_batches="
-                f"{shared_batches!r} has none: use shared_batches='groups' or leave group_batch_workers unset"
-            )
-        if standardize is None:
-            standardize = "mean" if shared_sampling == "tg_std" else "none"
-        standardize, regroup_standardize = standardize_mode(standardize), standardize_mode(regroup_standardize)
-        if shared_sampling == "tg_nostd" and (standardize != "none" or regroup_standardize != "none"):
-            raise ValueError(
-                f"shared_sampling='tg_nostd' groups without standardisation; standardize={standardize!r}, "
-                f"regroup_standardize={regroup_standardize!r} contradict it (use shared_sampling='tg_std')"
-            )
-        shared_dim = embedding_dim if shared_dim is None else shared_dim
-        heads = {
-            "discriminative": {"phi": embedding_dim},
-            "shared": {"phi_star": shared_dim},
-            "one_head": {"phi": embedding_dim},
-        }.get(architecture, {"phi": embedding_dim, "phi_star": shared_dim})
-        if embed != "concat" and embed not in heads:
-            raise ValueError(f"embed={embed!r} but architecture={architecture!r} has only the head(s) {list(heads)}")
-        shared_head = "phi" if architecture == "one_head" else "phi_star"
-        tasks = []
-        if architecture != "shared":
-            tasks.append(
-                Task(
-                    "discriminative",
-                    "phi",
-                    loss,
-                    loss_options,
-                    miner,
-                    miner_options,
-                    num_classes=num_classes,
-                    embedding_dim=embedding_dim,
-                )
-            )
-        if architecture != "discriminative":
-            s_loss, s_opts = ("triplet", None) if proxies else (loss, loss_options)
-            s_classes = num_groups if grouping else num_classes
-            cls = GroupTask if grouping else Task
-            tasks.append(
-                cls(
-                    "shared",
-                    shared_head,
-                    s_loss,
-                    s_opts,
-                    shared_miner(shared_sampling, shared_sampler),
-                    labels="shared_group" if grouping else "y",
-                    num_classes=s_classes,
-                    embedding_dim=heads[shared_head],
-                )
-            )
-        pairs = [("phi_star", "phi", float(gamma))] if architecture == "separate_decorrelated" else []
+            raise ValueError(f"shared_sampling={o.shared_sampling!r} groups the training set: pass train_labels")
+        proxies = has_proxies(o.loss)
+        shared_sampler = o.shared_sampler
+        if shared_sampler is None:
+            shared_sampler = "random" if o.shared_sampling == "no_constraint" else "semihard" if proxies else "distance"
+        heads, tasks = self._heads_and_tasks(o, num_classes, proxies, shared_sampler)
+        pairs = (
+            [("phi_star", "phi", float(o.decorrelation_weight))] if o.architecture == "separate_decorrelated" else []
+        )
         super().__init__(
             backbone,
             heads,
             tasks,
             pairs,
-            decorrelation_hidden_dim=regressor_hidden_dim,
-            decorrelation_lr=1e-5 if regressor_lr is None else regressor_lr,  # None: set in param_groups
-            decorrelation_weight_decay=regressor_weight_decay,
+            decorrelation_hidden_dim=o.decorrelation_hidden_dim,
+            decorrelation_lr=1e-5 if o.decorrelation_lr is None else o.decorrelation_lr,  # None: set in param_groups
+            decorrelation_weight_decay=o.decorrelation_weight_decay,
         )
-        self.architecture, self.shared_sampling, self.shared_sampler = architecture, shared_sampling, shared_sampler
-        self.updates, self.shared_probability = updates, float(shared_probability)  # gamma: the weight of `pairs`
-        self.shared_flip = shared_flip
-        self.embed_name, self.grouping, self.shared_head = embed, grouping, shared_head
-        self.regressor_lr, self.regressor_weight_decay = regressor_lr, float(regressor_weight_decay)
-        self.num_groups, self.regroup_every, self.kmeans_iterations, self.kmeans_redo = (
-            num_groups,
-            regroup_every,
-            kmeans_iterations,
-            kmeans_redo,
-        )
+        self.options = o
+        self.architecture, self.shared_sampling, self.shared_sampler = o.architecture, o.shared_sampling, shared_sampler
+        self.updates, self.shared_probability = o.updates, float(o.shared_probability)  # gamma: the weight of `pairs`
+        self.shared_flip = o.shared_flip
+        self.embed_name, self.grouping = o.embed, grouping
+        self.shared_head = "phi" if o.architecture == "one_head" else "phi_star"
+        self.decorrelation_lr, self.decorrelation_weight_decay = o.decorrelation_lr, float(o.decorrelation_weight_decay)
+        self.num_groups, self.regroup_every = o.num_groups, o.regroup_every
+        self.kmeans_iterations, self.kmeans_redo, self.kmeans_seed = o.kmeans_iterations, o.kmeans_redo, o.kmeans_seed
         self.kmeans_max_points_per_centroid, self.group_batch_workers = (
-            kmeans_max_points_per_centroid,
-            group_batch_workers,
+            o.kmeans_max_points_per_centroid,
+            o.group_batch_workers,
         )
-        self.group_on, self.first_group_on = group_on, (group_on if first_group_on is None else first_group_on)
-        self.standardize, self.regroup_standardize, self.rematch_groups = (
-            standardize,
-            regroup_standardize,
-            bool(rematch_groups),
-        )
-        self.shared_batches, self.group_swap_probability = shared_batches, float(group_swap_probability)
+        self.group_on = o.group_on
+        self.first_group_on = o.group_on if o.first_group_on is None else o.first_group_on
+        self.standardize, self.regroup_standardize = o.standardize_modes()
+        self.rematch_groups = bool(o.rematch_groups)
+        self.shared_batches, self.group_swap_probability = o.shared_batches_used(), float(o.group_swap_probability)
         self.train_labels = None if train_labels is None else np.asarray(train_labels, dtype=np.int64)
         n = len(self.train_labels) if grouping else 0
         self.register_buffer("groups", torch.full((n,), -1, dtype=torch.long))  # T^G group id of every sample
         self.register_buffer("grouped_epoch", torch.tensor(-1))
         self.cluster_dataset = None
         self._sampler, self._seed = None, 0
+
+    @staticmethod
+    def _heads_and_tasks(o: SharingOptions, num_classes: int, proxies: bool, shared_sampler: str):
+        "The heads ({name: dimension}) of the architecture and its tasks: discriminative on phi, shared on phi_star."
+        shared_dim = o.embedding_dim if o.shared_dim is None else o.shared_dim
+        heads = {
+            "discriminative": {"phi": o.embedding_dim},
+            "shared": {"phi_star": shared_dim},
+            "one_head": {"phi": o.embedding_dim},
+        }.get(o.architecture, {"phi": o.embedding_dim, "phi_star": shared_dim})
+        shared_head = "phi" if o.architecture == "one_head" else "phi_star"
+        tasks = []
+        if o.architecture != "shared":
+            tasks.append(
+                Task(
+                    "discriminative",
+                    "phi",
+                    o.loss,
+                    o.loss_options,
+                    o.miner,
+                    o.miner_options,
+                    num_classes=num_classes,
+                    embedding_dim=o.embedding_dim,
+                )
+            )
+        if o.architecture != "discriminative":
+            s_loss, s_opts = ("triplet", None) if proxies else (o.loss, o.loss_options)
+            cls = GroupTask if o.grouping else Task
+            tasks.append(
+                cls(
+                    "shared",
+                    shared_head,
+                    s_loss,
+                    s_opts,
+                    shared_miner(o.shared_sampling, shared_sampler),
+                    labels="shared_group" if o.grouping else "y",
+                    num_classes=o.num_groups if o.grouping else num_classes,
+                    embedding_dim=heads[shared_head],
+                )
+            )
+        return heads, tasks
 
     # ---------------------------------------------------------------- Algorithm 1
     def tasks_for_step(self, step: int) -> list[Task]:
@@ -281,9 +195,9 @@ class SharingMatters(MultiTaskMethod):
         return [self.tasks["discriminative" if tag == DISCRIMINATIVE else "shared"]]
 
     def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        "As `Method.param_groups`; the regressor's group runs at the run's lr when `regressor_lr` is None (MIC code)."
+        "As `Method.param_groups`; the regressor's group runs at the run's lr when `decorrelation_lr` is None (MIC code)."
         groups = super().param_groups(lr, weight_decay)
-        if self.regressor_lr is None:
+        if self.decorrelation_lr is None:
             for g in groups:
                 if g["name"].startswith("decorrelations."):
                     g["lr"] = lr
@@ -351,7 +265,7 @@ class SharingMatters(MultiTaskMethod):
             self.train_labels,
             self.num_groups,
             self.standardize if first else self.regroup_standardize,
-            seed=ctx.seed("sharing/regroup", ctx.epoch),
+            seed=ctx.seed("sharing/regroup", ctx.epoch) if self.kmeans_seed is None else self.kmeans_seed,
             niter=self.kmeans_iterations,
             nredo=self.kmeans_redo,
             max_points_per_centroid=self.kmeans_max_points_per_centroid,
@@ -439,12 +353,6 @@ class SharingMatters(MultiTaskMethod):
             "sharing/regrouped": int(int(self.grouped_epoch) == epoch),
         }
 
-# %% ../../nbs/54_sharing.ipynb #4920a0f1
-SharingMatters.SMOKE = {
-    "num_groups": 4,
-    "kmeans_iterations": 5,
-}  # smoke size (`repro.smoke`, nbdev_test); MIC inherits it
-
 # %% ../../nbs/54_sharing.ipynb #8d4f1c03
 # T^G as the text reads (features f, mean-std standardised before every grouping), with dml_nb's earlier choices where
 # the text is silent (regroup every epoch, class-balanced shared batches, 5 k-means restarts, re-matched group ids)
@@ -473,24 +381,31 @@ PRESETS.register(
     "T^G as the paper's text reads (features f, mean-std "
     "standardised before every grouping); dml_nb's choices where the text is silent",
 )
+# MIC's code: its defaults, and faiss's k-means seed 1234 at every grouping (`auxiliaries.py:777-780`: `faiss.Kmeans`
+# with faiss's default seed). The method `mic` keeps a seed per grouping (kmeans_seed: None) so that its earlier runs
+# keep their meaning; this preset (and `kmeans_seed: 1234`) gives the code's.
+MIC_CODE = dict(
+    shared_sampling="tg_std",
+    gamma=2500.0,
+    shared_probability=0.8,
+    embed="phi",
+    standardize="mean",
+    shared_batches="groups",
+    kmeans_seed=1234,
+)
 PRESETS.register(
-    "sharing", "mic_code", MIC_DEFAULTS, "MIC's public code's defaults (the method `mic` is `sharing` with these)"
+    "sharing",
+    "mic_code",
+    MIC_CODE,
+    "MIC's public code: its defaults (the method `mic` is `sharing` with these) and its k-means seed 1234 at every grouping",
 )
 
 
 @METHODS.register("mic")
 class MIC(SharingMatters):
-    """MIC (Roth, Brattoli, Ommer, ICCV 2019) as its public code trains it: `sharing` with the defaults in `MIC_DEFAULTS`.
-    Its code's batches and gradient clearing are run settings that the paper files add: `shared_flip=False`,
-    `train.sampler: mic`, `train.zero_grad: zeros` (the defaults stay dml_nb's, so earlier runs keep their meaning)."""
+    """MIC (Roth, Brattoli, Ommer, ICCV 2019) as its public code trains it: `sharing` with the defaults in `MIC_DEFAULTS`
+    (its options: `MICOptions`). Its code's batches and gradient clearing are run settings that the paper files add:
+    `shared_flip=False`, `train.sampler: mic`, `train.zero_grad: zeros` (the defaults stay dml_nb's, so earlier runs
+    keep their meaning); its k-means seed is `kmeans_seed: 1234` (the preset `mic_code`)."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, train_labels=None, **options):
-        super().__init__(backbone, num_classes, train_labels, **{**MIC_DEFAULTS, **options})
-
-
-MIC.__signature__ = inspect.signature(SharingMatters).replace(
-    parameters=[
-        p.replace(default=MIC_DEFAULTS.get(p.name, p.default))
-        for p in inspect.signature(SharingMatters).parameters.values()
-    ]
-)
+    OPTIONS = MICOptions

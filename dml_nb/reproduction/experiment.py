@@ -50,9 +50,9 @@ from dml_nb.reproduction.results import (
 )
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'build_datasets', 'tolerate_unreadable',
-           'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for', 'load_result', 'recorded_threads',
-           'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
+__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'build_data',
+           'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for', 'load_result',
+           'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -101,8 +101,32 @@ def check_data(cfg: Config | dict, images: bool = False, progress: bool = True) 
     return out
 
 
+@dataclass
+class LabelNoise:
+    """The label noise of a training set (`data.label_noise`, BSPML's protocol): its true labels and which samples were
+    relabelled (all False without noise). `build_data` returns it beside the sets; a recipe that declares a
+    `flipped` argument (BSPML) gets the mask from `build_learner`."""
+
+    clean_labels: Any  # (N,) the labels before the noise
+    flipped: Any  # (N,) bool: relabelled
+
+
 def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     "The training set (noisy labels applied) and the evaluation sets of `cfg`; with `data.cache`, from the image cache."
+    train, evals, _ = build_data(cfg, progress)
+    return train, evals
+
+
+def _label_noise_argument(method: str, noise: LabelNoise) -> dict:
+    "{'flipped': the relabelled samples} for a recipe whose constructor declares `flipped` (BSPML's statistics), else {}."
+    import inspect
+
+    return {"flipped": noise.flipped} if "flipped" in inspect.signature(METHODS.get(method)).parameters else {}
+
+
+def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNoise]:
+    """As `build_datasets`, and the training set's `LabelNoise` (its true labels and relabelled samples, declared
+    data rather than attributes attached to the set)."""
     import numpy as np
     from dml_nb.data.datasets import add_label_noise, load_dataset
 
@@ -136,10 +160,9 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
         return ds
 
     train = load("train")
-    train.clean_labels = train.labels.copy()
-    train.flipped = np.zeros(len(train), dtype=bool)
+    noise = LabelNoise(train.labels.copy(), np.zeros(len(train), dtype=bool))
     if d.label_noise > 0:
-        train.labels, train.flipped = add_label_noise(train.labels, d.label_noise, seed=cfg.seed)
+        train.labels, noise.flipped = add_label_noise(train.labels, d.label_noise, seed=cfg.seed)
     evals = {}
     if d.name == "inshop" and d.test_split in ("query", "test"):
         evals["test"] = (load("query"), load("gallery"))
@@ -160,11 +183,12 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
 
         train = JpegImages(train)
         evals = {k: tuple(map(JpegImages, v)) if isinstance(v, tuple) else JpegImages(v) for k, v in evals.items()}
-    return train, evals
+    return train, evals, noise
 
 
-def _load_or_stand_in(ds, mode: str, what: str, load, i: int):
-    "`load(i)`; an image that no longer decodes is an `UnreadableImagesError` naming it, or with 'skip' the next readable image of its class."
+def _load_or_stand_in(ds, mode: str, what: str, load, labels, i: int):
+    """`load(i)`; an image that no longer decodes is an `UnreadableImagesError` naming it, or with 'skip' the next
+    readable image of its class (`labels`: the true classes, read before any label noise)."""
     import numpy as np
 
     try:
@@ -181,7 +205,6 @@ def _load_or_stand_in(ds, mode: str, what: str, load, i: int):
                     "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all"
                 ),
             ) from None
-        labels = getattr(ds, "clean_labels", ds.labels)  # the true classes (label noise may have moved some)
         same = np.flatnonzero(labels == labels[i])
         for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
             try:
@@ -207,7 +230,7 @@ def tolerate_unreadable(ds, mode: str, what: str) -> None:
     """Make an image list `ds` follow `data.on_unreadable` for an image that stops decoding after the check at the
     start (rewritten meanwhile): 'error' stops with an `UnreadableImagesError` naming the file (one line in the CLI),
     'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
-    ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load)
+    ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load, ds.labels)  # labels: before any noise
 
 
 def _warn_small_classes(train, k: int) -> None:
@@ -266,7 +289,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
 
     cfg = make_config(cfg)
     seed_everything(cfg.seed)
-    train, evals = build_datasets(cfg, progress=progress)
+    train, evals, noise = build_data(cfg, progress=progress)
     check_metric_sizes(cfg, evals)  # a recall@k the sets cannot give: before anything trains
     backbone = _built(
         f"model.backbone {cfg.model.backbone!r}",
@@ -279,6 +302,7 @@ def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool
             backbone=backbone,
             num_classes=train.num_classes,
             train_labels=train.labels,
+            **_label_noise_argument(cfg.method.name, noise),
             **cfg.method.options,
         ),
     )

@@ -24,7 +24,7 @@ from .experiment import check_seeds
 from .results import RunStopped, one_line, restored, run_key, runs_folder, stopped_record
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
-from ..core.config import ConfigError, config_to_dict, make_config, merge_layers
+from ..core.config import ConfigError, config_to_dict, make_config, merge_layers, method_options_class
 from .viz import markdown_table
 
 # %% auto #0
@@ -140,7 +140,8 @@ NOVEL_BASE = {  # regime v2 (#37): training matters; chosen on the margin baseli
 
 # %% ../../nbs/64_repro.ipynb #b0c6ae1d
 def _shrink_options(cls, m: dict) -> None:
-    "Cut the method options `m` down in place to the smoke sizes its class declares (`SMOKE`, `SMOKE_IF_SET`, `SMOKE_UNLESS`)."
+    """Cut the method options `m` down in place to the smoke sizes `cls` declares (`SMOKE`, `SMOKE_IF_SET`,
+    `SMOKE_UNLESS`: class variables of the method's options dataclass, `dml_nb.methods.options`)."""
     unless = getattr(cls, "SMOKE_UNLESS", {})
     for k, cap in getattr(cls, "SMOKE", {}).items():  # capped, and set to the cap when not given
         if unless.get(k) not in m:
@@ -163,7 +164,9 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     t["batches_per_epoch"] = 2
     raw.setdefault("eval", {})["every"] = t["epochs"]
     m = raw.get("method", {})
-    _shrink_options(METHODS.get(m.get("name", "baseline")), m.setdefault("options", {}) if "options" in m else m)
+    name = m.get("name", "baseline")
+    sizes = method_options_class(name) or METHODS.get(name)  # a method without an options class: its own (if any)
+    _shrink_options(sizes, m.setdefault("options", {}) if "options" in m else m)
     return raw
 
 # %% ../../nbs/64_repro.ipynb #daca783a
