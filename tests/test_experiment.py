@@ -195,7 +195,7 @@ def test_config_eval_names_are_the_library_readings():
 def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
     "report='best_each' (DiVA's and MIC's summaries): each metric's maximum over the evaluated epochs, NaN rows skipped."
     from types import SimpleNamespace
-    from dml_nb.evaluation.evaluator import EvaluationMixin
+    from dml_nb.evaluation.evaluator import EvalLoop
 
     history = [
         {"epoch": 0, "test/recall@1": 0.50, "test/nmi": 0.70},
@@ -207,7 +207,7 @@ def test_report_best_each_takes_every_metric_at_its_own_best_epoch():
         latest_metrics={"test/recall@1": 0.55, "test/nmi": 0.66}, eval_sets={"test": None}, history=history, epoch=3
     )
     got = {
-        r: EvaluationMixin.reported_metrics(SimpleNamespace(**vars(fake), evaluator=SimpleNamespace(report=r)))
+        r: EvalLoop.reported_metrics(SimpleNamespace(**vars(fake), evaluator=SimpleNamespace(report=r)))
         for r in ("last", "best", "best_each")
     }
     assert got["last"]["metrics"] == {"test/recall@1": 0.55, "test/nmi": 0.66}

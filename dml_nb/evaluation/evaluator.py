@@ -16,7 +16,7 @@ from ..core.config import EvalConfig, make_section
 from .metrics import evaluate
 
 # %% auto #0
-__all__ = ['EvaluationMixin', 'Evaluator', 'RunProgress', 'EvalLoop']
+__all__ = ['Evaluator', 'RunProgress', 'EvalLoop']
 
 # %% ../../nbs/33_evaluator.ipynb #e7a1c0d2
 class Evaluator:
@@ -230,6 +230,3 @@ class EvalLoop:
         if not self.eval_sets:
             return None
         return self.latest_metrics.get(f"{next(iter(self.eval_sets))}/recall@1")
-
-
-EvaluationMixin = EvalLoop  # its name while the Learner inherited it (code that imports that name still runs)

@@ -71,7 +71,13 @@ class Reproduction:
         )  # what the note says: rows may set their own
         with self.policy.applied(), terminal_bars() if self.bars else contextlib.nullcontext():
             per_seed, results = run_rows(
-                rows, self.base, self.seeds, runs_dir=self.runs, progress=self.progress, threads=self.threads
+                rows,
+                self.base,
+                self.seeds,
+                runs_dir=self.runs,
+                progress=self.progress,
+                threads=self.threads,
+                policy=self.policy,
             )
         self.keep(rows)
         prev = getattr(

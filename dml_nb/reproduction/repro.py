@@ -21,7 +21,7 @@ from ..core.base import source_hash, atomic_write, data_root, in_test, project_r
 from ..core.registry import BACKBONES, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
 from .experiment import check_seeds
-from .results import RunStopped, one_line, restored, run_key, runs_folder, stopped_record
+from .results import RunPolicy, RunStopped, one_line, restored, run_key, runs_folder, stopped_record
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..core.config import ConfigError, config_to_dict, make_config, merge_layers, method_options_class
@@ -276,17 +276,19 @@ def run_rows(
     runs_dir: str | Path | None = None,
     progress: bool = True,
     threads: int | None = RUN_THREADS,
+    policy: RunPolicy | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
     reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.reproduction.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained. A seed given twice
-    is an error (`check_seeds`)."""
+    is an error (`check_seeds`). `policy` (train, plan or collect-only; default: the one in force, `run_policy`) is
+    what the notebook's `setup` read at its start: `Reproduction.run` passes its own."""
     from dml_nb.reproduction.sweep import sweep_mode
 
     seeds = check_seeds(seeds)  # a seed given twice: refused before anything runs
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
-    results, skipped, mode = {}, {}, sweep_mode()
-    from tqdm.auto import tqdm as bar_class  # read at each call: `text_progress` may have replaced it
+    results, skipped, mode = {}, {}, sweep_mode(policy)
+    from tqdm.auto import tqdm as bar_class  # read at each call: `terminal_bars` may have replaced it for a run
 
     bar = bar_class([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
     for row, seed in bar:
