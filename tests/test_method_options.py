@@ -201,3 +201,30 @@ def test_keywords_go_over_the_options_object_or_mapping():
     assert DiVAOptions.of({"rho": 1.0}, decorrelation_weight=3.0).decorrelation_weight == 3.0
     with pytest.raises(TypeError, match="Did you mean 'queue_size'"):
         DiVAOptions.of(base, qeue_size=3)
+
+
+def test_options_defined_in_a_notebook_kernel_resolve_their_field_types():
+    """A class a notebook cell defines has `__module__ == '__main__'` while its names live in the kernel's namespace:
+    under `nbdev_test`, a worker that ran `59_options` and then another notebook checked options with such classes
+    (the registry keeps the last one registered), and `typing.get_type_hints` looked for `Optional` in `__main__`."""
+    ns = {"__name__": "__main__"}
+    cell = (
+        "from __future__ import annotations\n"
+        "import dataclasses\n"
+        "from typing import Optional\n"
+        "from dml_nb.methods.options import MethodOptions\n"
+        "@dataclasses.dataclass(kw_only=True)\n"
+        "class CellOptions(MethodOptions):\n"
+        "    k: Optional[int] = None\n"
+        "    def check(self):\n"
+        "        if self.k is not None and self.k < 1:\n"
+        "            raise ValueError('k must be >= 1')\n"
+    )
+    exec(compile(cell, "<ipython-input-1>", "exec"), ns)
+    cls = ns["CellOptions"]
+    assert cls.__module__ == "__main__" and "Optional" not in vars(__import__("__main__"))
+    assert cls(k=3).k == 3
+    with pytest.raises(TypeError, match="k must be"):
+        cls(k="x")
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        cls(k=0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
+import sys
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
@@ -15,7 +17,7 @@ from ..core.config import METHOD_OPTIONS, source_constant
 from ..core.registry import unknown_name_error
 
 # %% auto #0
-__all__ = ['valid_values', 'check_one_of', 'MethodOptions', 'DiVATasks', 'DiVATuples', 'DiVADaNCE', 'DiVAQueue',
+__all__ = ['valid_values', 'check_one_of', 'field_types', 'MethodOptions', 'DiVATasks', 'DiVATuples', 'DiVADaNCE', 'DiVAQueue',
            'DiVADecorrelation', 'DiVAAuxiliary', 'DiVAOptions', 'SharingHeads', 'SharingUpdates', 'SharingTuples',
            'SharingGrouping', 'SharingDecorrelation', 'SharingOptions', 'MICOptions', 'DnCLearners', 'DnCClustering',
            'DnCPhases', 'DnCOptions', 'BSPMLLoss', 'BSPMLAge', 'BSPMLTerms', 'BSPMLSolver', 'BSPMLOptions']
@@ -52,6 +54,19 @@ def _scalar_ok(value, tp) -> bool:
     return True
 
 
+def field_types(cls) -> dict:
+    """The resolved type of every annotated field of `cls` and its bases. The annotations are strings (`from __future__
+    import annotations`); they are resolved in the namespaces the classes' own methods were written in, which is the
+    module's for the package, and for a class a notebook cell defined, that kernel's (`typing.get_type_hints` alone
+    looks in `sys.modules[cls.__module__]`, which is `__main__` there: under `nbdev_test`, a worker that ran this
+    notebook and then another failed with "name 'Optional' is not defined")."""
+    ns = {}
+    for base in reversed(cls.__mro__):
+        own = [f for f in vars(base).values() if inspect.isfunction(f) and f.__code__.co_filename != "<string>"]
+        ns.update(own[0].__globals__ if own else vars(sys.modules.get(base.__module__, typing)))
+    return typing.get_type_hints(cls, globalns=ns)
+
+
 def _scalar(tp) -> bool:
     "Whether `_scalar_ok` checks annotation `tp` (every member of a union a scalar type or None)."
     args = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
@@ -74,7 +89,7 @@ class MethodOptions:
     SMOKE_UNLESS: ClassVar[dict] = {}
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
+        hints = field_types(type(self))
         for f in dataclasses.fields(self):
             value, tp = getattr(self, f.name), hints[f.name]
             if _scalar(tp) and not _scalar_ok(value, tp):
