@@ -712,3 +712,28 @@ def test_an_unwritable_run_cache_is_one_line_naming_dml_runs(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"\$DML_RUNS\) cannot be written to: set \$DML_RUNS or --runs-dir") as e:
         R.check_runs_folder(policy=R.RunPolicy.from_env())
     assert "\n" not in str(e.value)
+
+
+def test_on_unreadable_sets_the_declared_field_not_a_method_from_outside(tmp_path):
+    """`tolerate_unreadable` fills `ImageListDataset.unreadable` (declared in its constructor); `load` stays the class's
+    own method, and `read` is the plain file read that a stand-in uses."""
+    from PIL import Image
+
+    from dml_nb.data.datasets import ImageListDataset
+    from dml_nb.reproduction.experiment import tolerate_unreadable
+
+    paths = []
+    for k in range(4):
+        p = tmp_path / f"{k}.jpg"
+        Image.new("RGB", (8, 8), (40 * k, 0, 0)).save(p)
+        paths.append(p)
+    ds = ImageListDataset(paths, [0, 0, 1, 1])
+    assert ds.unreadable is None
+    tolerate_unreadable(ds, "skip", "test set")
+    assert "load" not in vars(ds) and callable(ds.unreadable)
+    paths[0].write_bytes(b"not a jpeg")
+    with pytest.warns(UserWarning, match="stands in"):
+        img = ds.load(0)
+    assert img.getpixel((0, 0)) == ds.read(1).getpixel((0, 0))
+    with pytest.raises(OSError, match="cannot read image"):
+        ds.read(0)

@@ -77,12 +77,24 @@ class ImageListDataset(torch.utils.data.Dataset):
             self.class_ids = np.asarray(class_ids)
             self.labels = np.searchsorted(self.class_ids, raw_labels).astype(np.int64)
         self.num_classes = len(self.class_ids)
+        # what `load` does when image i stops decoding: None raises the `OSError`; else `unreadable(i, error)` gives
+        # the image to use (`dml_nb.reproduction.experiment.tolerate_unreadable` sets it from `data.on_unreadable`)
+        self.unreadable: Callable[[int, OSError], Image.Image] | None = None
 
     def __len__(self):
         return len(self.paths)
 
     def load(self, i: int) -> Image.Image:
-        "The raw RGB image `i`, no transform."
+        "The raw RGB image `i`, no transform (`read`); one that no longer decodes goes to `unreadable` when it is set."
+        try:
+            return self.read(i)
+        except OSError as e:
+            if self.unreadable is None:
+                raise
+            return self.unreadable(i, e)
+
+    def read(self, i: int) -> Image.Image:
+        "The raw RGB image `i` read from its file; an `OSError` naming the file and the fix when it does not decode."
         try:
             with Image.open(self.paths[i]) as im:
                 return im.convert("RGB")

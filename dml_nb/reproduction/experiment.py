@@ -186,41 +186,38 @@ def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNois
     return train, evals, noise
 
 
-def _load_or_stand_in(ds, mode: str, what: str, load, labels, i: int):
-    """`load(i)`; an image that no longer decodes is an `UnreadableImagesError` naming it, or with 'skip' the next
-    readable image of its class (`labels`: the true classes, read before any label noise)."""
+def _stand_in(ds, mode: str, what: str, labels, i: int, e: OSError):
+    """For image `i` of `ds`, which no longer decodes (`e`): an `UnreadableImagesError` naming it, or with 'skip' the
+    next readable image of its class (`labels`: the true classes, read before any label noise)."""
     import numpy as np
 
-    try:
-        return load(i)
-    except OSError as e:
-        why = " ".join(str(e.__cause__ or e).split())
-        if mode != "skip":
-            raise UnreadableImagesError(
-                [(ds.paths[i], why)],
-                len(ds),
-                what,
-                how=(
-                    "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
-                    "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all"
-                ),
-            ) from None
-        same = np.flatnonzero(labels == labels[i])
-        for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
-            try:
-                img = load(int(j))
-            except OSError:
-                continue
-            if ds.paths[i] not in _STOOD_IN:
-                _STOOD_IN.add(ds.paths[i])
-                warnings.warn(
-                    f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
-                    f"{ds.paths[int(j)].name}, of the same class, stands in for it"
-                )
-            return img
+    why = " ".join(str(e.__cause__ or e).split())
+    if mode != "skip":
         raise UnreadableImagesError(
-            [(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read"
+            [(ds.paths[i], why)],
+            len(ds),
+            what,
+            how=(
+                "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
+                "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all"
+            ),
         ) from None
+    same = np.flatnonzero(labels == labels[i])
+    for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
+        try:
+            img = ds.read(int(j))
+        except OSError:
+            continue
+        if ds.paths[i] not in _STOOD_IN:
+            _STOOD_IN.add(ds.paths[i])
+            warnings.warn(
+                f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
+                f"{ds.paths[int(j)].name}, of the same class, stands in for it"
+            )
+        return img
+    raise UnreadableImagesError(
+        [(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read"
+    ) from None
 
 
 _STOOD_IN: set = set()  # images already warned about (once per process)
@@ -230,7 +227,7 @@ def tolerate_unreadable(ds, mode: str, what: str) -> None:
     """Make an image list `ds` follow `data.on_unreadable` for an image that stops decoding after the check at the
     start (rewritten meanwhile): 'error' stops with an `UnreadableImagesError` naming the file (one line in the CLI),
     'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
-    ds.load = functools.partial(_load_or_stand_in, ds, mode, what, ds.load, ds.labels)  # labels: before any noise
+    ds.unreadable = functools.partial(_stand_in, ds, mode, what, ds.labels)  # labels: before any noise
 
 
 def _warn_small_classes(train, k: int) -> None:
