@@ -16,6 +16,7 @@ NO_PICTURE = {  # notebook: why no picture helps
     "02_params": "the strict YAML reader and its one error",
     "03_threads": "what importing the package does (threads, lazy modules)",
     "04_config": "the config schema and its validation messages",
+    "59_options": "the methods' options as typed data: tables of groups, presets and renamed keys, and their checks",
     "10_formats": "readers of the datasets' index files, checked against the release sizes",
     "13_checks": "tiny fake dataset trees and the image check's verdicts",
     "18_data": "the data layer's public names only",
