@@ -32,7 +32,6 @@ NO_PICTURE = {  # notebook: why no picture helps
     "60a_results": "the committed results folder and its records",
     "61_cli": "the dml-train command line",
     "61a_pretrain": "the dml-pretrain command line",
-    "63_claims": "the verdict rule; the forest plots it feeds are drawn by 62_viz and the reproduction notebooks",
     "64_repro": "the harness of the reproduction notebooks: rows, seeds, tables",
     "65_reproduce": "the dml-reproduce command and the README's verdict table",
     "66_sweep": "planning and launching sweeps",
