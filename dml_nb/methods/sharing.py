@@ -384,7 +384,7 @@ PRESETS.register(
 # MIC's code: its defaults, and faiss's k-means seed 1234 at every grouping (`auxiliaries.py:777-780`: `faiss.Kmeans`
 # with faiss's default seed). The method `mic` keeps a seed per grouping (kmeans_seed: None) so that its earlier runs
 # keep their meaning; this preset (and `kmeans_seed: 1234`) gives the code's.
-MIC_CODE = dict(
+MIC_CODE = dict(  # spelled out, not dict(MIC_DEFAULTS, ...): the preset registry reads it as a literal, without torch
     shared_sampling="tg_std",
     gamma=2500.0,
     shared_probability=0.8,
