@@ -119,3 +119,44 @@ def test_finegrained_novel_loads_by_name_and_from_a_config():
         make_finegrained("train", layout="other")
     with pytest.raises(ValueError, match="finegrained_novel/test must be between 2 and 100"):
         make_finegrained("test", num_classes=101, layout="novel")
+
+
+def test_premise_layout_evaluates_heldout_images_and_its_own_test_count():
+    "Regime v3's data path: the held-out split as the training-class evaluation, the test split's own image count."
+    from dml_nb.reproduction.experiment import build_data
+
+    cfg = make_config(
+        {
+            "data": {
+                "name": "finegrained_premise",
+                "images_per_class": 4,
+                "test_images_per_class": 6,
+                "train_eval_split": "heldout",
+            },
+            "eval": {"metrics": ["recall@1"]},
+        }
+    )
+    train, evals, _ = build_data(cfg, progress=False)
+    assert (train.split, evals["train"].split, evals["test"].split) == ("train", "heldout", "test")
+    assert len(train) == 78 * 4 and len(evals["train"]) == 78 * 4 and len(evals["test"]) == 100 * 6
+    assert not np.array_equal(train.images, evals["train"].images)  # new images of the same classes
+    np.testing.assert_array_equal(train.class_ids, evals["train"].class_ids)
+    g = factor_grid()
+    train_triples = {tuple(g[c, :3]) for c in train.class_ids}
+    assert train_triples.isdisjoint({tuple(g[c, :3]) for c in evals["test"].class_ids})
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"name": "shapes", "train_eval_split": "heldout"}, ["data.train_eval_split", "train"]),
+        ({"name": "finegrained_premise", "train_eval_split": "test"}, ["data.train_eval_split", "heldout"]),
+        ({"name": "cub200", "test_images_per_class": 8}, ["test_images_per_class", "remove it"]),
+    ],
+)
+def test_bad_evaluation_splits_are_named_with_their_fix(data, words):
+    from dml_nb.core.params import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        make_config({"data": data})
+    assert all(w in str(e.value) for w in words), str(e.value)

@@ -19,6 +19,7 @@ from .params import ConfigError, parse_yaml  # the reader of every parameter fil
 from dml_nb.core.registry import (
     BACKBONES,
     DATASETS,
+    FINEGRAINED_SETS,
     LOSSES,
     METHODS,
     MINERS,
@@ -76,6 +77,10 @@ class DataConfig:
         "pil"
     )  # image files: PIL per item in the workers, or JPEG batches
     # decoded on the device with the PIL path's crops (dml_nb.data.batches.JpegImages)
+    test_images_per_class: Optional[int] = added_later(
+        None
+    )  # embedded sets: the test split's own count (None: images_per_class)
+    train_eval_split: str = added_later("train")  # what eval_train measures: the trained images, or "heldout" ones
 
 
 @dataclass
@@ -354,8 +359,8 @@ def _check_parts(cfg: Config) -> None:
                 raise ConfigError(f"method.miner_options: {e}") from None
 
 
-def _check_names(cfg: Config) -> None:
-    d = cfg.data
+def _check_data_names(d: DataConfig) -> None:
+    "The data section's names: the dataset, its splits, and the options that only some sets or paths take."
     if d.name not in DATASETS:
         raise ConfigError(str(unknown_name_error("dataset (data.name)", d.name, DATASETS)))
     if d.test_split not in SPLITS[d.name] or d.test_split == "train":
@@ -365,6 +370,21 @@ def _check_names(cfg: Config) -> None:
                     f"data.test_split of {d.name!r}", d.test_split, [s for s in SPLITS[d.name] if s != "train"]
                 )
             )
+        )
+    if d.train_eval_split not in SPLITS[d.name] or d.train_eval_split == d.test_split:
+        raise ConfigError(
+            str(
+                unknown_name_error(
+                    f"data.train_eval_split of {d.name!r} (the training classes' images that eval_train measures)",
+                    d.train_eval_split,
+                    [s for s in SPLITS[d.name] if s in ("train", "heldout")],
+                )
+            )
+        )
+    if d.test_images_per_class is not None and d.name not in ("shapes", *FINEGRAINED_SETS):
+        raise ConfigError(
+            f"data.test_images_per_class is for the rendered sets (shapes, {', '.join(FINEGRAINED_SETS)}); "
+            f"{d.name!r} reads its test split from disk: remove it"
         )
     if d.cache_dir is not None and not d.cache:
         raise ConfigError(
@@ -376,6 +396,10 @@ def _check_names(cfg: Config) -> None:
             "data.decode: jpeg_batch and data.cache: true are two different image paths: the cache crops "
             "from 256-px copies, the JPEG path from the full images; choose one"
         )
+
+
+def _check_names(cfg: Config) -> None:
+    _check_data_names(cfg.data)
     if cfg.model.backbone not in BACKBONES:
         raise ConfigError(str(unknown_name_error("backbone (model.backbone)", cfg.model.backbone, BACKBONES)))
     _check_options(
@@ -540,6 +564,7 @@ RANGES = {
     "seed": (lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295 (2**32 - 1: what NumPy's seeding accepts)"),
     "data.size": _up_to(8192, " (the image side in pixels)"),
     "data.images_per_class": _up_to(10_000),
+    "data.test_images_per_class": _up_to(10_000),
     "data.label_noise": (lambda v: 0 <= v < 1, "a number in [0, 1) (the fraction of each training class relabelled)"),
     "train.epochs": _up_to(MAX_EPOCHS),
     "train.batch_size": _up_to(1_000_000),

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'DATASETS', 'REAL_DATASETS', 'SPLITS', 'MINERS', 'LOSSES', 'BACKBONES', 'METHODS',
-           'EMBEDDED_SETS', 'SHIPPED_WEIGHTS', 'PRESETS', 'unknown_name_error', 'parse_metric', 'registering_modules',
-           'Registry', 'Presets']
+__all__ = ['METRICS', 'RETRIEVAL_METRICS', 'DATASETS', 'FINEGRAINED_SETS', 'REAL_DATASETS', 'SPLITS', 'MINERS', 'LOSSES',
+           'BACKBONES', 'METHODS', 'EMBEDDED_SETS', 'SHIPPED_WEIGHTS', 'PRESETS', 'unknown_name_error', 'parse_metric',
+           'registering_modules', 'Registry', 'Presets']
 
 # %% ../../nbs/01_registry.ipynb #ae373bce
 def unknown_name_error(kind: str, name: Any, valid) -> ValueError:
@@ -35,7 +35,19 @@ METRICS = (
 )  # evaluated by dml_nb.evaluation.metrics.evaluate
 RETRIEVAL_METRICS = ("map@r", "r_precision")
 # the datasets a config may name: the first five real (read from disk by data.formats), the rest embedded
-DATASETS = ("cub200", "cars196", "sop", "inshop", "vehicleid", "shapes", "digits", "finegrained", "finegrained_novel")
+DATASETS = (
+    "cub200",
+    "cars196",
+    "sop",
+    "inshop",
+    "vehicleid",
+    "shapes",
+    "digits",
+    "finegrained",
+    "finegrained_novel",
+    "finegrained_premise",
+)
+FINEGRAINED_SETS = DATASETS[7:]  # rendered by dml_nb.data.finegrained (EMBEDDED_SETS), sized by images_per_class
 REAL_DATASETS = DATASETS[:5]
 SPLITS = {
     "cub200": ("train", "test"),
@@ -47,6 +59,7 @@ SPLITS = {
     "digits": ("train", "test"),
     "finegrained": ("train", "test"),
     "finegrained_novel": ("train", "test"),
+    "finegrained_premise": ("train", "test", "heldout"),  # heldout: new images of the training classes
 }
 
 

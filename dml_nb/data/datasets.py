@@ -14,7 +14,15 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from ..core.base import data_root
-from ..core.registry import DATASETS, EMBEDDED_SETS, BACKBONES, REAL_DATASETS, SPLITS, unknown_name_error
+from dml_nb.core.registry import (
+    DATASETS,
+    EMBEDDED_SETS,
+    BACKBONES,
+    FINEGRAINED_SETS,
+    REAL_DATASETS,
+    SPLITS,
+    unknown_name_error,
+)
 from dml_nb.data.formats import (
     EXPECTED_FILES,
     DatasetNotFoundError,
@@ -322,6 +330,7 @@ _OPTIONS = {
     "digits": (),
     "finegrained": ("images_per_class", "seed", "num_classes"),
     "finegrained_novel": ("images_per_class", "seed", "num_classes"),
+    "finegrained_premise": ("images_per_class", "seed", "num_classes"),
 }
 ON_UNREADABLE = (None, "error", "skip")
 
@@ -374,7 +383,7 @@ def load_dataset(
         tsize = (size or 32) if PRESET_ALIASES.get(preset, preset) == "small_cnn" else size
         transform = make_transform(preset, train=train, size=tsize, flip=name != "digits")
     if embedded:
-        if name in ("finegrained", "finegrained_novel"):
+        if name in FINEGRAINED_SETS:
             ds = EMBEDDED_SETS.get(name)(split, size=size or 32, **options)  # registered by dml_nb.data.finegrained
         else:
             ds = (

@@ -13,9 +13,10 @@ from ..core.registry import EMBEDDED_SETS, unknown_name_error
 from .datasets import SHAPES, TEXTURES, ArrayDataset, hsv_to_rgb, shape_mask, texture_pattern
 
 # %% auto #0
-__all__ = ['PALETTES', 'PARTS', 'FACTORS', 'FINEGRAINED_SPLITS', 'CLASSES_PER_SPLIT', 'LAYOUTS', 'NOVEL_FAMILY', 'factor_grid',
-           'finegrained_classes', 'render_finegrained', 'make_finegrained', 'finegrained_set', 'finegrained_novel_set',
-           'novel_classes']
+__all__ = ['PALETTES', 'PARTS', 'FACTORS', 'FINEGRAINED_SPLITS', 'CLASSES_PER_SPLIT', 'LAYOUTS', 'NOVEL_FAMILY', 'PREMISE_SPLITS',
+           'PREMISE_TEST_TRIPLES', 'PREMISE_SIBLINGS', 'HELDOUT_STREAM', 'factor_grid', 'finegrained_classes',
+           'render_finegrained', 'make_finegrained', 'finegrained_set', 'finegrained_novel_set', 'novel_classes',
+           'premise_triples', 'premise_classes', 'finegrained_premise_set']
 
 # %% ../../nbs/12_finegrained.ipynb #c3317f65
 PALETTES = {
@@ -196,3 +197,83 @@ def novel_classes(split: str) -> np.ndarray:
         return order[pool[order]]
     start = {"train": 0, "test": CLASSES_PER_SPLIT}[split]
     return order[family[order]][start : start + CLASSES_PER_SPLIT]
+
+# %% ../../nbs/12_finegrained.ipynb #acae54e37e7d407bbb7b55eff062a284
+PREMISE_SPLITS = ("train", "heldout", "test")
+PREMISE_TEST_TRIPLES = 50  # the triples no training class uses; the other 78 train
+PREMISE_SIBLINGS = 2  # test classes per held-out triple: two of its part counts, drawn once (100 test classes)
+HELDOUT_STREAM = 10_000  # held-out images: the renderer's seed + this, another random stream of the same classes
+_PREMISE_LAYOUT_SEED = 2026
+
+
+def _grid_row(shape: int, texture: int, palette: int, parts: int) -> int:
+    "The class id (row of `factor_grid`) of one combination of factor indices."
+    return int(np.ravel_multi_index((shape, texture, palette, parts), [len(v) for v in FACTORS.values()]))
+
+
+def premise_triples() -> np.ndarray:
+    "(128, 3): every (shape, texture, palette) of `NOVEL_FAMILY` as factor indices, in the fixed shuffle of the layout."
+    shapes = [FACTORS["shape"].index(v) for v in NOVEL_FAMILY["shape"]]
+    textures = [FACTORS["texture"].index(v) for v in NOVEL_FAMILY["texture"]]
+    triples = np.array([(s, t, p) for s in shapes for t in textures for p in range(len(PALETTES))])
+    return triples[np.random.default_rng(_PREMISE_LAYOUT_SEED).permutation(len(triples))]
+
+
+def premise_classes(split: str) -> list[tuple[int, ...]]:
+    """The classes of `split` of `finegrained_premise`, each as the class ids (rows of `factor_grid`) its images come
+    from: a training class (`train`, `heldout`) one per number of parts, a test class one."""
+    if split not in PREMISE_SPLITS:
+        raise unknown_name_error("split of 'finegrained_premise'", split, PREMISE_SPLITS)
+    t = premise_triples()
+    n_train = len(t) - PREMISE_TEST_TRIPLES
+    if split in ("train", "heldout"):
+        return [tuple(_grid_row(*tr, k) for k in range(len(PARTS))) for tr in t[:n_train]]
+    rng = np.random.default_rng(_PREMISE_LAYOUT_SEED)
+    parts = [np.sort(rng.choice(len(PARTS), PREMISE_SIBLINGS, replace=False)) for _ in range(PREMISE_TEST_TRIPLES)]
+    return [(_grid_row(*tr, int(k)),) for tr, ks in zip(t[n_train:], parts) for k in ks]
+
+# %% ../../nbs/12_finegrained.ipynb #8dd0d8092fe74a7c96281538738b07e2
+@functools.lru_cache(maxsize=8)
+def _premise_rendered(split: str, images_per_class: int, size: int, seed: int, num_classes: int) -> tuple:
+    "(images, class id per image, grid row per image) of the first `num_classes` classes of `split`, rendered once per process."
+    stream = seed + HELDOUT_STREAM if split == "heldout" else seed
+    images, ids, rows = [], [], []
+    for cls in premise_classes(split)[:num_classes]:
+        counts = [images_per_class // len(cls) + (k < images_per_class % len(cls)) for k in range(len(cls))]
+        for row, n in zip(cls, counts):
+            if n:
+                images.append(render_finegrained(row, n, size, stream))
+                ids += [cls[0]] * n  # a training class is named by its first row (no parts)
+                rows += [row] * n
+    return np.concatenate(images), np.array(ids), np.array(rows)
+
+
+@EMBEDDED_SETS.register("finegrained_premise")
+def finegrained_premise_set(
+    split: str = "train", images_per_class: int = 32, size: int = 32, seed: int = 0, num_classes: int | None = None
+) -> ArrayDataset:
+    """`load_dataset('finegrained_premise')`: split `split` (`train`, `heldout`, `test`) of the premise layout, its first
+    `num_classes` classes (default all) with `images_per_class` images of `size` px; a training class's images take
+    each number of parts in equal shares (the first ones one more when they do not divide)."""
+    if split not in PREMISE_SPLITS:
+        raise unknown_name_error("split of 'finegrained_premise'", split, PREMISE_SPLITS)
+    total = len(premise_classes(split))
+    num_classes = total if num_classes is None else num_classes
+    if not 2 <= num_classes <= total:
+        raise ValueError(f"num_classes of finegrained_premise/{split} must be between 2 and {total}, got {num_classes}")
+    if not 32 <= size <= 64:
+        raise ValueError(f"finegrained size must be between 32 and 64 px, got {size}")
+    if images_per_class < 2:
+        raise ValueError(f"images_per_class must be at least 2 (positives), got {images_per_class}")
+    images, ids, rows = _premise_rendered(split, images_per_class, size, seed, num_classes)
+    f = factor_grid()[rows]
+    return ArrayDataset(
+        images.copy(),
+        ids,
+        name="finegrained_premise",
+        split=split,
+        shape_ids=f[:, 0],
+        texture_ids=f[:, 1],
+        palette_ids=f[:, 2],
+        part_ids=f[:, 3],
+    )

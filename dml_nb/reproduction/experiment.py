@@ -30,7 +30,7 @@ from dml_nb.core.base import (
     lock_dir,
     remove_temp_files,
 )
-from ..core.registry import METHODS, METRICS, REAL_DATASETS, parse_metric
+from ..core.registry import FINEGRAINED_SETS, METHODS, METRICS, REAL_DATASETS, parse_metric
 from ..data.formats import DatasetNotFoundError, read_index
 from ..data.checks import UnreadableImagesError, check_images
 from ..core.config import Config, ConfigError, config_to_dict, make_config
@@ -124,6 +124,20 @@ def _label_noise_argument(method: str, noise: LabelNoise) -> dict:
     return {"flipped": noise.flipped} if "flipped" in inspect.signature(METHODS.get(method)).parameters else {}
 
 
+def _eval_sets(d, load) -> dict:
+    """{'test': the test split (In-Shop: its query and gallery), 'train': the training classes' images that
+    `eval_train` measures (the trained ones, or `data.train_eval_split: heldout`)}, each read by `load(split, **extra)`."""
+    evals = {}
+    if d.name == "inshop" and d.test_split in ("query", "test"):
+        evals["test"] = (load("query"), load("gallery"))
+    else:
+        test_extra = {"images_per_class": d.test_images_per_class} if d.test_images_per_class else {}
+        evals["test"] = load(d.test_split, **test_extra)
+    if d.eval_train:
+        evals["train"] = load(d.train_eval_split, augment=False)
+    return evals
+
+
 def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNoise]:
     """As `build_datasets`, and the training set's `LabelNoise` (its true labels and relabelled samples, declared
     data rather than attributes attached to the set)."""
@@ -132,9 +146,9 @@ def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNois
 
     d = cfg.data
     opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}  # the backbone's own preprocessing
-    if d.name in ("shapes", "finegrained", "finegrained_novel") and d.images_per_class:
+    if d.name in ("shapes", *FINEGRAINED_SETS) and d.images_per_class:
         opts["images_per_class"] = d.images_per_class
-    if d.name in ("shapes", "finegrained", "finegrained_novel"):
+    if d.name in ("shapes", *FINEGRAINED_SETS):
         opts["seed"] = 0  # the data set itself does not change with the run's seed
     kw = (
         {"root": config_data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress}
@@ -144,7 +158,7 @@ def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNois
 
     def load(split, **extra):
         try:
-            ds = load_dataset(d.name, split=split, **kw, **opts, **extra)
+            ds = load_dataset(d.name, split=split, **kw, **{**opts, **extra})
         except UnreadableImagesError as e:
             raise UnreadableImagesError(
                 e.bad,
@@ -163,13 +177,7 @@ def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNois
     noise = LabelNoise(train.labels.copy(), np.zeros(len(train), dtype=bool))
     if d.label_noise > 0:
         train.labels, noise.flipped = add_label_noise(train.labels, d.label_noise, seed=cfg.seed)
-    evals = {}
-    if d.name == "inshop" and d.test_split in ("query", "test"):
-        evals["test"] = (load("query"), load("gallery"))
-    else:
-        evals["test"] = load(d.test_split)
-    if d.eval_train:
-        evals["train"] = load("train", augment=False)
+    evals = _eval_sets(d, load)
     if d.cache:
         from dml_nb.data.cache import cache_images
 

@@ -18,7 +18,7 @@ import yaml
 
 from .claims import metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
-from ..core.registry import BACKBONES, METHODS
+from ..core.registry import BACKBONES, FINEGRAINED_SETS, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
 from .experiment import check_seeds
 from .results import RunPolicy, RunStopped, one_line, restored, run_key, runs_folder, stopped_record
@@ -28,9 +28,10 @@ from ..core.config import ConfigError, config_to_dict, make_config, merge_layers
 from .viz import markdown_table
 
 # %% auto #0
-__all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'SECTIONS', 'paper_variant', 'output_dirs', 'base_config',
-           'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner', 'portable', 'job_config', 'run_rows',
-           'reported_as', 'seeds_status', 'summarize', 'paper_numbers', 'compare', 'write_table', 'collect_runs']
+__all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'PREMISE_BASE', 'SECTIONS', 'paper_variant',
+           'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner',
+           'portable', 'job_config', 'run_rows', 'reported_as', 'seeds_status', 'summarize', 'paper_numbers', 'compare',
+           'write_table', 'collect_runs']
 
 # %% ../../nbs/64_repro.ipynb #485c4a64
 EMBEDDED = (
@@ -38,6 +39,7 @@ EMBEDDED = (
     "shapes",
     "digits",
     "finegrained_novel",
+    "finegrained_premise",
 )  # the data sets made here: every notebook's default run
 
 
@@ -99,12 +101,16 @@ def base_config(
     train: Mapping | None = None,
     eval: Mapping | None = None,
 ) -> dict:
-    """The notebook's base config: `FINEGRAINED_BASE` for `finegrained`, `SHAPES_BASE` for the other embedded sets (and
+    """The notebook's base config: `FINEGRAINED_BASE` for `finegrained` (regime v1), `NOVEL_BASE` for `finegrained_novel`
+    (v2), `PREMISE_BASE` for `finegrained_premise` (v3), `SHAPES_BASE` for the other embedded sets (and
     the model and schedule of the paper datasets until their parameter files replace them), overridden by the given sections."""
-    raw = copy.deepcopy(
-        FINEGRAINED_BASE if dataset == "finegrained" else NOVEL_BASE if dataset == "finegrained_novel" else SHAPES_BASE
-    )
-    if dataset not in ("shapes", "finegrained", "finegrained_novel"):
+    regimes = {
+        "finegrained": "FINEGRAINED_BASE",
+        "finegrained_novel": "NOVEL_BASE",
+        "finegrained_premise": "PREMISE_BASE",
+    }
+    raw = copy.deepcopy(globals()[regimes.get(dataset, "SHAPES_BASE")])  # by name: the later regimes are defined below
+    if dataset not in ("shapes", *FINEGRAINED_SETS):
         raw["data"] = {"name": dataset}
     if dataset == "digits":  # five training classes: a batch of 40 = 5 classes x 8 images
         raw["train"].update(batch_size=40, samples_per_class=8)
@@ -138,6 +144,21 @@ NOVEL_BASE = {  # regime v2 (#37): training matters; chosen on the margin baseli
     "eval": {"every": 8, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"], "nmi_seeds": 3},
 }
 
+# %% ../../nbs/64_repro.ipynb #acae54e37e7d407bbb7b55eff062a284
+PREMISE_BASE = {  # regime v3 (#47): the papers' premise; chosen on the margin baseline alone, nbs/67_regime.ipynb
+    "data": {
+        "name": "finegrained_premise",
+        "images_per_class": 32,  # 8 of each number of parts
+        "test_images_per_class": 64,  # 6,400 test queries
+        "train_eval_split": "heldout",
+        "size": 32,
+        "cache": True,
+    },
+    "model": copy.deepcopy(NOVEL_BASE["model"]),
+    "train": {**copy.deepcopy(NOVEL_BASE["train"]), "epochs": 12},
+    "eval": {**copy.deepcopy(NOVEL_BASE["eval"]), "every": 12},
+}
+
 # %% ../../nbs/64_repro.ipynb #b0c6ae1d
 def _shrink_options(cls, m: dict) -> None:
     """Cut the method options `m` down in place to the smoke sizes `cls` declares (`SMOKE`, `SMOKE_IF_SET`,
@@ -157,8 +178,10 @@ def smoke(raw: Mapping, force: bool = False) -> dict:
     if not (force or in_test()):
         return raw
     data = raw.setdefault("data", {})
-    if data.get("name", "shapes") in ("shapes", "finegrained", "finegrained_novel"):
+    if data.get("name", "shapes") in ("shapes", *FINEGRAINED_SETS):
         data["images_per_class"] = 6
+        if data.get("test_images_per_class"):
+            data["test_images_per_class"] = 6
     t = raw.setdefault("train", {})
     t["epochs"] = min(int(t.get("epochs", 2)), 2)
     t["batches_per_epoch"] = 2

@@ -5,6 +5,7 @@
 # %% ../../nbs/67b_transfer.ipynb #7dc77294
 from __future__ import annotations
 import ast
+import copy
 import dataclasses
 import json
 import math
@@ -26,7 +27,7 @@ from .repro import SECTIONS, Row
 __all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'TRANSFER_COLUMNS', 'KEPT_TRAIN', 'NOT_KEPT',
            'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults', 'paper_files', 'RowSetting',
            'row_settings', 'notebook_rows', 'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest',
-           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table']
+           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters']
 
 # %% ../../nbs/67b_transfer.ipynb #4a1a8f23
 EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to every recipe
@@ -415,3 +416,43 @@ def kept_table(stems: Sequence[str] | None = None, every_file: bool = False, tra
 
 
 KEPT_COLUMNS = ["notebook", "paper_file", "row", "recipe", "setting", "paper_value", "mini_value", "reason", "note"]
+
+# %% ../../nbs/67b_transfer.ipynb #acae54e37e7d407bbb7b55eff062a284
+def _transfer_spec(spec: dict, paper: RowSetting, epochs: int) -> dict:
+    "The method section of row spec `spec` (a paper file's), its epoch-based settings scaled to `epochs` by the rule."
+    method = dict(spec["method"])
+    for setting, (unit, _) in settings_of(paper.recipe).items():
+        if setting.startswith("train."):
+            continue  # the regime's schedule
+        value = in_effect(paper, setting)
+        if value is None:
+            continue
+        new, _ = rule_value(value, unit, paper.epochs, epochs, paper, paper)
+        method[setting] = epochs if new == "never" else new
+    return method
+
+
+def _put(tree: dict, path: list[str], value) -> None:
+    "Set `value` at the nested `path` of `tree`."
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def transferred_parameters(stem: str, epochs: int, paper_file: str | Path | None = None) -> dict:
+    """The method-spec parameters of notebook `stem` (`rows`, `diva`, ...) transferred from its paper file (default:
+    `paper_files(stem)`) to a run of `epochs` epochs by the rule; the notebook's other parameters are not included."""
+    path = Path(paper_file) if paper_file else paper_files(stem)[0]
+    params = yaml.safe_load(path.read_text()) or {}
+    rows = file_rows(path, stem)
+    specs = method_specs(params)
+    if not specs:
+        raise ValueError(f"{path}: no method spec to transfer (a row with a recipe `name`, or a recipe parameter)")
+    out = copy.deepcopy({k: v for k, v in params.items() if k in {w.split("/")[0] for w, _ in specs}})
+    for where, spec in specs:
+        method = _transfer_spec(spec, rows[where], epochs)
+        keys = where.split("/")
+        if len(keys) == 1 and keys[0] in RECIPE_PARAMS and "name" not in params[keys[0]]:
+            method.pop("name", None)  # a recipe parameter (`diva: {...}`) names its recipe by its key
+        _put(out, keys, {"method": method, "model": spec["model"]} if "model" in spec else method)
+    return out
