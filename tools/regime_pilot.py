@@ -1,0 +1,71 @@
+"""Run reproduction notebooks in another regime, their rows transferred from the paper files by the rule.
+
+    python tools/regime_pilot.py repro_table3 repro_diva_table2 --dataset finegrained_premise --runs-dir runs
+
+builds each notebook's method-spec parameters with `dml_nb.reproduction.transfer.transferred_parameters` for the
+regime's epochs (the base config of `--dataset`: `PREMISE_BASE` for `finegrained_premise`, regime v3), then runs a
+bare `dml-reproduce` of the notebook with them (`-y`: it writes only `figures/local-.../` and the run cache), at
+`--threads` CPU threads per run and `--workers` runs at a time. `--keep DIR` copies each notebook's claims file,
+table and figures into DIR (for example `figures/regime_v3_pilot`), the parameters it ran with beside them.
+`--print` only prints the parameters.
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dml_nb.reproduction.repro import base_config
+from dml_nb.reproduction.transfer import transferred_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parameters(stem: str, dataset: str) -> dict:
+    "The papermill parameters of `stem` in the regime of `dataset`: the dataset and the transferred method specs."
+    epochs = int(base_config(dataset)["train"]["epochs"])
+    return {"dataset": dataset, **transferred_parameters(stem, epochs)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("notebooks", nargs="+")
+    p.add_argument("--dataset", default="finegrained_premise", help="the regime's embedded set (default: v3's)")
+    p.add_argument("--runs-dir", default=str(ROOT / "runs"), help="the run cache (default <project>/runs)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--keep", help="copy each notebook's claims, table and figures here")
+    p.add_argument("--print", action="store_true", help="print the parameters and stop")
+    args = p.parse_args(argv)
+    for stem in args.notebooks:
+        params = parameters(stem, args.dataset)
+        if args.print:
+            print(f"# {stem}\n{json.dumps(params, indent=1)}")
+            continue
+        cmd = ["dml-reproduce", stem, "-y", json.dumps(params), "--runs-dir", args.runs_dir, "--force"]
+        cmd += ["--launch", "local", "--workers", str(args.workers), "--threads", str(args.threads)]
+        print("+", " ".join(cmd[:2]), "-y <transferred parameters>", *cmd[4:], flush=True)
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        print(out.stdout[-3000:], out.stderr[-3000:] if out.returncode else "", sep="\n", flush=True)
+        if out.returncode:
+            return out.returncode
+        if args.keep:
+            made = max(
+                (ROOT / "figures").glob("local-*"),
+                key=lambda d: (
+                    (d / f"{stem}_claims.json").stat().st_mtime if (d / f"{stem}_claims.json").exists() else 0
+                ),
+            )
+            keep = Path(args.keep)
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in made.glob(f"{stem}*"):
+                shutil.copy2(f, keep / f.name)
+            (keep / f"{stem}_parameters.json").write_text(json.dumps(params, indent=1) + "\n")
+            print(f"kept {stem}'s files from {made.relative_to(ROOT)} in {keep}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
