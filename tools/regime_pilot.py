@@ -6,8 +6,8 @@ builds each notebook's method-spec parameters with `dml_nb.reproduction.transfer
 regime's epochs (the base config of `--dataset`: `PREMISE_BASE` for `finegrained_premise`, regime v3), then runs a
 bare `dml-reproduce` of the notebook with them (`-y`: it writes only `figures/local-.../` and the run cache), at
 `--threads` CPU threads per run and `--workers` runs at a time. `--keep DIR` copies each notebook's claims file,
-table and figures into DIR (for example `figures/regime_v3_pilot`), the parameters it ran with beside them.
-`--print` only prints the parameters.
+table and figures into DIR (for example `figures/regime_v3_pilot`), the parameters it ran with beside them
+(`<notebook>_parameters.yaml`). `--print` only prints the parameters.
 """
 
 import argparse
@@ -15,7 +15,10 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 from dml_nb.reproduction.repro import base_config
 from dml_nb.reproduction.transfer import transferred_parameters
@@ -44,10 +47,13 @@ def main(argv=None) -> int:
         if args.print:
             print(f"# {stem}\n{json.dumps(params, indent=1)}")
             continue
-        cmd = ["dml-reproduce", stem, "-y", json.dumps(params), "--runs-dir", args.runs_dir, "--force"]
-        cmd += ["--launch", "local", "--workers", str(args.workers), "--threads", str(args.threads)]
-        print("+", " ".join(cmd[:2]), "-y <transferred parameters>", *cmd[4:], flush=True)
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{stem}-") as f:  # YAML: 1.0e-05 stays a number
+            yaml.safe_dump(params, f, sort_keys=False)
+            f.flush()
+            cmd = ["dml-reproduce", stem, "-f", f.name, "--runs-dir", args.runs_dir, "--force"]
+            cmd += ["--launch", "local", "--workers", str(args.workers), "--threads", str(args.threads)]
+            print("+", " ".join(cmd[:2]), "-f <transferred parameters>", *cmd[4:], flush=True)
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         print(out.stdout[-3000:], out.stderr[-3000:] if out.returncode else "", sep="\n", flush=True)
         if out.returncode:
             return out.returncode
@@ -62,7 +68,7 @@ def main(argv=None) -> int:
             keep.mkdir(parents=True, exist_ok=True)
             for f in made.glob(f"{stem}*"):
                 shutil.copy2(f, keep / f.name)
-            (keep / f"{stem}_parameters.json").write_text(json.dumps(params, indent=1) + "\n")
+            (keep / f"{stem}_parameters.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
             print(f"kept {stem}'s files from {made.relative_to(ROOT)} in {keep}")
     return 0
 
