@@ -5,6 +5,7 @@
     python benchmarks/readme_timings.py --only quickstart    # one of: quickstart, main, flagship, tests
     python benchmarks/readme_timings.py --only tests         # the README's test command (about 20 minutes)
     python benchmarks/readme_timings.py --only flagship-train   # the flagship's 35 runs from an empty run cache
+    python benchmarks/readme_timings.py --only whole-set    # every notebook from an empty run cache (hours)
 
 Each command runs as a child process in a fresh temporary run cache (nothing of the project's `runs/` or `figures/`
 is read or written), so a stored result never stands in for the training. The table gives the wall time, the CPU
@@ -93,6 +94,26 @@ def commands(tmp: Path) -> dict:
             ],
             {},
         ),
+        "whole-set": (
+            "The whole set from an empty run cache (every notebook's runs, two at a time, then the notebooks)",
+            "dml-reproduce --launch local --workers 2 --threads 1 --results-dir none",
+            [
+                str(Path(py).parent / "dml-reproduce"),
+                "--launch",
+                "local",
+                "--workers",
+                "2",
+                "--threads",
+                "1",
+                "--results-dir",
+                "none",
+                "--runs-dir",
+                str(tmp / "runs_w"),
+                "-y",
+                f"output: {{figures_dir: {tmp / 'figures_w'}}}",
+            ],
+            {},
+        ),
         "tests": (
             "The README's test command",
             "nbdev_test --do_print --timing && pytest -n 3",
@@ -137,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["quickstart", "main", "flagship", "flagship-train", "tests"],
+        choices=["quickstart", "main", "flagship", "flagship-train", "whole-set", "tests"],
         default=["quickstart", "main", "flagship"],
     )
     args = ap.parse_args(argv)

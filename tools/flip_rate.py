@@ -10,11 +10,14 @@ Extra `dml-reproduce` arguments (for example `-y "dataset: finegrained_premise"`
 the claims are compared with DIR's files in place of the committed ones, and `--after DIR` names where the retrained
 notebooks wrote (default `figures/local/`).
 A *flip* is a decided claim (holds or fails) whose verdict changed; a claim moving between unresolved and a
-decision is counted apart.
+decision is counted apart. `--runs-before DIR` (the run cache of the first training, default `<project>/runs`) with
+`--runs-dir` also compares the runs themselves: every run of the retraining against the run of the same config
+(same folder name) in DIR, by test Recall@1, with the thread counts each recorded.
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +55,28 @@ def compare(before: dict, after: dict) -> tuple[list, dict]:
     return lines, n
 
 
+def run_differences(before: Path, after: Path, metric: str = "recall@1") -> dict:
+    """Each run finished in run cache `after` against the run of the same folder name in `before`: the differences of
+    the test `metric` of the run's reported embedding (after - before, points), the threads each run recorded, and
+    how many runs are identical in it."""
+    diffs, threads, key = [], set(), f"test/{metric}"
+    for m1 in sorted(after.glob("*/metrics.json")):
+        m0 = before / m1.parent.name / "metrics.json"
+        if not m0.exists():
+            continue
+        a, b = json.loads(m0.read_text()), json.loads(m1.read_text())
+        if key in a["metrics"] and key in b["metrics"]:
+            diffs.append(100 * (b["metrics"][key] - a["metrics"][key]))
+            threads.add((a.get("threads"), b.get("threads")))
+    return {
+        "runs": len(diffs),
+        "sd": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
+        "max": max((abs(x) for x in diffs), default=float("nan")),
+        "identical runs": sum(x == 0 for x in diffs),
+        "threads": sorted(threads, key=str),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="+")
@@ -59,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--runs-dir", required=True, help="an empty run cache for the retraining")
     p.add_argument("--compare-only", action="store_true", help="compare figures/local/ without training")
+    p.add_argument("--runs-before", help="the first training's run cache: compare each retrained run with its own")
     p.add_argument("--against", help="folder of the claims files to compare with (default: the committed figures/)")
     p.add_argument(
         "--after",
@@ -89,6 +115,13 @@ def main(argv=None) -> int:
         f"\n{total['claims']} claims, {total['decided before']} decided before: {total['flips']} flipped, "
         f"{total['to or from unresolved']} moved between unresolved and a decision, {total['same']} unchanged"
     )
+    if args.runs_before:
+        r = run_differences(Path(args.runs_before), Path(args.runs_dir))
+        print(
+            f"{r['runs']} runs compared with their first training by test R@1 (threads before, after: "
+            f"{r['threads']}): SD of the differences {r['sd']:.2f} points, at most "
+            f"{r['max']:.2f}; {r['identical runs']} runs identical"
+        )
     return 0
 
 

@@ -18,16 +18,18 @@ import yaml
 
 from ..core.base import project_root
 from ..core.config import make_config, method_options_class
-from ..core.registry import unknown_name_error
+from ..core.registry import LOSSES, MINERS, unknown_name_error
 from ..methods import options as _options  # noqa: F401  registers every recipe's options class (METHOD_OPTIONS)
 from .notebook import notebook_defaults, params_base
-from .repro import SECTIONS, Row
+from .experiment import run_dir_for
+from .repro import SECTIONS, Row, base_config
 
 # %% auto #0
 __all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'TRANSFER_COLUMNS', 'KEPT_TRAIN', 'NOT_KEPT',
            'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults', 'paper_files', 'RowSetting',
            'row_settings', 'notebook_rows', 'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest',
-           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters']
+           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters',
+           'baselines_table']
 
 # %% ../../nbs/67b_transfer.ipynb #4a1a8f23
 EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to every recipe
@@ -456,3 +458,79 @@ def transferred_parameters(stem: str, epochs: int, paper_file: str | Path | None
             method.pop("name", None)  # a recipe parameter (`diva: {...}`) names its recipe by its key
         _put(out, keys, {"method": method, "model": spec["model"]} if "model" in spec else method)
     return out
+
+# %% ../../nbs/67b_transfer.ipynb #b8b82b80
+def _filled(method: Mapping) -> dict:
+    "A baseline row's method options with its loss's and miner's options written out at their defaults."
+    out = dict(method)
+    for part, registry in (("loss", LOSSES), ("miner", MINERS)):
+        name = out.get(part)
+        if isinstance(name, str) and name in registry.names():
+            given = dict(out.get(f"{part}_options") or {})
+            out[f"{part}_options"] = {o: registry.default(name, o) for o in registry.options(name)} | given
+    return out
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict:
+    "{'a.b': value} of a nested mapping."
+    out = {}
+    for k, v in tree.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v}
+    return out
+
+
+def _baseline_runs(dataset: str, stems: Sequence[str] | None) -> dict:
+    "{run folder (seed 0): its spec, loss, size and the notebook rows it serves} of the transferred baseline rows."
+    base = base_config(dataset)
+    epochs, runs = int(base["train"]["epochs"]), {}
+    for stem in stems_of(stems):
+        for where, spec in method_specs(transferred_parameters(stem, epochs)):
+            method = spec.get("method", spec)
+            if method.get("name") != "baseline":
+                continue
+            key = run_dir_for(make_config({**Row(where, spec).config(base), "seed": 0}), ".").name
+            shown = {
+                "method": {k: v for k, v in method.items() if k != "name"},
+                **{k: v for k, v in spec.items() if k != "method" and "method" in spec},
+            }
+            r = runs.setdefault(
+                key, {"spec": shown, "loss": method.get("loss"), "dim": method.get("embedding_dim"), "rows": []}
+            )
+            r["rows"].append(f"{stem}: {where}")
+    return runs
+
+
+def baselines_table(dataset: str = "finegrained_premise", stems: Sequence[str] | None = None) -> pd.DataFrame:
+    """The baseline-recipe rows of the notebooks' paper files (`stems`, None: all) transferred to the regime of
+    `dataset`: one line per distinct run, its loss and embedding size, the rows it serves, and `differs`: the settings
+    that set it apart from the run that most rows of its loss and size use (`trains_alike`: equal once the loss's and
+    miner's options are written out at their defaults)."""
+    runs, out = _baseline_runs(dataset, stems), []
+    for (loss, dim), group in pd.Series(runs).groupby(lambda k: (runs[k]["loss"], runs[k]["dim"])):
+        ref = max(group.index, key=lambda k: len(runs[k]["rows"]))
+        ref_flat = _flat(runs[ref]["spec"] | {"method": _filled(runs[ref]["spec"]["method"])})
+        for key in sorted(group.index, key=lambda k: (k != ref, k)):
+            spec = runs[key]["spec"]
+            flat = _flat(spec | {"method": _filled(spec["method"])})
+            written = _flat(spec)
+            differs = {
+                k: written.get(k, flat.get(k))
+                for k in sorted(set(flat) | set(ref_flat))
+                if flat.get(k) != ref_flat.get(k)
+            }
+            spelled = {
+                k: v for k, v in written.items() if k not in _flat(runs[ref]["spec"]) and flat.get(k) == ref_flat.get(k)
+            }
+            out.append(
+                {
+                    "loss": loss,
+                    "embedding_dim": dim,
+                    "run (seed 0)": key,
+                    "rows": len(runs[key]["rows"]),
+                    "used by": "; ".join(runs[key]["rows"]),
+                    "differs": ", ".join(f"{k}={v}" for k, v in differs.items())
+                    or ("" if key == ref else "spelling: " + ", ".join(spelled)),
+                    "trains_alike": not differs,
+                }
+            )
+    return pd.DataFrame(out)
