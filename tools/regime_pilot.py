@@ -37,6 +37,11 @@ def main(argv=None) -> int:
     p.add_argument("notebooks", nargs="+")
     p.add_argument("--dataset", default="finegrained_premise", help="the regime's embedded set (default: v3's)")
     p.add_argument("--runs-dir", default=str(ROOT / "runs"), help="the run cache (default <project>/runs)")
+    p.add_argument(
+        "--results-dir",
+        help="the results folder restored into the run cache first (default: dml-reproduce's, <project>/results; "
+        "'none' for a retraining that must train every run, as a flip-rate run)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--keep", help="copy each notebook's claims, table and figures here")
@@ -52,6 +57,7 @@ def main(argv=None) -> int:
             f.flush()
             cmd = ["dml-reproduce", stem, "-f", f.name, "--runs-dir", args.runs_dir, "--force"]
             cmd += ["--launch", "local", "--workers", str(args.workers), "--threads", str(args.threads)]
+            cmd += ["--results-dir", args.results_dir] if args.results_dir else []
             print("+", " ".join(cmd[:2]), "-f <transferred parameters>", *cmd[4:], flush=True)
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         print(out.stdout[-3000:], out.stderr[-3000:] if out.returncode else "", sep="\n", flush=True)
