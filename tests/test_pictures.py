@@ -35,7 +35,6 @@ NO_PICTURE = {  # notebook: why no picture helps
     "64_repro": "the harness of the reproduction notebooks: rows, seeds, tables",
     "65_reproduce": "the dml-reproduce command and the README's verdict table",
     "66_sweep": "planning and launching sweeps",
-    "67_regime": "the record of the measurements that chose the embedded regime, as tables",
     "68_notebook": "the setup call every reproduction notebook starts with",
     "69_launch": "where a sweep's runs are launched (processes, GPUs, SLURM)",
 }
