@@ -36,6 +36,22 @@ print({k: round(v, 3) for k, v in res.metrics.items() if k.startswith("test/")})
 """
 
 
+TRAIN_FLAGS = ["--launch", "local", "--workers", "2", "--threads", "1", "--results-dir", "none"]
+
+
+def train_from_empty(py: str, tmp: Path, notebooks: list) -> list:
+    "argv of `dml-reproduce` training `notebooks` (all: []) into an empty run cache under `tmp`, figures there too."
+    return [
+        str(Path(py).parent / "dml-reproduce"),
+        *notebooks,
+        *TRAIN_FLAGS,
+        "--runs-dir",
+        str(tmp / "runs"),
+        "-y",
+        f"output: {{figures_dir: {tmp / 'figures'}}}",
+    ]
+
+
 def commands(tmp: Path) -> dict:
     "name -> (what the README calls it, the command shown, argv, environment additions)."
     py = sys.executable
@@ -75,43 +91,14 @@ def commands(tmp: Path) -> dict:
         ),
         "flagship-train": (
             "Flagship from an empty run cache (35 runs, two at a time, then the notebook)",
-            "dml-reproduce repro_table3 --launch local --workers 2 --threads 1 --results-dir none",
-            [
-                str(Path(py).parent / "dml-reproduce"),
-                "repro_table3",
-                "--launch",
-                "local",
-                "--workers",
-                "2",
-                "--threads",
-                "1",
-                "--results-dir",
-                "none",
-                "--runs-dir",
-                str(tmp / "runs_t"),
-                "-y",
-                f"output: {{figures_dir: {tmp / 'figures_t'}}}",
-            ],
+            f"dml-reproduce repro_table3 {' '.join(TRAIN_FLAGS)}",
+            train_from_empty(py, tmp / "flagship", ["repro_table3"]),
             {},
         ),
         "whole-set": (
             "The whole set from an empty run cache (every notebook's runs, two at a time, then the notebooks)",
-            "dml-reproduce --launch local --workers 2 --threads 1 --results-dir none",
-            [
-                str(Path(py).parent / "dml-reproduce"),
-                "--launch",
-                "local",
-                "--workers",
-                "2",
-                "--threads",
-                "1",
-                "--results-dir",
-                "none",
-                "--runs-dir",
-                str(tmp / "runs_w"),
-                "-y",
-                f"output: {{figures_dir: {tmp / 'figures_w'}}}",
-            ],
+            f"dml-reproduce {' '.join(TRAIN_FLAGS)}",
+            train_from_empty(py, tmp / "whole", []),
             {},
         ),
         "tests": (
