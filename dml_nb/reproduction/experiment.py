@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
@@ -50,9 +50,9 @@ from dml_nb.reproduction.results import (
 )
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'build_data',
-           'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for', 'load_result',
-           'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
+__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'eval_dataset',
+           'build_data', 'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for',
+           'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -115,6 +115,18 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
     "The training set (noisy labels applied) and the evaluation sets of `cfg`; with `data.cache`, from the image cache."
     train, evals, _ = build_data(cfg, progress)
     return train, evals
+
+
+def eval_dataset(config: Mapping, split: str = "test", progress: bool = False):
+    """The evaluation set whose embeddings a run saved under `split` ('test'; 'train': the training classes' images
+    that `eval_train` measures, held-out ones under `data.train_eval_split: heldout`), in their order, from the run's
+    own config (`RunResult.config`). Read without the image cache, so that a figure can show its images and a
+    rendered set's factors (`shape_ids`, ...); In-Shop's test split is its (query, gallery) pair."""
+    data = {**config["data"], "cache": False}
+    evals = build_datasets(make_config({**config, "data": data}), progress)[1]
+    if split not in evals:
+        raise KeyError(f"the run evaluates no {split!r} split (it evaluates: {', '.join(evals)}); set data.eval_train")
+    return evals[split]
 
 
 def _label_noise_argument(method: str, noise: LabelNoise) -> dict:

@@ -27,9 +27,9 @@ from .repro import SECTIONS, Row, base_config
 # %% auto #0
 __all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'TRANSFER_COLUMNS', 'KEPT_TRAIN', 'NOT_KEPT',
            'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults', 'paper_files', 'RowSetting',
-           'row_settings', 'notebook_rows', 'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest',
-           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters',
-           'baselines_table']
+           'row_settings', 'regime_v2_file', 'regime_of', 'regime_v2_parameters', 'notebook_rows', 'file_rows',
+           'settings_of', 'growth_epochs', 'in_effect', 'nearest', 'rule_value', 'share', 'stems_of', 'transfer_table',
+           'kept_table', 'transferred_parameters', 'baselines_table']
 
 # %% ../../nbs/67b_transfer.ipynb #4a1a8f23
 EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to every recipe
@@ -163,12 +163,31 @@ def row_settings(params: Mapping, stem: str) -> dict[str, RowSetting]:
     return out
 
 
-def notebook_rows(stem: str) -> dict[str, RowSetting]:
-    "The rows of notebook `stem`'s default run (its parameters and defaults cells, read without running them)."
+def regime_v2_file(stem: str) -> Path:
+    "Where notebook `stem`'s regime v2 run is kept once its default run is regime v3 (`tools/regime_defaults.py`)."
+    return project_root() / "params" / "regime_v2" / f"{stem}.yaml"
+
+
+def regime_of(stem: str) -> str:
+    "The regime of notebook `stem`'s default run: 'v3' (`finegrained_premise`), 'v2' (`finegrained_novel`), else its dataset."
+    dataset = (notebook_defaults(stem) or {}).get("dataset")
+    return {"finegrained_premise": "v3", "finegrained_novel": "v2"}.get(dataset, str(dataset))
+
+
+def regime_v2_parameters(stem: str) -> dict:
+    """Notebook `stem`'s regime v2 run: its default parameters (its parameters and defaults cells, read without running
+    them), with `params/regime_v2/<stem>.yaml` (the v2 dataset and rows) over them once its default run is v3."""
     params = notebook_defaults(stem)
     if params is None:
         raise FileNotFoundError(f"no notebook nbs/{stem}.ipynb with a parameters cell (stems: nbs/repro_*.ipynb)")
-    return row_settings(params, stem)
+    f = regime_v2_file(stem)
+    return {**params, **(yaml.safe_load(f.read_text()) or {})} if f.exists() else params
+
+
+def notebook_rows(stem: str) -> dict[str, RowSetting]:
+    """The rows of notebook `stem`'s miniature run of regime v2 (`regime_v2_parameters`): the values the transfer
+    tables compare with the paper files' (regime v3's are the rule's by construction)."""
+    return row_settings(regime_v2_parameters(stem), stem)
 
 
 def file_rows(path: Path, stem: str) -> dict[str, RowSetting]:
@@ -454,7 +473,8 @@ def transferred_parameters(stem: str, epochs: int, paper_file: str | Path | None
     for where, spec in specs:
         method = _transfer_spec(spec, rows[where], epochs)
         keys = where.split("/")
-        if len(keys) == 1 and keys[0] in RECIPE_PARAMS and "name" not in params[keys[0]]:
+        named = "name" in params[keys[0]] or "method" in params[keys[0]]  # a spec of its own, or a row's sections
+        if len(keys) == 1 and keys[0] in RECIPE_PARAMS and not named:
             method.pop("name", None)  # a recipe parameter (`diva: {...}`) names its recipe by its key
         _put(out, keys, {"method": method, "model": spec["model"]} if "model" in spec else method)
     return out

@@ -1,0 +1,31 @@
+"""Regime v3 is a reproduction notebook's default run exactly as the transfer rule gives it, and its regime v2 run stays
+reproducible from `params/regime_v2/<notebook>.yaml` (`tools/regime_defaults.py` switches a notebook)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dml_nb.reproduction.notebook import notebook_defaults
+from dml_nb.reproduction.repro import base_config
+from dml_nb.reproduction.transfer import regime_of, regime_v2_file, stems_of, transferred_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = int(base_config("finegrained_premise")["train"]["epochs"])
+
+
+@pytest.mark.parametrize("stem", stems_of(None))
+def test_default_run_is_one_regime(stem):
+    regime, defaults = regime_of(stem), notebook_defaults(stem)
+    assert regime in ("v2", "v3"), f"{stem}: default dataset {defaults['dataset']!r} is neither regime's"
+    if regime == "v2":  # not switched yet: nothing half-done
+        assert not regime_v2_file(stem).exists(), f"{stem}: a v2 parameter file beside a v2 default run"
+        return
+    v3 = transferred_parameters(stem, EPOCHS)
+    for k, v in v3.items():
+        assert defaults[k] == v, f"{stem}: the default of {k!r} is not the rule's (run tools/regime_defaults.py)"
+    v2 = yaml.safe_load(regime_v2_file(stem).read_text())
+    assert v2["dataset"] == "finegrained_novel" and set(v2) == {"dataset", *v3}, f"{stem}: {regime_v2_file(stem)}"
+    kept = json.loads((ROOT / "figures" / "regime_v2" / f"{stem}_claims.json").read_text())
+    assert kept and "finegrained_novel" in (ROOT / "figures" / "regime_v2" / f"{stem}_claims.md").read_text()
