@@ -29,3 +29,23 @@ def test_default_run_is_one_regime(stem):
     assert v2["dataset"] == "finegrained_novel" and set(v2) == {"dataset", *v3}, f"{stem}: {regime_v2_file(stem)}"
     kept = json.loads((ROOT / "figures" / "regime_v2" / f"{stem}_claims.json").read_text())
     assert kept and "finegrained_novel" in (ROOT / "figures" / "regime_v2" / f"{stem}_claims.md").read_text()
+
+
+def test_claim_table_gives_each_switched_notebook_its_v2_verdicts():
+    "The README's claim table puts a v3 notebook's regime v2 counts (`figures/regime_v2/`) beside its v3 verdicts."
+    from dml_nb.reproduction.reproduce import claims_summary
+
+    table = claims_summary(ROOT / "figures")[0].splitlines()
+    col = table[0].split(" | ").index("regime v2: hold / fail / unresolved")
+    for stem in stems_of(None):
+        line = next(x for x in table if x.startswith(f"| [`{stem}`]"))
+        cell = line.split(" | ")[col]
+        if regime_of(stem) == "v2":
+            assert cell == "", stem
+            continue
+        c = [
+            x["verdict"]
+            for x in json.loads((ROOT / "figures" / "regime_v2" / f"{stem}_claims.json").read_text())["claims"]
+        ]
+        assert cell == f"{c.count('holds')} / {c.count('fails')} / {c.count('unresolved')}", stem
+        assert "| finegrained_premise |" in line, f"{stem}: its committed claims are not regime v3's"

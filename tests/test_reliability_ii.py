@@ -514,7 +514,7 @@ def test_a_tables_note_gives_the_epochs_its_rows_ran(project, monkeypatch):
         }
     )
     assert nb.note().startswith(
-        "Ours: finegrained_novel, small_cnn, 100-350 epochs, seeds [0, 1, 2, 3, 4]"
+        "Ours: finegrained_premise, small_cnn, 100-350 epochs, seeds [0, 1, 2, 3, 4]"
     )  # was "4 epochs"
 
 

@@ -12,6 +12,7 @@ import yaml
 from dml_nb.reproduction.claims import Claims, Verdict, better
 from dml_nb.reproduction.notebook import params_base, setup
 from dml_nb.reproduction.repro import collect_runs, compare, summarize, paper_numbers, Row, base_config, smoke
+from dml_nb.reproduction.transfer import regime_v2_file
 from dml_nb.core.config import ConfigError, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,8 +244,12 @@ def _smoke_cases():
         exec("".join(cells[k]["source"]), ns)
         if "defaults" in cells[k + 1]["metadata"].get("tags", []):  # the long defaults of the parameters
             exec("".join(cells[k + 1]["source"]), ns)
-        ns = {n: v for n, v in ns.items() if not n.startswith("DEFAULT_")}
-        sources.append((nb.stem, {k: v for k, v in ns.items() if not k.startswith("__")}, _setup_defaults(nb)))
+        ns = {n: v for n, v in ns.items() if not n.startswith("DEFAULT_") and not n.startswith("__")}
+        v2 = regime_v2_file(nb.stem)
+        if v2.exists():  # a notebook switched to regime v3: its v3 defaults are new cases, its v2 run keeps its ids
+            sources.append((f"{nb.stem}@v3", dict(ns), _setup_defaults(nb)))
+            ns = {**ns, **(yaml.safe_load(v2.read_text()) or {})}
+        sources.append((nb.stem, ns, _setup_defaults(nb)))
     out = {}
     for cid, p, *defaults in sources:
         base = params_base(p, *defaults)
@@ -256,7 +261,9 @@ def _smoke_cases():
 
 def test_smoke_sizes_unchanged_since_methods_declare_them():
     """`smoke` reads each method's declared sizes (`SMOKE`, `SMOKE_IF_SET`, `SMOKE_UNLESS`); its output on every
-    config of the parameter files and notebook defaults equals what the former hard-coded table in `repro` gave."""
+    config of the parameter files and notebook defaults equals what the former hard-coded table in `repro` gave.
+    A notebook switched to regime v3 keeps its ids for its v2 run (`params/regime_v2/`); its v3 defaults, ids
+    `<notebook>@v3`, came after that table and pin `smoke` as it was when they were added."""
     import hashlib
     import json
 

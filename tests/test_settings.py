@@ -37,7 +37,9 @@ def run_hashes() -> dict:
 
 def test_committed_configs_keep_their_run_folders():
     """The run folder and run key of every committed config are those recorded before the settings moved to one home
-    (the notebook defaults' were recorded again when the reproductions moved to regime v2, `finegrained_novel`)."""
+    (the notebook defaults' were recorded again when the reproductions moved to regime v2, `finegrained_novel`). A
+    notebook switched to regime v3 keeps its v2 cases through `params/regime_v2/` (so its v2 runs keep their folders)
+    and adds `<notebook>@v3` cases, recorded when it was switched."""
     want = json.loads(RUN_HASHES.read_text())
     got = run_hashes()
     assert sorted(got) == sorted(want), f"cases added or gone: {sorted(set(got) ^ set(want))[:5]}"

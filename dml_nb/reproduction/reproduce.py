@@ -101,19 +101,31 @@ def claims_summary(figures_dir: str | Path) -> tuple[str, dict]:
         held = "; ".join(c["claim"].replace("|", "\\|") for c in data["claims"] if c["verdict"] == "holds") or "-"
         b = before.get(stem)
         was = "" if b is None else f"{b['holds']} / {b['fails']} / {b['unresolved']}"
+        v2 = _regime_v2_counts(fdir, stem)
         cost = data.get("cost") or {}
         runs, minutes = cost.get("runs", ""), f"{cost['training_minutes']:.1f}" if cost else ""
         rows.append(
             f"| [`{stem}`](figures/{stem}_claims.md) | {_ran_on(data)} | "
             f"{_provenance(state, stem)} | {runs} | {minutes} | {judged_by(data.get('rule'))} | "
             + " | ".join(str(count[k]) for k in VERDICTS)
-            + f" | {resolution(data)} | {was} | {held} |"
+            + f" | {resolution(data)} | {v2} | {was} | {held} |"
         )
     head = (
         "| notebook | ran on | recipes (day) | runs | training minutes | judged by | holds | fails | unresolved | not tested | "
-        "smallest difference resolved | before: hold / fail / unresolved | claims that hold |\n" + "| --- " * 13 + "|\n"
+        "smallest difference resolved | regime v2: hold / fail / unresolved | before: hold / fail / unresolved | "
+        "claims that hold |\n" + "| --- " * 14 + "|\n"
     )
     return head + "\n".join(rows) + "\n", total
+
+
+def _regime_v2_counts(fdir: Path, stem: str) -> str:
+    """'holds / fails / unresolved' of notebook `stem` in regime v2, kept in `figures/regime_v2/` when its default run
+    became regime v3 (`tools/regime_defaults.py`); '' for a notebook whose default run is still v2."""
+    f = fdir / "regime_v2" / f"{stem}_claims.json"
+    if not f.exists():
+        return ""
+    c = _counts(json.loads(f.read_text()))
+    return f"{c['holds']} / {c['fails']} / {c['unresolved']}"
 
 
 def totals_by_setting(figures_dir: str | Path) -> dict[str, tuple[int, dict]]:
@@ -159,7 +171,9 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     lead = (
         f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
         f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
-        f"time of the notebook's runs, summed (each run one process). 'before': {_before_what(figures_dir)} "
+        f"time of the notebook's runs, summed (each run one process). 'regime v2': for a notebook whose default run "
+        "is regime v3 (`finegrained_premise`), its verdicts in regime v2, the premise-absent control "
+        f"(`figures/regime_v2/`). 'before': {_before_what(figures_dir)} "
         "(`figures/.claims_before.json`). 'plain comparison': a claims file written "
         "before the rule of `dml_nb.reproduction.claims` (its 'fails' are the old 'does not hold').\n\n"
     )
