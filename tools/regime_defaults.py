@@ -12,8 +12,11 @@ its committed v2 claims and table (`figures/<notebook>_claims.*`, `figures/<note
 `finegrained_premise` and every method-spec parameter the value `transferred_parameters(notebook, 12)` gives (the paper
 file's rows, their epoch-based settings scaled to v3's 12 epochs by the rule of `nbs/67b_transfer.ipynb`). A
 parameter the notebook leaves at None takes the `DEFAULT_...` of its defaults cell: that value is replaced.
-`tests/test_regime_defaults.py` pins both. Then run `ruff format` on the notebooks, `nbdev_clean`, and
-`dml-reproduce <notebooks> --force --write-committed --write-notebooks`.
+`tests/test_regime_defaults.py` pins both. A setting beside the rows that v3 changes with them is edited by hand,
+its v2 value added to the v2 file (Sharing Fig. 6's `config: {train: {epochs: 10}}`, D&C Fig. 8's `num_clusters: 4`);
+the test checks that each such key is one whose default changed. Then run `ruff format` on the notebooks,
+`nbdev_clean`, and `dml-reproduce <notebooks> --force --write-committed --write-notebooks`; the run-hash fixtures
+(`tests/fixtures/run_hashes.json`, `smoke_hashes.json`) keep the v2 cases and take the new `<notebook>@v3` ones.
 """
 
 import argparse
