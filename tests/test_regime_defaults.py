@@ -51,3 +51,14 @@ def test_claim_table_gives_each_switched_notebook_its_v2_verdicts():
         ]
         assert cell == f"{c.count('holds')} / {c.count('fails')} / {c.count('unresolved')}", stem
         assert "| finegrained_premise |" in line, f"{stem}: its committed claims are not regime v3's"
+
+
+def test_a_v2_file_that_is_not_one_is_an_error_naming_it(tmp_path, monkeypatch):
+    import dml_nb.reproduction.transfer as T
+
+    bad = tmp_path / "repro_table3.yaml"
+    monkeypatch.setattr(T, "regime_v2_file", lambda stem: bad)
+    for text in ("- a list\n", "dataset: finegrained_premise\n"):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="not a regime v2 parameter file"):
+            T.regime_v2_parameters("repro_table3")

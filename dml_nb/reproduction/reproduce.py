@@ -124,7 +124,7 @@ def _regime_v2_counts(fdir: Path, stem: str) -> str:
     f = fdir / "regime_v2" / f"{stem}_claims.json"
     if not f.exists():
         return ""
-    c = _counts(json.loads(f.read_text()))
+    c = _counts(load_claims(f))  # checked as every claims file the table reads
     return f"{c['holds']} / {c['fails']} / {c['unresolved']}"
 
 

@@ -181,7 +181,12 @@ def regime_v2_parameters(stem: str) -> dict:
     if params is None:
         raise FileNotFoundError(f"no notebook nbs/{stem}.ipynb with a parameters cell (stems: nbs/repro_*.ipynb)")
     f = regime_v2_file(stem)
-    return {**params, **(yaml.safe_load(f.read_text()) or {})} if f.exists() else params
+    if not f.exists():
+        return params
+    v2 = yaml.safe_load(f.read_text()) or {}
+    if not isinstance(v2, Mapping) or v2.get("dataset") != "finegrained_novel":
+        raise ValueError(f"{f}: not a regime v2 parameter file (a mapping with dataset: finegrained_novel)")
+    return {**params, **v2}
 
 
 def notebook_rows(stem: str) -> dict[str, RowSetting]:
