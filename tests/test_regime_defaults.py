@@ -62,3 +62,22 @@ def test_a_v2_file_that_is_not_one_is_an_error_naming_it(tmp_path, monkeypatch):
         bad.write_text(text)
         with pytest.raises(ValueError, match="not a regime v2 parameter file"):
             T.regime_v2_parameters("repro_table3")
+
+
+def _markdown(stem: str) -> str:
+    nb = json.loads((ROOT / "nbs" / f"{stem}.ipynb").read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("stem", stems_of(None))
+def test_the_prose_describes_the_default_run_and_rule(stem):
+    "A notebook's text says which regime its default run trains, and describes the claims' rule as it is (Welch's t)."
+    text = _markdown(stem)
+    default_run = text[text.index("**The default run**") :].split("\n\n")[0]
+    dataset = "finegrained_premise" if regime_of(stem) == "v3" else "finegrained_novel"
+    assert f"`{dataset}`" in default_run, f"{stem}: its default-run paragraph does not name `{dataset}`"
+    if regime_of(stem) == "v3":
+        assert "NOVEL_BASE" not in default_run and f"params/regime_v2/{stem}.yaml" in default_run, stem
+    assert "2 standard\nerrors" not in text and "2 standard errors" not in text, (
+        f"{stem}: the rule is Welch's t, not 2 SE"
+    )
