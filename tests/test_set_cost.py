@@ -1,0 +1,87 @@
+"""`tools/set_cost.py`, on a small plan and run folders written here: a run shared by two notebooks counts once, a
+finished run is found in the run cache or in the results folder, and what is measured is told apart from what is
+estimated."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+set_cost = _tool("set_cost")
+
+
+def _finished(folder: Path, wall: float, threads: int = 1):
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"wall_time_s": wall, "threads": threads}))
+    (folder / "done").write_text("")
+
+
+def _plan(tmp_path):
+    runs = tmp_path / "runs"
+    jobs = [
+        {"hash": "a", "run_dir": str(runs / "baseline-a"), "uses": ["nb1: Margin (seed 0)", "nb2: Base (seed 0)"]},
+        {"hash": "b", "run_dir": str(runs / "diva-b"), "uses": ["nb1: DiVA (seed 0)"]},
+        {"hash": "c", "run_dir": str(runs / "diva-c"), "uses": "nb2: DiVA (seed 1)"},
+        {"hash": "d", "run_dir": str(runs / "diva-d"), "uses": ["nb2: DiVA (seed 2)"]},
+        {"hash": "a", "run_dir": str(runs / "baseline-a"), "uses": ["nb2: Base (seed 0)"]},
+    ]
+    _finished(runs / "baseline-a", 120.0)
+    _finished(tmp_path / "results" / "diva-b", 360.0)
+    (runs / "diva-d").mkdir(parents=True)  # started, never finished: no `done`
+    (runs / "diva-d" / "metrics.json").write_text(json.dumps({"wall_time_s": 999.0}))
+    return {"jobs": jobs}
+
+
+def test_a_shared_run_counts_once_and_results_are_read(tmp_path):
+    plan = _plan(tmp_path)
+    runs = set_cost.cost(plan, tmp_path / "results")
+    assert list(runs["hash"]) == ["a", "b", "c", "d"]
+    assert runs.set_index("hash")["trained"].to_dict() == {"a": True, "b": True, "c": False, "d": False}
+    assert runs.set_index("hash").loc["a", "notebooks"] == "nb1 nb2"
+    nb = set_cost.per_notebook(runs)
+    assert nb.loc["nb1"].to_dict() == {"runs": 2, "trained": 2, "minutes": 8.0, "own runs": 1}
+    assert nb.loc["nb2"].to_dict() == {"runs": 3, "trained": 1, "minutes": 2.0, "own runs": 2}
+    # without the results folder, the run kept only there is pending
+    assert not set_cost.cost(plan, None).set_index("hash").loc["b", "trained"]
+
+
+def test_the_summary_says_what_is_measured_and_what_is_estimated(tmp_path):
+    runs = set_cost.cost(_plan(tmp_path), tmp_path / "results")
+    lines = set_cost.summary(runs, workers=2)
+    assert lines[0] == "4 distinct runs, 2 trained, 2 pending"
+    assert lines[1].startswith("measured: the 2 trained runs took 0.1 h of wall time summed (mean 4.0 min a run")
+    assert "threads per run: 1" in lines[1]
+    # 480 s measured + 2 pending x 240 s = 960 s summed; over 2 workers 480 s
+    assert lines[2].startswith("estimate: all 4 runs about 0.3 h summed")
+    assert lines[3].startswith("estimate: about 0.1 h of wall clock, 2 runs at a time")
+    assert math.isclose(runs["wall_time_s"].sum(), 480.0)
+
+
+def test_nothing_trained_measures_nothing(tmp_path):
+    plan = {"jobs": [{"hash": "x", "run_dir": str(tmp_path / "none-x"), "uses": ["nb: r (seed 0)"]}]}
+    lines = set_cost.summary(set_cost.cost(plan))
+    assert lines == [
+        "1 distinct runs, 0 trained, 1 pending",
+        "no trained run has a recorded wall time: nothing is measured",
+    ]
+
+
+def test_a_file_that_is_not_a_plan_is_named_with_the_fix(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"runs": []}))
+    with pytest.raises(SystemExit, match="not a plan.*dml-reproduce --plan --json"):
+        set_cost.main([str(bad)])
+    with pytest.raises(SystemExit, match="no such plan"):
+        set_cost.main([str(tmp_path / "missing.json")])

@@ -1,0 +1,126 @@
+"""What a set of reproduction notebooks costs to train: the distinct runs of their plan and the wall time each run
+recorded in its own `metrics.json`.
+
+    dml-reproduce --plan --json plan.json           # every notebook's default runs (no training), run hashes shared
+    python tools/set_cost.py plan.json              # runs, trained, pending, hours summed, per notebook
+    python tools/set_cost.py plan.json --results results --csv cost.csv
+
+A run counts once however many notebooks use it (the run cache shares it). A finished run is read from its run-cache
+folder (the plan's `run_dir`), else from the results folder (`results/<run folder name>`, what `--write-committed`
+keeps). The summed wall time is a measurement of the runs as they were trained (each run's `wall_time_s`, with its
+recorded thread count); how long the set takes two runs at a time is about half of it on 2 cores, and the pending
+runs' share is an extrapolation at the trained runs' mean: both are printed as estimates, never as measurements.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def _uses(job) -> list:
+    u = job.get("uses") or []
+    return [u] if isinstance(u, str) else list(u)
+
+
+def _notebook(use: str) -> str:
+    return use.split(":", 1)[0].strip()
+
+
+def finished(job, results: Path | None) -> dict | None:
+    "The finished run's metrics (run cache first, then the results folder), or None when it has not been trained."
+    run = Path(job["run_dir"])
+    for folder in [run] + ([results / run.name] if results is not None else []):
+        if (folder / "done").exists() and (folder / "metrics.json").exists():
+            return json.loads((folder / "metrics.json").read_text())
+    return None
+
+
+def cost(plan: dict, results: Path | None = None) -> pd.DataFrame:
+    "One line per distinct run: hash, the notebooks that use it, trained or not, its wall time and thread count."
+    rows, seen = [], set()
+    for job in plan["jobs"]:
+        if job["hash"] in seen:
+            continue
+        seen.add(job["hash"])
+        m = finished(job, results)
+        wall = None if m is None else m.get("wall_time_s")
+        rows.append(
+            {
+                "hash": job["hash"],
+                "run": Path(job["run_dir"]).name,
+                "notebooks": " ".join(sorted({_notebook(u) for u in _uses(job)})),
+                "trained": m is not None,
+                "wall_time_s": float(wall) if wall is not None else float("nan"),
+                "threads": None if m is None else m.get("threads"),
+            }
+        )
+    return pd.DataFrame(rows, columns=["hash", "run", "notebooks", "trained", "wall_time_s", "threads"])
+
+
+def per_notebook(runs: pd.DataFrame) -> pd.DataFrame:
+    "Per notebook: its runs, how many are trained, their minutes summed, and the runs no other notebook uses."
+    out = {}
+    for _, r in runs.iterrows():
+        names = r["notebooks"].split()
+        for nb in names:
+            o = out.setdefault(nb, {"runs": 0, "trained": 0, "minutes": 0.0, "own runs": 0})
+            o["runs"] += 1
+            o["trained"] += int(r["trained"])
+            o["minutes"] += 0.0 if pd.isna(r["wall_time_s"]) else r["wall_time_s"] / 60
+            o["own runs"] += int(len(names) == 1)
+    df = pd.DataFrame.from_dict(out, orient="index").sort_index()
+    df.index.name = "notebook"
+    return df.round({"minutes": 1})
+
+
+def summary(runs: pd.DataFrame, workers: int = 2) -> list[str]:
+    "The headline lines: what is measured, then what is estimated from it."
+    n, done = len(runs), int(runs["trained"].sum())
+    wall = runs.loc[runs["trained"], "wall_time_s"].dropna()
+    lines = [f"{n} distinct runs, {done} trained, {n - done} pending"]
+    if len(wall) == 0:
+        return lines + ["no trained run has a recorded wall time: nothing is measured"]
+    hours, mean = wall.sum() / 3600, wall.mean() / 60
+    threads = sorted({int(t) for t in runs["threads"].dropna()})
+    lines.append(
+        f"measured: the {len(wall)} trained runs took {hours:.1f} h of wall time summed "
+        f"(mean {mean:.1f} min a run; threads per run: {', '.join(map(str, threads)) or 'not recorded'})"
+    )
+    total = hours + (n - done) * mean / 60
+    if n > done:
+        lines.append(
+            f"estimate: all {n} runs about {total:.1f} h summed (the {n - done} pending at the trained runs' mean)"
+        )
+    lines.append(
+        f"estimate: about {total / workers:.1f} h of wall clock, {workers} runs at a time "
+        f"(the sum over {workers}; each run's wall time was measured with others beside it)"
+    )
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("plan", type=Path, help="a plan JSON: `dml-reproduce [notebooks] --plan --json plan.json`")
+    ap.add_argument("--results", type=Path, default=None, help="a results folder to read finished runs from too")
+    ap.add_argument("--workers", type=int, default=2, help="runs at a time, for the wall-clock estimate (2)")
+    ap.add_argument("--csv", type=Path, default=None, help="write the per-run table here")
+    a = ap.parse_args(argv)
+    if not a.plan.exists():
+        sys.exit(f"{a.plan}: no such plan; make one with `dml-reproduce --plan --json {a.plan}`")
+    plan = json.loads(a.plan.read_text())
+    if "jobs" not in plan:
+        sys.exit(f"{a.plan}: not a plan (no 'jobs'); make one with `dml-reproduce --plan --json {a.plan}`")
+    runs = cost(plan, a.results)
+    print(per_notebook(runs).to_string())
+    print()
+    print("\n".join(summary(runs, a.workers)))
+    if a.csv is not None:
+        runs.to_csv(a.csv, index=False)
+        print(f"per-run table: {a.csv}")
+
+
+if __name__ == "__main__":
+    main()
