@@ -25,11 +25,12 @@ from .experiment import run_dir_for
 from .repro import SECTIONS, Row, base_config
 
 # %% auto #0
-__all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'TRANSFER_COLUMNS', 'KEPT_TRAIN', 'NOT_KEPT',
-           'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults', 'paper_files', 'RowSetting',
-           'row_settings', 'regime_v2_file', 'regime_of', 'regime_v2_parameters', 'notebook_rows', 'file_rows',
-           'settings_of', 'growth_epochs', 'in_effect', 'nearest', 'rule_value', 'share', 'stems_of', 'transfer_table',
-           'kept_table', 'transferred_parameters', 'baselines_table']
+__all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'MERGED_PARAMETERS', 'TRANSFER_COLUMNS',
+           'KEPT_TRAIN', 'NOT_KEPT', 'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults',
+           'paper_files', 'RowSetting', 'merged_specs', 'row_settings', 'regime_v2_file', 'regime_of',
+           'regime_v2_parameters', 'notebook_rows', 'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest',
+           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters',
+           'baselines_table']
 
 # %% ../../nbs/67b_transfer.ipynb #4a1a8f23
 EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to every recipe
@@ -148,13 +149,27 @@ class RowSetting:
 # options a notebook's code copies from parameters of the same name into a row (the grid of BSPML Figs. 3-4: its age
 # multiplier `c`, 1.0 in the notebook and the paper file: a fixed age), so the table reads what the runs train
 GRID_PARAMETERS = {"repro_bspml_figs3_4": {"method": ("c",)}}
+# parameters whose entries a notebook's code merges over another parameter's method spec to make its rows (Sharing
+# Table 8: each setup's shared-task options over the T* model `ours`), so that the rule reaches those rows too
+MERGED_PARAMETERS = {"repro_sharing_table8": {"setups": "ours"}}
+
+
+def merged_specs(params: Mapping, stem: str) -> list[tuple[str, dict]]:
+    """(path, method spec) of the rows notebook `stem` builds by merging a parameter's entries over another one's spec
+    (`MERGED_PARAMETERS`): `setups/T^G +std` is `{**ours, **setups["T^G +std"]}`, as the notebook trains it."""
+    out = []
+    for key, over in MERGED_PARAMETERS.get(stem, {}).items():
+        base, entries = params.get(over), params.get(key)
+        if isinstance(base, Mapping) and isinstance(entries, Mapping):
+            out += [(f"{key}/{name}", {"method": {**base, **(opts or {})}}) for name, opts in entries.items()]
+    return out
 
 
 def row_settings(params: Mapping, stem: str) -> dict[str, RowSetting]:
     "{row path: `RowSetting`} of a notebook's parameters or a paper file, each on its base (`params_base`)."
     base = params_base(params, setup_defaults(stem), stem)
     out = {}
-    for path, spec in method_specs(params):
+    for path, spec in method_specs(params) + merged_specs(params, stem):
         copied = {k: params[k] for k in GRID_PARAMETERS.get(stem, {}).get(path, ()) if params.get(k) is not None}
         spec = {**spec, "method": {**spec["method"], **copied}}
         cfg = make_config(Row(path, spec).config(base))
@@ -482,6 +497,13 @@ def transferred_parameters(stem: str, epochs: int, paper_file: str | Path | None
         if len(keys) == 1 and keys[0] in RECIPE_PARAMS and not named:
             method.pop("name", None)  # a recipe parameter (`diva: {...}`) names its recipe by its key
         _put(out, keys, {"method": method, "model": spec["model"]} if "model" in spec else method)
+    for where, spec in merged_specs(params, stem):  # an entry keeps its own options and takes what the rule adds
+        key, name = where.split("/", 1)
+        method, over = _transfer_spec(spec, rows[where], epochs), out[MERGED_PARAMETERS[stem][key]]
+        own = params[key][name] or {}
+        out.setdefault(key, copy.deepcopy(params[key]))[name] = {
+            k: v for k, v in method.items() if k in own or over.get(k) != v
+        }
     return out
 
 # %% ../../nbs/67b_transfer.ipynb #b8b82b80
