@@ -5,9 +5,11 @@ estimated."""
 import importlib.util
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,3 +87,32 @@ def test_a_file_that_is_not_a_plan_is_named_with_the_fix(tmp_path):
         set_cost.main([str(bad)])
     with pytest.raises(SystemExit, match="no such plan"):
         set_cost.main([str(tmp_path / "missing.json")])
+
+
+def test_a_regime_plan_merges_each_notebooks_jobs_by_hash(monkeypatch):
+    "`--regime`: one `dml-reproduce --plan` per notebook (stood in for here), a run used by two notebooks kept once."
+    plans = {
+        "repro_sharing_fig3": [{"hash": "a", "run_dir": "/r/sharing-a", "uses": ["repro_sharing_fig3: T* (seed 0)"]}],
+        "repro_sharing_fig4": [
+            {"hash": "a", "run_dir": "/r/sharing-a", "uses": ["repro_sharing_fig4: Ours (seed 0)"]},
+            {"hash": "b", "run_dir": "/r/sharing-b", "uses": ["repro_sharing_fig4: Ours (seed 1)"]},
+        ],
+    }
+    seen = []
+
+    def fake_run(argv, **kw):
+        stem, params = argv[1], yaml.safe_load(Path(argv[argv.index("-f") + 1]).read_text())
+        seen.append((stem, params["dataset"], "--plan" in argv))
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps({"jobs": plans[stem]}))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(set_cost.subprocess, "run", fake_run)
+    plan = set_cost.plan_regime("finegrained_premise", ["repro_sharing_fig3", "repro_sharing_fig4"])
+    assert seen == [
+        ("repro_sharing_fig3", "finegrained_premise", True),
+        ("repro_sharing_fig4", "finegrained_premise", True),
+    ]
+    assert [(j["hash"], j["uses"]) for j in plan["jobs"]] == [
+        ("a", ["repro_sharing_fig3: T* (seed 0)", "repro_sharing_fig4: Ours (seed 0)"]),
+        ("b", ["repro_sharing_fig4: Ours (seed 1)"]),
+    ]

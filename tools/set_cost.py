@@ -4,6 +4,12 @@ recorded in its own `metrics.json`.
     dml-reproduce --plan --json plan.json           # every notebook's default runs (no training), run hashes shared
     python tools/set_cost.py plan.json              # runs, trained, pending, hours summed, per notebook
     python tools/set_cost.py plan.json --results results --csv cost.csv
+    python tools/set_cost.py --regime finegrained_premise --results results    # every notebook in regime v3 (minutes)
+
+With `--regime DATASET` (and optionally `--notebooks`) it makes the plan itself: each notebook's rows transferred by
+the rule to that regime (`transferred_parameters`, what a switched notebook's defaults are and what
+`tools/regime_pilot.py` runs), planned with `dml-reproduce <notebook> -f ... --plan` in a temporary folder, the jobs
+merged by run hash.
 
 A run counts once however many notebooks use it (the run cache shares it). A finished run is read from its run-cache
 folder (the plan's `run_dir`), else from the results folder (`results/<run folder name>`, what `--write-committed`
@@ -14,10 +20,14 @@ runs' share is an extrapolation at the trained runs' mean: both are printed as e
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
+import yaml
+from tqdm.auto import tqdm
 
 
 def _uses(job) -> list:
@@ -101,25 +111,60 @@ def summary(runs: pd.DataFrame, workers: int = 2) -> list[str]:
     return lines
 
 
+def plan_regime(dataset: str, stems=None) -> dict:
+    """The plan of notebooks `stems` (None: all) in the regime of `dataset`: each one's rows transferred by the rule,
+    planned by `dml-reproduce --plan` (no training), the jobs merged by run hash with every notebook that uses them."""
+    from dml_nb.reproduction.repro import base_config
+    from dml_nb.reproduction.transfer import stems_of, transferred_parameters
+
+    epochs, jobs = int(base_config(dataset)["train"]["epochs"]), {}
+    cli = str(Path(sys.executable).parent / "dml-reproduce")
+    with tempfile.TemporaryDirectory(prefix="dml_nb_cost_") as d:
+        for stem in tqdm(stems_of(stems), desc="planning", unit="notebook"):
+            f, out = Path(d) / f"{stem}.yaml", Path(d) / f"{stem}.json"
+            f.write_text(yaml.safe_dump({"dataset": dataset, **transferred_parameters(stem, epochs)}, sort_keys=False))
+            argv = [cli, stem, "-f", str(f), "--plan", "--json", str(out), "--plan-dir", str(Path(d) / "plans" / stem)]
+            p = subprocess.run(argv, capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"{stem}: `dml-reproduce --plan` failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+            for job in json.loads(out.read_text())["jobs"]:
+                have = jobs.setdefault(job["hash"], {**job, "uses": []})
+                have["uses"] = have["uses"] + _uses(job)
+    return {"jobs": list(jobs.values())}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("plan", type=Path, help="a plan JSON: `dml-reproduce [notebooks] --plan --json plan.json`")
+    ap.add_argument(
+        "plan", type=Path, nargs="?", help="a plan JSON: `dml-reproduce [notebooks] --plan --json plan.json`"
+    )
+    ap.add_argument("--regime", help="make the plan: every notebook's rows transferred to this regime's dataset")
+    ap.add_argument("--notebooks", nargs="+", default=None, help="with --regime: these notebooks (default: all)")
     ap.add_argument("--results", type=Path, default=None, help="a results folder to read finished runs from too")
     ap.add_argument("--workers", type=int, default=2, help="runs at a time, for the wall-clock estimate (2)")
     ap.add_argument("--csv", type=Path, default=None, help="write the per-run table here")
     a = ap.parse_args(argv)
-    if not a.plan.exists():
-        sys.exit(f"{a.plan}: no such plan; make one with `dml-reproduce --plan --json {a.plan}`")
-    plan = json.loads(a.plan.read_text())
-    if "jobs" not in plan:
-        sys.exit(f"{a.plan}: not a plan (no 'jobs'); make one with `dml-reproduce --plan --json {a.plan}`")
-    runs = cost(plan, a.results)
+    if a.plan is None and a.regime is None:
+        sys.exit("give a plan JSON (`dml-reproduce --plan --json plan.json`) or --regime DATASET (finegrained_premise)")
+    if a.regime is not None:
+        runs = cost(plan_regime(a.regime, a.notebooks), a.results)
+    else:
+        runs = cost(_read_plan(a.plan), a.results)
     print(per_notebook(runs).to_string())
     print()
     print("\n".join(summary(runs, a.workers)))
     if a.csv is not None:
         runs.to_csv(a.csv, index=False)
         print(f"per-run table: {a.csv}")
+
+
+def _read_plan(path: Path) -> dict:
+    if not path.exists():
+        sys.exit(f"{path}: no such plan; make one with `dml-reproduce --plan --json {path}`")
+    plan = json.loads(path.read_text())
+    if "jobs" not in plan:
+        sys.exit(f"{path}: not a plan (no 'jobs'); make one with `dml-reproduce --plan --json {path}`")
+    return plan
 
 
 if __name__ == "__main__":
