@@ -2,25 +2,16 @@
 on small run folders and claims files written here: what they count as a flip, how they pair retrained runs with
 their first training, and from which epoch they call a task idle."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tool_scripts import tool
 
 
-flip_rate, task_epochs = _tool("flip_rate"), _tool("task_epochs")
+flip_rate, task_epochs = tool("flip_rate"), tool("task_epochs")
 
 
 def _run(folder: Path, r1: float, threads: int, seed: int = 0, history=None, method=None) -> Path:

@@ -2,7 +2,6 @@
 finished run is found in the run cache or in the results folder, and what is measured is told apart from what is
 estimated."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,18 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tool_scripts import tool
 
 
-set_cost = _tool("set_cost")
+set_cost = tool("set_cost")
 
 
 def _finished(folder: Path, wall: float, threads: int = 1):
