@@ -56,10 +56,24 @@ def test_the_summary_says_what_is_measured_and_what_is_estimated(tmp_path):
     assert lines[0] == "4 distinct runs, 2 trained, 2 pending"
     assert lines[1].startswith("measured: the 2 trained runs took 0.1 h of wall time summed (mean 4.0 min a run")
     assert "threads per run: 1" in lines[1]
-    # 480 s measured + 2 pending x 240 s = 960 s summed; over 2 workers 480 s
-    assert lines[2].startswith("estimate: all 4 runs about 0.3 h summed")
-    assert lines[3].startswith("estimate: about 0.1 h of wall clock, 2 runs at a time")
+    # 480 s measured + the pending diva runs at the trained diva run's 360 s: 1200 s summed; over 2 workers 600 s
+    assert lines[2].startswith("estimate: all 4 runs about 0.3 h summed (each of the 2 pending at the mean of")
+    assert math.isclose(set_cost.summary_hours(runs), 1200 / 3600)
+    assert lines[3].startswith("estimate: about 0.2 h of wall clock, 2 runs at a time")
     assert math.isclose(runs["wall_time_s"].sum(), 480.0)
+
+
+def test_a_run_the_plan_cannot_train_here_is_left_out(tmp_path):
+    plan = _plan(tmp_path)
+    plan["jobs"][2]["unavailable"] = "backbone weights missing"
+    runs = set_cost.cost(plan, tmp_path / "results")
+    assert runs.set_index("hash")["unavailable"].to_dict() == {"a": False, "b": False, "c": True, "d": False}
+    lines = set_cost.summary(runs)
+    assert (
+        lines[0]
+        == "4 distinct runs, 2 trained, 1 pending, 1 not trainable here (the plan's `unavailable`; left out of the estimates)"
+    )
+    assert lines[2].startswith("estimate: all 3 runs about 0.2 h summed")  # 480 s + 1 diva run x 360 s
 
 
 def test_nothing_trained_measures_nothing(tmp_path):
