@@ -4,6 +4,7 @@ written, and the run-directory hashes of configs that do not use the new switche
 import json
 
 import pytest
+import torch
 
 from dml_nb.core.base import config_hash
 from dml_nb.reproduction.experiment import run
@@ -300,4 +301,7 @@ def test_dml_train_threads(tmp_path, capsys):
     assert e.value.code == 2 and "--threads: expected a whole number from 1 to 512; got '0'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     assert main([str(params), "--threads", "2", "-o", str(tmp_path / "r"), "--no-progress"]) == 0
-    assert json.loads((tmp_path / "r" / "metrics.json").read_text())["threads"] == 2
+    info = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert info["threads"] == 2
+    # the CPU it ran on: what a run's bit-identity depends on, with the thread count
+    assert info["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability() and info["cpu"]["model"]

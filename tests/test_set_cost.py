@@ -15,9 +15,10 @@ from tool_scripts import tool
 set_cost = tool("set_cost")
 
 
-def _finished(folder: Path, wall: float, threads: int = 1):
+def _finished(folder: Path, wall: float, threads: int = 1, cpu: dict | None = None):
     folder.mkdir(parents=True)
-    (folder / "metrics.json").write_text(json.dumps({"wall_time_s": wall, "threads": threads}))
+    info = {"wall_time_s": wall, "threads": threads} | ({"cpu": cpu} if cpu else {})
+    (folder / "metrics.json").write_text(json.dumps(info))
     (folder / "done").write_text("")
 
 
@@ -30,7 +31,7 @@ def _plan(tmp_path):
         {"hash": "d", "run_dir": str(runs / "diva-d"), "uses": ["nb2: DiVA (seed 2)"]},
         {"hash": "a", "run_dir": str(runs / "baseline-a"), "uses": ["nb2: Base (seed 0)"]},
     ]
-    _finished(runs / "baseline-a", 120.0)
+    _finished(runs / "baseline-a", 120.0, cpu={"model": "AMD EPYC", "capability": "AVX2"})
     _finished(tmp_path / "results" / "diva-b", 360.0)
     (runs / "diva-d").mkdir(parents=True)  # started, never finished: no `done`
     (runs / "diva-d" / "metrics.json").write_text(json.dumps({"wall_time_s": 999.0}))
@@ -56,10 +57,12 @@ def test_the_summary_says_what_is_measured_and_what_is_estimated(tmp_path):
     assert lines[0] == "4 distinct runs, 2 trained, 2 pending"
     assert lines[1].startswith("measured: the 2 trained runs took 0.1 h of wall time summed (mean 4.0 min a run")
     assert "threads per run: 1" in lines[1]
+    # the CPUs the measured runs trained on: a run saved before runs recorded one is counted as such
+    assert lines[2] == "trained on: AMD EPYC (AVX2): 1 runs; not recorded: 1 runs"
     # 480 s measured + the pending diva runs at the trained diva run's 360 s: 1200 s summed; over 2 workers 600 s
-    assert lines[2].startswith("estimate: all 4 runs about 0.3 h summed (each of the 2 pending at the mean of")
+    assert lines[3].startswith("estimate: all 4 runs about 0.3 h summed (each of the 2 pending at the mean of")
     assert math.isclose(set_cost.summary_hours(runs), 1200 / 3600)
-    assert lines[3].startswith("estimate: about 0.2 h of wall clock, 2 runs at a time")
+    assert lines[4].startswith("estimate: about 0.2 h of wall clock, 2 runs at a time")
     assert math.isclose(runs["wall_time_s"].sum(), 480.0)
 
 
@@ -73,7 +76,7 @@ def test_a_run_the_plan_cannot_train_here_is_left_out(tmp_path):
         lines[0]
         == "4 distinct runs, 2 trained, 1 pending, 1 not trainable here (the plan's `unavailable`; left out of the estimates)"
     )
-    assert lines[2].startswith("estimate: all 3 runs about 0.2 h summed")  # 480 s + 1 diva run x 360 s
+    assert lines[3].startswith("estimate: all 3 runs about 0.2 h summed")  # 480 s + 1 diva run x 360 s
 
 
 def test_nothing_trained_measures_nothing(tmp_path):
@@ -92,6 +95,26 @@ def test_a_file_that_is_not_a_plan_is_named_with_the_fix(tmp_path):
         set_cost.main([str(bad)])
     with pytest.raises(SystemExit, match="no such plan"):
         set_cost.main([str(tmp_path / "missing.json")])
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot be read as JSON"):
+        set_cost.main([str(bad)])
+
+
+@pytest.mark.parametrize(
+    "job,says",
+    [
+        ({"run_dir": "/r/diva-x", "uses": ["nb: r (seed 0)"]}, "job 1 ('no hash') has no hash"),
+        ({"hash": "x", "uses": ["nb: r (seed 0)"]}, "job 1 ('x') has no run_dir"),
+        ({"hash": "x", "run_dir": None}, "job 1 ('x') has no run_dir"),
+        (["x"], "job 1 is a list, not an object"),
+    ],
+)
+def test_a_job_without_a_hash_or_run_folder_is_named(tmp_path, job, says):
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"jobs": [{"hash": "a", "run_dir": "/r/baseline-a"}, job]}))
+    with pytest.raises(SystemExit) as e:
+        set_cost.main([str(plan)])
+    assert str(e.value) == f"{plan}: {says}; make it again with `dml-reproduce --plan --json FILE`"
 
 
 def test_a_regime_plan_merges_each_notebooks_jobs_by_hash(monkeypatch):

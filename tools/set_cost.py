@@ -16,6 +16,9 @@ folder (the plan's `run_dir`), else from the results folder (`results/<run folde
 keeps). The summed wall time is a measurement of the runs as they were trained (each run's `wall_time_s`, with its
 recorded thread count); how long the set takes two runs at a time is about half of it on 2 cores, and the pending
 runs' share is an extrapolation at the trained runs' mean: both are printed as estimates, never as measurements.
+It also counts the CPUs the trained runs recorded (`metrics.json`'s `cpu`: model and the instruction set torch
+used); a run saved before runs recorded their CPU is counted as "not recorded". A job without a `hash` or `run_dir`
+stops it with one line that names the job.
 """
 
 import argparse
@@ -48,8 +51,28 @@ def finished(job, results: Path | None) -> dict | None:
     return None
 
 
+def job_problem(i: int, job) -> str | None:
+    "Why the plan's job number `i` cannot be costed (not an object, no string `hash` or `run_dir`), or None."
+    if not isinstance(job, dict):
+        return f"job {i} is a {type(job).__name__}, not an object"
+    missing = [k for k in ("hash", "run_dir") if not isinstance(job.get(k), str) or not job.get(k)]
+    if missing:
+        return f"job {i} ({job.get('hash', 'no hash')!r}) has no {' and no '.join(missing)}"
+    return None
+
+
+def _cpu(m: dict | None) -> str | None:
+    "The CPU a finished run recorded (`model (capability)`), or None for a run saved before runs recorded one."
+    c = (m or {}).get("cpu")
+    return f"{c.get('model')} ({c.get('capability')})" if isinstance(c, dict) else None
+
+
 def cost(plan: dict, results: Path | None = None) -> pd.DataFrame:
-    "One line per distinct run: hash, the notebooks that use it, trained or not, its wall time and thread count."
+    """One line per distinct run: hash, the notebooks that use it, trained or not, its wall time, thread count and
+    CPU. A job without a `hash` or `run_dir` is a `ValueError` that names it."""
+    for i, job in enumerate(plan["jobs"]):
+        if (problem := job_problem(i, job)) is not None:
+            raise ValueError(problem)
     rows, seen = [], set()
     for job in plan["jobs"]:
         if job["hash"] in seen:
@@ -66,9 +89,11 @@ def cost(plan: dict, results: Path | None = None) -> pd.DataFrame:
                 "unavailable": m is None and bool(job.get("unavailable")),
                 "wall_time_s": float(wall) if wall is not None else float("nan"),
                 "threads": None if m is None else m.get("threads"),
+                "cpu": _cpu(m),
             }
         )
-    return pd.DataFrame(rows, columns=["hash", "run", "notebooks", "trained", "unavailable", "wall_time_s", "threads"])
+    cols = ["hash", "run", "notebooks", "trained", "unavailable", "wall_time_s", "threads", "cpu"]
+    return pd.DataFrame(rows, columns=cols)
 
 
 def per_notebook(runs: pd.DataFrame) -> pd.DataFrame:
@@ -114,6 +139,9 @@ def summary(runs: pd.DataFrame, workers: int = 2) -> list[str]:
         f"measured: the {len(wall)} trained runs took {hours:.1f} h of wall time summed "
         f"(mean {mean:.1f} min a run; threads per run: {', '.join(map(str, threads)) or 'not recorded'})"
     )
+    trained = runs[runs["trained"]]
+    cpus = trained["cpu"].fillna("not recorded").value_counts()
+    lines.append("trained on: " + "; ".join(f"{c}: {k} runs" for c, k in sorted(cpus.items())))
     pending = runs[~runs["trained"] & ~runs["unavailable"]]
     total = summary_hours(runs)
     if len(pending):
@@ -163,10 +191,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.plan is None and a.regime is None:
         sys.exit("give a plan JSON (`dml-reproduce --plan --json plan.json`) or --regime DATASET (finegrained_premise)")
-    if a.regime is not None:
-        runs = cost(plan_regime(a.regime, a.notebooks), a.results)
-    else:
-        runs = cost(_read_plan(a.plan), a.results)
+    plan = plan_regime(a.regime, a.notebooks) if a.regime is not None else _read_plan(a.plan)
+    try:
+        runs = cost(plan, a.results)
+    except ValueError as e:
+        sys.exit(f"{a.plan or 'the --regime plan'}: {e}; make it again with `dml-reproduce --plan --json FILE`")
     print(per_notebook(runs).to_string())
     print()
     print("\n".join(summary(runs, a.workers)))
@@ -178,8 +207,11 @@ def main(argv=None):
 def _read_plan(path: Path) -> dict:
     if not path.exists():
         sys.exit(f"{path}: no such plan; make one with `dml-reproduce --plan --json {path}`")
-    plan = json.loads(path.read_text())
-    if "jobs" not in plan:
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        sys.exit(f"{path}: cannot be read as JSON ({e}); make it again with `dml-reproduce --plan --json {path}`")
+    if not isinstance(plan, dict) or not isinstance(plan.get("jobs"), list):
         sys.exit(f"{path}: not a plan (no 'jobs'); make one with `dml-reproduce --plan --json {path}`")
     return plan
 

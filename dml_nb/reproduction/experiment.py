@@ -52,7 +52,8 @@ from dml_nb.reproduction.results import (
 # %% auto #0
 __all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'eval_dataset',
            'build_data', 'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for',
-           'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds', 'run_seeds']
+           'cpu_info', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds',
+           'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -395,6 +396,21 @@ def _versions() -> dict:
     }
 
 
+def cpu_info() -> dict:
+    """The CPU a run trained on: its model name (from `/proc/cpuinfo`, else `platform.machine()`) and the instruction
+    set torch dispatches to (`AVX512`, `AVX2`, ...). Two CPUs of one capability and thread count give bit-identical
+    runs in this library's tests; across capabilities, runs agree within noise, not bit for bit."""
+    import torch
+
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"model": model or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def load_result(run_dir: str | Path) -> RunResult:
     """The stored result of a finished run directory (one with a `done` marker). It only reads: a caller that keeps the
     runs it reads in a results folder saves them there itself (`results.save_result`)."""
@@ -693,6 +709,7 @@ def _train(
                 if learner.device.type == "cuda"
                 else platform.processor() or platform.machine(),
                 "threads": threads,
+                "cpu": cpu_info(),
                 "wall_time_s": round(time.time() - t0, 2),
                 "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             }
