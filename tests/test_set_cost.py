@@ -25,16 +25,20 @@ def _finished(folder: Path, wall: float, threads: int = 1, cpu: dict | None = No
 def _plan(tmp_path):
     runs = tmp_path / "runs"
     jobs = [
-        {"hash": "a", "run_dir": str(runs / "baseline-a"), "uses": ["nb1: Margin (seed 0)", "nb2: Base (seed 0)"]},
-        {"hash": "b", "run_dir": str(runs / "diva-b"), "uses": ["nb1: DiVA (seed 0)"]},
-        {"hash": "c", "run_dir": str(runs / "diva-c"), "uses": "nb2: DiVA (seed 1)"},
-        {"hash": "d", "run_dir": str(runs / "diva-d"), "uses": ["nb2: DiVA (seed 2)"]},
-        {"hash": "a", "run_dir": str(runs / "baseline-a"), "uses": ["nb2: Base (seed 0)"]},
+        {
+            "hash": "a",
+            "run_dir": str(runs / "baseline-d-00000000000a"),
+            "uses": ["nb1: Margin (seed 0)", "nb2: Base (seed 0)"],
+        },
+        {"hash": "b", "run_dir": str(runs / "diva-d-00000000000b"), "uses": ["nb1: DiVA (seed 0)"]},
+        {"hash": "c", "run_dir": str(runs / "diva-d-00000000000c"), "uses": "nb2: DiVA (seed 1)"},
+        {"hash": "d", "run_dir": str(runs / "diva-d-00000000000d"), "uses": ["nb2: DiVA (seed 2)"]},
+        {"hash": "a", "run_dir": str(runs / "baseline-d-00000000000a"), "uses": ["nb2: Base (seed 0)"]},
     ]
-    _finished(runs / "baseline-a", 120.0, cpu={"model": "AMD EPYC", "capability": "AVX2"})
-    _finished(tmp_path / "results" / "diva-b", 360.0)
-    (runs / "diva-d").mkdir(parents=True)  # started, never finished: no `done`
-    (runs / "diva-d" / "metrics.json").write_text(json.dumps({"wall_time_s": 999.0}))
+    _finished(runs / "baseline-d-00000000000a", 120.0, cpu={"model": "AMD EPYC", "capability": "AVX2"})
+    _finished(tmp_path / "results" / "diva-d-00000000000b", 360.0)
+    (runs / "diva-d-00000000000d").mkdir(parents=True)  # started, never finished: no `done`
+    (runs / "diva-d-00000000000d" / "metrics.json").write_text(json.dumps({"wall_time_s": 999.0}))
     return {"jobs": jobs}
 
 
@@ -80,7 +84,7 @@ def test_a_run_the_plan_cannot_train_here_is_left_out(tmp_path):
 
 
 def test_nothing_trained_measures_nothing(tmp_path):
-    plan = {"jobs": [{"hash": "x", "run_dir": str(tmp_path / "none-x"), "uses": ["nb: r (seed 0)"]}]}
+    plan = {"jobs": [{"hash": "x", "run_dir": str(tmp_path / "none-d-000000000000"), "uses": ["nb: r (seed 0)"]}]}
     lines = set_cost.summary(set_cost.cost(plan))
     assert lines == [
         "1 distinct runs, 0 trained, 1 pending",
@@ -103,15 +107,19 @@ def test_a_file_that_is_not_a_plan_is_named_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     "job,says",
     [
-        ({"run_dir": "/r/diva-x", "uses": ["nb: r (seed 0)"]}, "job 1 ('no hash') has no hash"),
+        ({"run_dir": "/r/diva-d-000000000000", "uses": ["nb: r (seed 0)"]}, "job 1 ('no hash') has no hash"),
         ({"hash": "x", "uses": ["nb: r (seed 0)"]}, "job 1 ('x') has no run_dir"),
         ({"hash": "x", "run_dir": None}, "job 1 ('x') has no run_dir"),
         (["x"], "job 1 is a list, not an object"),
+        (
+            {"hash": "x", "run_dir": "/r/.."},
+            "job 1 ('x'): run_dir '/r/..' is not a run folder (<method>-<dataset>-<12 hex digits>)",
+        ),
     ],
 )
 def test_a_job_without_a_hash_or_run_folder_is_named(tmp_path, job, says):
     plan = tmp_path / "p.json"
-    plan.write_text(json.dumps({"jobs": [{"hash": "a", "run_dir": "/r/baseline-a"}, job]}))
+    plan.write_text(json.dumps({"jobs": [{"hash": "a", "run_dir": "/r/baseline-d-00000000000a"}, job]}))
     with pytest.raises(SystemExit) as e:
         set_cost.main([str(plan)])
     assert str(e.value) == f"{plan}: {says}; make it again with `dml-reproduce --plan --json FILE`"
@@ -120,10 +128,12 @@ def test_a_job_without_a_hash_or_run_folder_is_named(tmp_path, job, says):
 def test_a_regime_plan_merges_each_notebooks_jobs_by_hash(monkeypatch):
     "`--regime`: one `dml-reproduce --plan` per notebook (stood in for here), a run used by two notebooks kept once."
     plans = {
-        "repro_sharing_fig3": [{"hash": "a", "run_dir": "/r/sharing-a", "uses": ["repro_sharing_fig3: T* (seed 0)"]}],
+        "repro_sharing_fig3": [
+            {"hash": "a", "run_dir": "/r/sharing-d-00000000000a", "uses": ["repro_sharing_fig3: T* (seed 0)"]}
+        ],
         "repro_sharing_fig4": [
-            {"hash": "a", "run_dir": "/r/sharing-a", "uses": ["repro_sharing_fig4: Ours (seed 0)"]},
-            {"hash": "b", "run_dir": "/r/sharing-b", "uses": ["repro_sharing_fig4: Ours (seed 1)"]},
+            {"hash": "a", "run_dir": "/r/sharing-d-00000000000a", "uses": ["repro_sharing_fig4: Ours (seed 0)"]},
+            {"hash": "b", "run_dir": "/r/sharing-d-00000000000b", "uses": ["repro_sharing_fig4: Ours (seed 1)"]},
         ],
     }
     seen = []

@@ -17,8 +17,9 @@ keeps). The summed wall time is a measurement of the runs as they were trained (
 recorded thread count); how long the set takes two runs at a time is about half of it on 2 cores, and the pending
 runs' share is an extrapolation at the trained runs' mean: both are printed as estimates, never as measurements.
 It also counts the CPUs the trained runs recorded (`metrics.json`'s `cpu`: model and the instruction set torch
-used); a run saved before runs recorded their CPU is counted as "not recorded". A job without a `hash` or `run_dir`
-stops it with one line that names the job.
+used); a run saved before runs recorded their CPU is counted as "not recorded". A job without a `hash` or `run_dir`,
+or whose `run_dir` is not named as a run folder (only that name is looked up in the results folder), stops it with
+one line that names the job.
 """
 
 import argparse
@@ -31,6 +32,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 from tqdm.auto import tqdm
+
+from dml_nb.reproduction.results import RUN_NAME
 
 
 def _uses(job) -> list:
@@ -58,6 +61,8 @@ def job_problem(i: int, job) -> str | None:
     missing = [k for k in ("hash", "run_dir") if not isinstance(job.get(k), str) or not job.get(k)]
     if missing:
         return f"job {i} ({job.get('hash', 'no hash')!r}) has no {' and no '.join(missing)}"
+    if not RUN_NAME.fullmatch(Path(job["run_dir"]).name):  # its name is looked up in the results folder
+        return f"job {i} ({job['hash']!r}): run_dir {job['run_dir']!r} is not a run folder (<method>-<dataset>-<12 hex digits>)"
     return None
 
 
