@@ -3,6 +3,7 @@ on small run folders and claims files written here: what they count as a flip, h
 their first training, and from which epoch they call a task idle."""
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -11,7 +12,7 @@ import yaml
 from tool_scripts import tool
 
 
-flip_rate, task_epochs = tool("flip_rate"), tool("task_epochs")
+flip_rate, task_epochs, regime_pilot = tool("flip_rate"), tool("task_epochs"), tool("regime_pilot")
 
 
 def _run(folder: Path, r1: float, threads: int, seed: int = 0, history=None, method=None) -> Path:
@@ -43,6 +44,41 @@ def test_retrained_runs_pair_with_the_run_of_the_same_folder(tmp_path):
     r = flip_rate.run_differences(tmp_path / "before", tmp_path / "after")
     assert r["runs"] == 2 and r["identical runs"] == 1 and r["threads"] == [(1, 2)]
     assert r["max"] == pytest.approx(2.0) and r["sd"] == pytest.approx(2**0.5)
+    assert [row["run"] for row in r["rows"]] == ["diva-x-1", "diva-x-2"]
+    assert r["rows"][0]["difference"] == pytest.approx(2.0) and r["rows"][0]["threads after"] == 2
+    assert r["cpus"] == [(None, None)]  # neither run recorded its CPU
+
+
+def test_the_run_by_run_comparison_names_each_run_s_cpu(tmp_path):
+    "Another machine's retraining against a results folder: each pair's CPU capability, and the CSV it writes."
+    for side, r1, cap in (("before", 0.30, "AVX512"), ("after", 0.31, "AVX2")):
+        f = _run(tmp_path / side / "baseline-x-1", r1, 1)
+        m = json.loads((f / "metrics.json").read_text())
+        (f / "metrics.json").write_text(json.dumps({**m, "cpu": {"model": "a CPU", "capability": cap}}))
+    (tmp_path / "figures").mkdir()
+    for d in ("figures", "after_claims"):
+        (tmp_path / d).mkdir(exist_ok=True)
+        claims = {"claims": [{"claim": "x above y", "verdict": "holds", "margin": 1.5}]}
+        (tmp_path / d / "nb_claims.json").write_text(json.dumps(claims))
+    out = tmp_path / "runs.csv"
+    argv = ["nb", "--compare-only", "--against", str(tmp_path / "figures"), "--after", str(tmp_path / "after_claims")]
+    argv += ["--runs-dir", str(tmp_path / "after"), "--runs-before", str(tmp_path / "before"), "--runs-csv", str(out)]
+    assert flip_rate.main(argv) == 0
+    df = pd.read_csv(out)
+    assert df["run"].tolist() == ["baseline-x-1"] and df["difference"].iloc[0] == pytest.approx(1.0)
+    assert (df["cpu before"].iloc[0], df["cpu after"].iloc[0]) == ("AVX512", "AVX2")
+
+
+def test_the_pilot_keeps_the_files_of_the_run_it_just_made(tmp_path):
+    "A notebook whose defaults are the transferred rows writes to figures/local, any other to figures/local-<diff>."
+    for i, d in enumerate(("local-epochs=8", "local", "local-seeds=0")):
+        (tmp_path / d).mkdir()
+        f = tmp_path / d / "nb_claims.json"
+        f.write_text("{}")
+        os.utime(f, (1000 + i, 1000 + i if d != "local" else 5000))
+    assert regime_pilot.latest_output(tmp_path, "nb") == tmp_path / "local"
+    with pytest.raises(FileNotFoundError, match="other: no claims file"):
+        regime_pilot.latest_output(tmp_path, "other")
 
 
 def _history(dance_loss, dance_grad):

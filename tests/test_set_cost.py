@@ -83,6 +83,18 @@ def test_a_run_the_plan_cannot_train_here_is_left_out(tmp_path):
     assert lines[3].startswith("estimate: all 3 runs about 0.2 h summed")  # 480 s + 1 diva run x 360 s
 
 
+def test_a_run_that_stopped_by_design_is_neither_trained_nor_pending(tmp_path):
+    plan = _plan(tmp_path)
+    (tmp_path / "results" / "diva-d-00000000000d").mkdir(parents=True)
+    (tmp_path / "results" / "diva-d-00000000000d" / "stopped").write_text("{}")  # as results.record_stopped keeps it
+    runs = set_cost.cost(plan, tmp_path / "results")
+    assert runs.set_index("hash")["stopped"].to_dict() == {"a": False, "b": False, "c": False, "d": True}
+    lines = set_cost.summary(runs)
+    assert lines[0] == "4 distinct runs, 2 trained, 1 pending, 1 stopped by design (a `stopped` record; no training)"
+    assert lines[3].startswith("estimate: all 3 runs about 0.2 h summed")  # 480 s + 1 diva run x 360 s
+    assert math.isclose(set_cost.summary_hours(runs), 840 / 3600)
+
+
 def test_nothing_trained_measures_nothing(tmp_path):
     plan = {"jobs": [{"hash": "x", "run_dir": str(tmp_path / "none-d-000000000000"), "uses": ["nb: r (seed 0)"]}]}
     lines = set_cost.summary(set_cost.cost(plan))

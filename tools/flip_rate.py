@@ -12,7 +12,9 @@ notebooks wrote (default `figures/local/`).
 A *flip* is a decided claim (holds or fails) whose verdict changed; a claim moving between unresolved and a
 decision is counted apart. `--runs-before DIR` (the run cache of the first training, default `<project>/runs`) with
 `--runs-dir` also compares the runs themselves: every run of the retraining against the run of the same config
-(same folder name) in DIR, by test Recall@1, with the thread counts each recorded.
+(same folder name) in DIR, by test Recall@1, with the thread counts and CPUs each recorded; `--runs-csv FILE` writes
+that comparison run by run. DIR may be a results folder (`results/`: its runs keep `metrics.json`), which is how a
+retraining on another machine is compared with the committed runs.
 """
 
 import argparse
@@ -21,6 +23,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 DECIDED = ("holds", "fails")
@@ -58,8 +62,10 @@ def compare(before: dict, after: dict) -> tuple[list, dict]:
 def run_differences(before: Path, after: Path, metric: str = "recall@1") -> dict:
     """Each run finished in run cache `after` against the run of the same folder name in `before`: the differences of
     the test `metric` of the run's reported embedding (after - before, points), the threads each run recorded, and
-    how many runs are identical in it."""
-    diffs, threads, key = [], set(), f"test/{metric}"
+    how many runs are identical in it; `rows`: the same run by run, with the CPU capability each recorded (None for a
+    run saved before runs recorded their CPU)."""
+    diffs, threads, cpus, rows, key = [], set(), set(), [], f"test/{metric}"
+    cpu = lambda m: (m.get("cpu") or {}).get("capability")
     for m1 in sorted(after.glob("*/metrics.json")):
         m0 = before / m1.parent.name / "metrics.json"
         if not m0.exists():
@@ -68,7 +74,22 @@ def run_differences(before: Path, after: Path, metric: str = "recall@1") -> dict
         if key in a["metrics"] and key in b["metrics"]:
             diffs.append(100 * (b["metrics"][key] - a["metrics"][key]))
             threads.add((a.get("threads"), b.get("threads")))
+            cpus.add((cpu(a), cpu(b)))
+            rows.append(
+                {
+                    "run": m1.parent.name,
+                    f"before {metric}": 100 * a["metrics"][key],
+                    f"after {metric}": 100 * b["metrics"][key],
+                    "difference": diffs[-1],
+                    "threads before": a.get("threads"),
+                    "threads after": b.get("threads"),
+                    "cpu before": cpu(a),
+                    "cpu after": cpu(b),
+                }
+            )
     return {
+        "rows": rows,
+        "cpus": sorted(cpus, key=str),
         "runs": len(diffs),
         "sd": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
         "max": max((abs(x) for x in diffs), default=float("nan")),
@@ -84,7 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--runs-dir", required=True, help="an empty run cache for the retraining")
     p.add_argument("--compare-only", action="store_true", help="compare figures/local/ without training")
-    p.add_argument("--runs-before", help="the first training's run cache: compare each retrained run with its own")
+    p.add_argument(
+        "--runs-before",
+        help="the first training's run cache or results folder: compare each retrained run with its own",
+    )
+    p.add_argument("--runs-csv", help="with --runs-before: write the run-by-run comparison to this CSV file")
     p.add_argument("--against", help="folder of the claims files to compare with (default: the committed figures/)")
     p.add_argument(
         "--after",
@@ -120,8 +145,11 @@ def main(argv=None) -> int:
         print(
             f"{r['runs']} runs compared with their first training by test R@1 (threads before, after: "
             f"{r['threads']}): SD of the differences {r['sd']:.2f} points, at most "
-            f"{r['max']:.2f}; {r['identical runs']} runs identical"
+            f"{r['max']:.2f}; {r['identical runs']} runs identical; CPUs before, after: {r['cpus']}"
         )
+        if args.runs_csv:
+            pd.DataFrame(r["rows"]).round(4).to_csv(args.runs_csv, index=False)
+            print(f"run by run: {args.runs_csv}")
     return 0
 
 

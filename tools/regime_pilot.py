@@ -32,6 +32,16 @@ def parameters(stem: str, dataset: str) -> dict:
     return {"dataset": dataset, **transferred_parameters(stem, epochs)}
 
 
+def latest_output(figures: Path, stem: str) -> Path:
+    """The folder a bare `dml-reproduce <stem>` run just wrote: of `figures/local` (parameters equal to the notebook's
+    defaults, as every notebook's transferred rows are since its switch to v3) and `figures/local-<what differs>`, the
+    one with the newest `<stem>_claims.json`."""
+    made = [d for d in [figures / "local", *sorted(figures.glob("local-*"))] if (d / f"{stem}_claims.json").exists()]
+    if not made:
+        raise FileNotFoundError(f"{stem}: no claims file under {figures}/local*: did its dml-reproduce run finish?")
+    return max(made, key=lambda d: (d / f"{stem}_claims.json").stat().st_mtime)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="+")
@@ -64,12 +74,10 @@ def main(argv=None) -> int:
         if out.returncode:
             return out.returncode
         if args.keep:
-            made = max(
-                (ROOT / "figures").glob("local-*"),
-                key=lambda d: (
-                    (d / f"{stem}_claims.json").stat().st_mtime if (d / f"{stem}_claims.json").exists() else 0
-                ),
-            )
+            try:
+                made = latest_output(ROOT / "figures", stem)
+            except FileNotFoundError as e:  # one line, not a traceback: the training above is kept in its run cache
+                sys.exit(f"{e} (its runs are in {args.runs_dir}: run the same command again to collect them)")
             keep = Path(args.keep)
             keep.mkdir(parents=True, exist_ok=True)
             for f in made.glob(f"{stem}*"):

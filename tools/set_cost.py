@@ -54,6 +54,14 @@ def finished(job, results: Path | None) -> dict | None:
     return None
 
 
+def stopped(job, results: Path | None) -> bool:
+    """Whether the run stopped by design (a `stopped` record in its run-cache folder or the results folder: its recipe
+    cannot form the batches it needs on its data, as `repro_dnc_tables1_5`'s `digits` D&C check). It trains nothing,
+    so it is neither trained nor pending."""
+    run = Path(job["run_dir"])
+    return any((f / "stopped").is_file() for f in [run] + ([results / run.name] if results is not None else []))
+
+
 def job_problem(i: int, job) -> str | None:
     "Why the plan's job number `i` cannot be costed (not an object, no string `hash` or `run_dir`), or None."
     if not isinstance(job, dict):
@@ -85,20 +93,27 @@ def cost(plan: dict, results: Path | None = None) -> pd.DataFrame:
         seen.add(job["hash"])
         m = finished(job, results)
         wall = None if m is None else m.get("wall_time_s")
+        stop = m is None and stopped(job, results)
         rows.append(
             {
                 "hash": job["hash"],
                 "run": Path(job["run_dir"]).name,
                 "notebooks": " ".join(sorted({_notebook(u) for u in _uses(job)})),
                 "trained": m is not None,
-                "unavailable": m is None and bool(job.get("unavailable")),
+                "unavailable": m is None and not stop and bool(job.get("unavailable")),
+                "stopped": stop,
                 "wall_time_s": float(wall) if wall is not None else float("nan"),
                 "threads": None if m is None else m.get("threads"),
                 "cpu": _cpu(m),
             }
         )
-    cols = ["hash", "run", "notebooks", "trained", "unavailable", "wall_time_s", "threads", "cpu"]
+    cols = ["hash", "run", "notebooks", "trained", "unavailable", "stopped", "wall_time_s", "threads", "cpu"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def _stopped(runs: pd.DataFrame) -> pd.Series:
+    "The `stopped` column (False for a table written before it existed)."
+    return runs["stopped"].astype(bool) if "stopped" in runs else pd.Series(False, index=runs.index)
 
 
 def per_notebook(runs: pd.DataFrame) -> pd.DataFrame:
@@ -121,7 +136,7 @@ def summary_hours(runs: pd.DataFrame) -> float:
     """The trained runs' wall time summed, plus each pending run (not an unavailable one) at the mean of the trained
     runs of its recipe (else of all trained runs), in hours: the whole plan's training, estimated."""
     trained = runs[runs["trained"]]
-    pending = runs[~runs["trained"] & ~runs["unavailable"]]
+    pending = runs[~runs["trained"] & ~runs["unavailable"] & ~_stopped(runs)]
     recipe = lambda name: str(name).split("-", 1)[0]  # a run folder is <recipe>-<dataset>-<hash>
     by_recipe = trained.groupby(trained["run"].map(recipe))["wall_time_s"].mean()
     guess = pending["run"].map(recipe).map(by_recipe).fillna(trained["wall_time_s"].mean())
@@ -131,11 +146,14 @@ def summary_hours(runs: pd.DataFrame) -> float:
 def summary(runs: pd.DataFrame, workers: int = 2) -> list[str]:
     "The headline lines: what is measured, then what is estimated from it."
     n, done, away = len(runs), int(runs["trained"].sum()), int(runs["unavailable"].sum())
+    stop = int(_stopped(runs).sum())
     wall = runs.loc[runs["trained"], "wall_time_s"].dropna()
-    lines = [f"{n} distinct runs, {done} trained, {n - done - away} pending"]
+    lines = [f"{n} distinct runs, {done} trained, {n - done - away - stop} pending"]
+    if stop:  # a `stopped` record: the recipe cannot form its batches on that data, so the run trains nothing
+        lines[0] += f", {stop} stopped by design (a `stopped` record; no training)"
     if away:  # the plan says why (a paper row's backbone weights missing here): not counted in the estimates
         lines[0] += f", {away} not trainable here (the plan's `unavailable`; left out of the estimates)"
-    n -= away
+    n -= away + stop
     if len(wall) == 0:
         return lines + ["no trained run has a recorded wall time: nothing is measured"]
     hours, mean = wall.sum() / 3600, wall.mean() / 60
@@ -147,7 +165,7 @@ def summary(runs: pd.DataFrame, workers: int = 2) -> list[str]:
     trained = runs[runs["trained"]]
     cpus = trained["cpu"].fillna("not recorded").value_counts()
     lines.append("trained on: " + "; ".join(f"{c}: {k} runs" for c, k in sorted(cpus.items())))
-    pending = runs[~runs["trained"] & ~runs["unavailable"]]
+    pending = runs[~runs["trained"] & ~runs["unavailable"] & ~_stopped(runs)]
     total = summary_hours(runs)
     if len(pending):
         lines.append(

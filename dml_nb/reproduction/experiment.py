@@ -398,8 +398,9 @@ def _versions() -> dict:
 
 def cpu_info() -> dict:
     """The CPU a run trained on: its model name (from `/proc/cpuinfo`, else `platform.machine()`) and the instruction
-    set torch dispatches to (`AVX512`, `AVX2`, ...). Two CPUs of one capability and thread count give bit-identical
-    runs in this library's tests; across capabilities, runs agree within noise, not bit for bit."""
+    set torch dispatches to (`AVX512`, `AVX2`, ...). A run repeats bit for bit on the same kind of CPU (model and SIMD
+    flags) at the same thread count; that is what has been measured. On another kind, or at another thread count, runs
+    agree within noise, not bit for bit (README, "What is reproducible")."""
     import torch
 
     model = None
