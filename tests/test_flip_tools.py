@@ -69,6 +69,13 @@ def test_the_run_by_run_comparison_names_each_run_s_cpu(tmp_path):
     assert (df["cpu before"].iloc[0], df["cpu after"].iloc[0]) == ("AVX512", "AVX2")
 
 
+def test_a_runs_csv_without_the_runs_to_compare_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        flip_rate.main(["nb", "--compare-only", "--runs-dir", str(tmp_path), "--runs-csv", str(tmp_path / "r.csv")])
+    assert e.value.code == 2 and "give --runs-before" in capsys.readouterr().err
+    assert not (tmp_path / "r.csv").exists()
+
+
 def test_the_pilot_keeps_the_files_of_the_run_it_just_made(tmp_path):
     "A notebook whose defaults are the transferred rows writes to figures/local, any other to figures/local-<diff>."
     for i, d in enumerate(("local-epochs=8", "local", "local-seeds=0")):

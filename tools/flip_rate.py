@@ -117,6 +117,8 @@ def main(argv=None) -> int:
         "parameters writes to figures/local-<what differs>)",
     )
     args, extra = p.parse_known_args(argv)
+    if args.runs_csv and not args.runs_before:
+        p.error("--runs-csv writes the run-by-run comparison: give --runs-before DIR (the first training's runs) too")
     extra = [a for a in extra if a != "--"]
     if not args.compare_only:
         cmd = ["dml-reproduce", *args.notebooks, "--results-dir", "none", "--runs-dir", args.runs_dir, "--force"]
