@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,20 @@ def _small_plan(tmp_path: Path, dims=(16,)) -> Path:
 LAUNCH = ["--partition", "gpu", "--time", "720", "--gpus-per-run", "1", "--no-collect"]  # the README's options
 
 
+def _final_states(state: Path, timeout: float = 60.0) -> list:
+    """The job array's task states once none is PENDING or RUNNING (or whatever they are after `timeout` s).
+
+    submitit returns as soon as a task's result file exists, which the task writes before it exits; the stand-in
+    records COMPLETED only after the task's `bash` has returned, a moment later (SLURM's accounting lags the same
+    way). Reading the states at once raced that moment: CI once read ['COMPLETED', 'RUNNING']."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = sorted(f.read_text() for f in state.glob("job-*"))
+        if not {"PENDING", "RUNNING"} & set(states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
+
+
 def _launched_on_slurm(tmp_path: Path, plan_json: Path) -> None:
     """The plan's two runs went through submitit's SLURM path: one sbatch file (a job array of two tasks) with the
     command line's partition, time and GPUs, its tasks run by `srun` and COMPLETED, the runs finished in the run cache."""
@@ -163,7 +178,7 @@ def _launched_on_slurm(tmp_path: Path, plan_json: Path) -> None:
     for line in ("--partition=gpu", "--time=720", "--gpus-per-node=1", "--array=0-1%2"):
         assert f"#SBATCH {line}\n" in header, (line, header)
     assert "\nsrun " in header and "submitit.core._submit" in header, header
-    assert sorted(f.read_text() for f in state.glob("job-*")) == ["COMPLETED"] * 2
+    assert _final_states(state) == ["COMPLETED"] * 2
     plan = Plan.load(plan_json)
     assert len(plan.jobs) == 2 and plan.pending() == []
     for job in plan.jobs:
