@@ -2,7 +2,7 @@
 """Re-measure every time the README quotes, each with its command, and print them as a Markdown table with the machine.
 
     python benchmarks/readme_timings.py                      # quick start, main job, flagship from results/
-    python benchmarks/readme_timings.py --only quickstart    # one of: quickstart, main, flagship, tests
+    python benchmarks/readme_timings.py --only quickstart    # one row (--help lists them), or several
     python benchmarks/readme_timings.py --only tests         # the README's test command (about 20 minutes)
     python benchmarks/readme_timings.py --only tests-slow    # the paper-path tests, `pytest -m slow` (hours)
     python benchmarks/readme_timings.py --only flagship-train   # the flagship's 35 runs from an empty run cache
@@ -66,7 +66,7 @@ def quoted(name: str, output: str) -> list:
     "The lines of a command's output the README quotes besides its time (set_cost's summary for whole-set-recorded)."
     if name != "whole-set-recorded":
         return []
-    keys = ("distinct runs", "measured:", "trained on:", "estimate:")
+    keys = ("measured:", "trained on:", "estimate:")
     lines = [l.strip() for l in output.splitlines() if l.strip().startswith(keys) or "distinct runs," in l]
     return [l.replace("|", "/") for l in lines]  # each goes into the Markdown table as one cell
 

@@ -156,15 +156,16 @@ LAUNCH = ["--partition", "gpu", "--time", "720", "--gpus-per-run", "1", "--no-co
 
 
 def _final_states(state: Path, timeout: float = 60.0) -> list:
-    """The job array's task states once none is PENDING or RUNNING (or whatever they are after `timeout` s).
+    """The job array's task states once each is final, COMPLETED or FAILED (or whatever they are after `timeout` s).
 
     submitit returns as soon as a task's result file exists, which the task writes before it exits; the stand-in
     records COMPLETED only after the task's `bash` has returned, a moment later (SLURM's accounting lags the same
-    way). Reading the states at once raced that moment: CI once read ['COMPLETED', 'RUNNING']."""
+    way). Reading the states at once raced that moment: CI once read ['COMPLETED', 'RUNNING']. A state file read
+    while the stand-in rewrites it can be empty for a moment, so only a final state ends the wait."""
     deadline = time.monotonic() + timeout
     while True:
         states = sorted(f.read_text() for f in state.glob("job-*"))
-        if not {"PENDING", "RUNNING"} & set(states) or time.monotonic() > deadline:
+        if set(states) <= {"COMPLETED", "FAILED"} or time.monotonic() > deadline:
             return states
         time.sleep(0.1)
 
