@@ -1,16 +1,26 @@
-"""The prepared GPU check: one run, at most 8 minutes, one table (printed and written to `--out`).
+"""The prepared GPU check: one run, at most 5.5 minutes (two fit in 15 minutes of a GPU machine with its start), one
+table (printed and written to `--out`) and `gpu_results.json` (machine-readable: `--results`).
 
-Sections, each with its own time limit (the whole run stops short of `--budget` seconds, 450 by default):
-  environment                 GPU, driver-side CUDA, torch / torchvision / faiss / pytorch-metric-learning, nvJPEG
-  gpu tests                   pytest -m gpu (the tests that need a CUDA device)
-  ResNet50 and each method    img/s of the training steps of every params/train/cub200_*.yaml (fp32, batch 112, the
-                              paper files' settings, the JPEG path on synthetic CUB-format JPEGs at 500 x 375) against
-                              a bare torchvision ResNet50 loop in the same process; peak GPU memory per config
-  data path                   the JPEG path's and the PIL path's img/s through the loader with 14 workers
-  DiVA CUB200 projection      350 epochs x (5,864 images / DiVA's img/s + an evaluation of 5,924 images + its metrics)
-  evaluation at SOP scale     dml_nb's torch back end against pytorch-metric-learning, and faiss-gpu where carried
-  torchrun nccl               torchrun --nproc_per_node 1: a process group on nccl, dml_nb's collectives and DDP step
-  resume                      a run killed mid-epoch on the device and resumed equals the uninterrupted run
+Sections in order of priority, each with its own time limit (the whole run stops short of `--budget` seconds, 300 by
+default; a section that no longer fits is a 'skipped' row):
+  environment        GPU, driver-side CUDA, torch / torchvision / faiss / pytorch-metric-learning, nvJPEG
+  training           img/s of the training steps of every params/train/cub200_*.yaml (batch 112, the paper files'
+                     settings, the JPEG path on synthetic CUB-format JPEGs at 500 x 375), at the paper's precision
+                     (fp32) and at bf16, against a bare torchvision ResNet50 loop in the same process, in three
+                     variants: as it is; its BatchNorm frozen in eval mode (as the paper files' backbone); and also
+                     zero_grad to zeros and Adam with weight decay 4e-4 (as the paper files). Rates are timed by CUDA
+                     events over the steps after the warm-up: nothing synchronises the device inside the timed steps
+  profile            a torch.profiler trace (CPU + CUDA) of 3 baseline and 3 DiVA steps, written beside `--out`, and
+                     its summary: GPU-busy time against wall time per step, the blocking syncs per step, the longest
+                     idle gaps of the GPU and what precedes them, the top kernels
+  evaluation pass    the embedding pass of the evaluation at CUB's full test size (5,924 generated JPEGs in CUB's
+                     format), in steady state after a warm-up pass, fp32 and bf16; the DiVA CUB200 projection: 200
+                     epochs of training at bf16 and at fp32, and 350 epochs with an evaluation every epoch (fp32)
+  data path          the JPEG path's and the PIL path's img/s through the loader with 14 workers
+  gpu tests          pytest -m gpu (the tests that need a CUDA device)
+  evaluation         at SOP scale: dml_nb's torch back end against pytorch-metric-learning, and faiss-gpu where carried
+  torchrun           torchrun --nproc_per_node 1: a process group on nccl, dml_nb's collectives and DDP step
+  resume             a run killed mid-epoch on the device and resumed equals the uninterrupted run
 
     bash benchmarks/gpu_check.sh                         # on the GPU machine (PYTHONPATH=., no network)
     bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal: every section at toy size on the CPU
@@ -19,6 +29,8 @@ Sections, each with its own time limit (the whole run stops short of `--budget` 
 from __future__ import annotations
 import argparse
 import datetime
+import gzip
+import json
 import os
 import platform
 import subprocess
@@ -189,155 +201,304 @@ def paper_config(method: str, root: Path, device, tiny: bool, steps: int, extra=
     return load_config(ROOT / "params" / "train" / f"cub200_{method}.yaml", overrides=over)
 
 
-def bare_rate(device, batch: int, size: int, steps: int, channels_last: bool, limit: float) -> float:
-    "torchvision's ResNet50 + a 128-d linear layer, fp32, forward + backward + Adam on random input: img/s."
+BARE_VARIANTS = {
+    "as is": {},
+    "BatchNorm frozen (eval mode)": {"eval_bn": True},
+    "BatchNorm frozen, zero_grad to zeros, Adam weight decay 4e-4": {"eval_bn": True, "zeros": True, "wd": 4e-4},
+}
+
+
+def bare_rate(
+    device,
+    batch: int,
+    size: int,
+    steps: int,
+    channels_last: bool,
+    limit: float,
+    eval_bn=False,
+    zeros=False,
+    wd=0.0,
+    bf16=False,
+    warm: int = 3,
+) -> float:
+    """torchvision's ResNet50 + a 128-d linear layer, forward + backward + Adam on random input: img/s over `steps`
+    steps after `warm`, timed by CUDA events (the loop never synchronises). `eval_bn`: every BatchNorm in eval mode (the
+    paper files' frozen BatchNorm); `zeros`: zero_grad(set_to_none=False); `wd`: Adam's weight decay; `bf16`: autocast."""
     import torchvision
 
     torch.manual_seed(0)
     net = torchvision.models.resnet50(num_classes=128).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     net = net.to(memory_format=fmt)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-5)
+    if eval_bn:
+        for m in net.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-5, weight_decay=wd)
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
 
     def step():
-        loss = net(x).float().pow(2).mean()
-        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = net(x).float().pow(2).mean()
+        opt.zero_grad(set_to_none=not zeros)
         loss.backward()
         opt.step()
 
-    for _ in range(3):
+    for _ in range(warm):
         step()
-    sync(device)
+    clock = Clock(device)
+    clock.mark()
     t, n = time.perf_counter(), 0
     while n < steps and time.perf_counter() - t < limit:
         step()
+        clock.mark()
         n += 1
-    sync(device)
-    return batch * n / (time.perf_counter() - t)
+    return clock.rate(batch, 0)
+
+
+class Clock:
+    """Times on the device's own clock: a CUDA event recorded after each step (nothing waits for it), read once at
+    the end; on a CPU, the host's clock."""
+
+    def __init__(self, device):
+        self.cuda, self.marks = device.type == "cuda", []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def rate(self, batch: int, warmup: int) -> float:
+        "img/s over the marks after `warmup` (one synchronisation, here, after the run)."
+        marks = self.marks[warmup:]
+        if len(marks) < 2:
+            return float("nan")
+        if self.cuda:
+            marks[-1].synchronize()
+            secs = marks[0].elapsed_time(marks[-1]) / 1e3
+        else:
+            secs = marks[-1] - marks[0]
+        return batch * (len(marks) - 1) / secs
 
 
 def step_clock(device):
-    "A callback that records the time after every training step, the device synchronised."
+    "A callback that marks the `Clock` after every training step, without synchronising the device."
     from dml_nb.training.callbacks import Callback
 
     class StepClock(Callback):
         def __init__(self):
-            self.times = []
+            self.clock = Clock(device)
 
         def after_step(self, learner, logs):
-            sync(device)
-            self.times.append(time.perf_counter())
+            self.clock.mark()
 
     return StepClock()
 
 
-class StepParts:
-    """Where a training step's time goes: the wait for the loader's batch, `to_device` (the copy, and on the JPEG path
-    the decode and the crops on the device) and the rest of `_train_step` (forward, loss, backward, optimiser step).
-    It wraps the learner's `_train_step` and its module's `to_device`, synchronising the device around the latter
-    (the step already synchronises once, for its logs); benchmark instrumentation, undone by `close`."""
-
-    def __init__(self, learn, device):
-        import dml_nb.training.learner as L
-
-        self.L, self.device, self.orig = L, device, L.to_device
-        self.starts, self.ends, self.copies = [], [], []
-        step = learn._train_step
-
-        def to_device(*a, **k):
-            sync(device)
-            t = time.perf_counter()
-            out = self.orig(*a, **k)
-            sync(device)
-            self.copies.append(time.perf_counter() - t)
-            return out
-
-        def train_step(batch):
-            self.starts.append(time.perf_counter())
-            out = step(batch)
-            sync(device)
-            self.ends.append(time.perf_counter())
-            return out
-
-        L.to_device, learn._train_step = to_device, train_step
-
-    def close(self):
-        self.L.to_device = self.orig
-
-    def summary(self, warmup: int) -> str:
-        "Milliseconds per step after `warmup`: loader wait, to_device, the rest."
-        n = len(self.starts)
-        idx = range(max(1, min(warmup, n - 2)), n)
-        if not idx:
-            return "too few steps to split"
-        ms = lambda xs: 1e3 * sum(xs) / len(xs)
-        wait = ms([self.starts[i] - self.ends[i - 1] for i in idx])
-        copy = ms([self.copies[i] for i in idx])
-        rest = ms([self.ends[i] - self.starts[i] - self.copies[i] for i in idx])
-        return f"per step {wait:.0f} ms loader wait + {copy:.0f} ms to_device + {rest:.0f} ms model/loss/optimiser"
-
-
 def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object, str]:
-    """(img/s of the steps after `warmup`, peak GPU memory GiB, learner, where the time went) of one short epoch of
-    `cfg` (no evaluation). An epoch shorter than `warmup + 2` steps (D&C's own sampler ignores batches_per_epoch) keeps
-    fewer warm-up steps."""
+    """(img/s of the steps after `warmup`, timed by CUDA events, peak GPU memory GiB, learner, a note) of one short
+    epoch of `cfg` (no evaluation). An epoch shorter than `warmup + 2` steps (D&C's own sampler ignores
+    batches_per_epoch) keeps fewer warm-up steps."""
     from dml_nb.reproduction.experiment import build_learner
 
     learn = build_learner(cfg, run_dir=None, progress=False)
     learn.eval_sets = {}  # steps only: no evaluation at the epoch's end
     clock = step_clock(device)
     learn.callbacks.append(clock)
-    parts = StepParts(learn, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    try:
-        learn.fit()
-    finally:
-        parts.close()
-    warmup = min(warmup, max(len(clock.times) - 2, 0))  # at least two clock times, one timed step
-    t = clock.times[warmup:]
-    rate = cfg.train.batch_size * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
+    learn.fit()
+    marks = clock.clock.marks
+    warmup = min(warmup, max(len(marks) - 2, 0))  # at least two marks, one timed step
+    rate = clock.clock.rate(cfg.train.batch_size, warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return rate, peak, learn, f"{len(t) - 1} steps timed; {parts.summary(warmup)}"
+    return rate, peak, learn, f"{len(marks) - warmup - 1} steps timed by events"
 
 
 def training(c: Check, limit, device, tiny, root: Path, results: dict):
     cuda = device.type == "cuda"
     batch, size = (8, 32) if tiny else (112, 224)
-    steps, warmup = (2, 0) if tiny else (14, 4)
-    per = limit / (len(METHODS) + 2)
-    bare = bare_rate(device, batch, size, 4 if tiny else 30, cuda, per)
-    c.add(
-        "training",
-        f"bare torchvision ResNet50, fp32, batch {batch}, {size} px{', channels_last' if cuda else ''}",
-        f"{bare:.1f} img/s",
-        "random input, forward + backward + Adam",
-    )
-    results["bare"] = bare
-    c.add("training", "bare step", f"{1e3 * batch / bare:.0f} ms", "the same, per step")
-    for m in METHODS:
-        if c.left() < per:
-            c.add("training", m, "skipped", "time")
-            continue
-        t = time.perf_counter()
-        try:
-            rate, peak, learn, split = method_rate(paper_config(m, root, device, tiny, warmup + steps), device, warmup)
-        except Exception as e:
-            c.add("training", m, "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/").replace("\n", " "))
-            continue
-        results[m] = rate
-        target = {"baseline": 0.15, "diva": 0.45}.get(m)
+    steps, warmup = (2, 1) if tiny else (12, 4)
+    per = limit / (2 * len(METHODS) + len(BARE_VARIANTS) + 1)
+    for name, kw in BARE_VARIANTS.items():
+        bare = bare_rate(device, batch, size, 2 if tiny else 30, cuda, per, warm=1 if tiny else 3, **kw)
+        key = {"as is": "bare", "BatchNorm frozen (eval mode)": "bare_eval_bn"}.get(name, "bare_eval_bn_zeros_wd")
+        results[f"{key}_img_s"] = bare
         c.add(
             "training",
-            f"{m} (params/train/cub200_{m}.yaml)",
-            f"{rate:.1f} img/s",
-            f"overhead {bare / rate - 1:+.0%} vs bare{'' if target is None else f' (target <= {target:.0%})'}; "
-            f"amp {learn.amp or 'fp32'}, channels_last {learn.channels_last}, "
-            f"peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; {split}; {time.perf_counter() - t:.0f} s",
+            f"bare torchvision ResNet50, fp32, {name}",
+            f"{bare:.1f} img/s",
+            f"batch {batch}, {size} px{', channels_last' if cuda else ''}; {1e3 * batch / bare:.0f} ms per step",
         )
-        if m == "diva":
-            results["diva_learner"] = learn
+    bare_bf16 = bare_rate(device, batch, size, 2 if tiny else 30, cuda, per, bf16=True, warm=1 if tiny else 3)
+    results["bare_bf16_img_s"] = bare_bf16
+    c.add("training", "bare torchvision ResNet50, bf16, as is", f"{bare_bf16:.1f} img/s", "autocast bf16")
+    for amp in ("paper", "bf16"):
+        ref = results["bare_img_s"] if amp == "paper" else bare_bf16
+        for m in METHODS:
+            if c.left() < per:
+                c.add("training", f"{m} ({amp})", "skipped", "time")
+                continue
+            t = time.perf_counter()
+            extra = () if amp == "paper" else ("train.amp=bf16",)
+            try:
+                rate, peak, learn, note = method_rate(
+                    paper_config(m, root, device, tiny, warmup + steps, extra), device, warmup
+                )
+            except Exception as e:
+                c.add("training", f"{m} ({amp})", "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/"))
+                continue
+            results[f"{m}_img_s" if amp == "paper" else f"{m}_bf16_img_s"] = rate
+            target = {"baseline": 0.15, "diva": 0.45}.get(m)
+            c.add(
+                "training",
+                f"{m} (params/train/cub200_{m}.yaml, {amp})",
+                f"{rate:.1f} img/s",
+                f"overhead {ref / rate - 1:+.0%} vs bare at the same precision"
+                f"{'' if target is None else f' (target <= {target:.0%})'}; amp {learn.amp or 'fp32'}, "
+                f"channels_last {learn.channels_last}, peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; "
+                f"{note}; {time.perf_counter() - t:.0f} s",
+            )
+            if m == "diva":
+                results["diva_learner" if amp == "paper" else "diva_learner_bf16"] = learn
+
+
+def trace_summary(path: Path, cuda: bool) -> dict:
+    """The summary of a chrome trace of the profiled steps: wall and busy time per step (busy: the union of the GPU's
+    kernels and copies; on a CPU, of the top-level CPU ops), blocking syncs per step, the longest idle gaps with the
+    work before and after them and the host op that launched the next one, the top kernels by time."""
+    events = json.loads(gzip.open(path, "rt").read())["traceEvents"]
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
+    )
+    busy_cats = ("kernel", "gpu_memcpy", "gpu_memset") if cuda else ("cpu_op",)
+    dev = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
+        for e in events
+        if e.get("cat") in busy_cats and "dur" in e
+    )
+    if not steps or not dev:
+        return {"steps": len(steps), "note": "no step or no device events in the trace"}
+    t0, t1 = steps[0][0], max(steps[-1][1], dev[-1][1])
+    dev = [d for d in dev if d[1] > t0]
+    merged = []
+    for a, b, name, corr in dev:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+            merged[-1][3] = name
+        else:
+            merged.append([max(a, t0), b, name, name, corr])
+    busy = sum(b - a for a, b, *_ in merged)
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    launch_at = {e.get("args", {}).get("correlation"): e["ts"] for e in runtime}
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e)
+
+    def host_op(ts):
+        "The innermost CPU op running at `ts` (the one that launched a kernel then)."
+        inner = None
+        for a, b, name in ops:
+            if a > ts:
+                break
+            if b >= ts:
+                inner = name
+        return inner or "-"
+
+    syncing = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+    syncs = [e for e in runtime if e["name"] in syncing and t0 <= e["ts"] <= t1]
+    gaps = []
+    for (a0, b0, _, last0, _), (a1, _, first1, _, corr1) in zip(merged, merged[1:]):
+        inside = sorted({e["name"] for e in syncs if b0 <= e["ts"] + e["dur"] and e["ts"] <= a1})
+        launched = host_op(launch_at[corr1]) if cuda and corr1 in launch_at else host_op(a1)
+        gaps.append((a1 - b0, last0, first1, launched, inside))
+    gaps.sort(key=lambda g: -g[0])
+    kernels: dict = {}
+    for a, b, name, _ in dev:
+        k = kernels.setdefault(name, [0.0, 0])
+        k[0], k[1] = k[0] + (b - a), k[1] + 1
+    n = len(steps)
+    return {
+        "steps": n,
+        "wall_ms_per_step": (t1 - t0) / 1e3 / n,
+        "busy_ms_per_step": busy / 1e3 / n,
+        "busy_fraction": busy / (t1 - t0),
+        "blocking_syncs_per_step": len(syncs) / n,
+        "idle_ms_per_step": sum(g[0] for g in gaps) / 1e3 / n,
+        "longest_gaps": [
+            {"ms": g[0] / 1e3, "after": g[1][:80], "before": g[2][:80], "launched_by": g[3][:80], "syncs": g[4]}
+            for g in gaps[:5]
+        ],
+        "top_kernels": [
+            {"name": k[:80], "ms_per_step": v[0] / 1e3 / n, "calls_per_step": v[1] / n}
+            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:8]
+        ],
+    }
+
+
+def profile(c: Check, limit, device, tiny, root: Path, results: dict, out_dir: Path):
+    "torch.profiler traces of 3 steps of the baseline and of DiVA (after a warm-up), and their summaries."
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.callbacks import Callback
+
+    cuda = device.type == "cuda"
+    warmup, n = (1, 3) if tiny else (3, 3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for m in ("baseline", "diva"):
+        prof = torch_profile(activities=activities)
+
+        class Profiled(Callback):
+            "Profiles the steps warmup + 1 .. warmup + n, each in a 'ProfilerStep#k' range of the trace."
+
+            done, rec = 0, None
+
+            def after_step(self, learner, logs):
+                self.done += 1  # steps so far
+                if self.rec is not None:
+                    self.rec.__exit__(None, None, None)
+                    self.rec = None
+                if self.done == warmup:
+                    prof.start()
+                if self.done == warmup + n:
+                    prof.stop()
+                elif warmup <= self.done < warmup + n:
+                    self.rec = torch.profiler.record_function(f"ProfilerStep#{self.done - warmup + 1}")
+                    self.rec.__enter__()
+
+        learn = build_learner(paper_config(m, root, device, tiny, warmup + n + 1), run_dir=None, progress=False)
+        learn.eval_sets = {}
+        learn.callbacks.append(Profiled())
+        learn.fit()
+        path = out_dir / f"trace_{m}.json.gz"
+        prof.export_chrome_trace(str(path))
+        summary = trace_summary(path, cuda)
+        results.setdefault("profile", {})[m] = summary
+        if "wall_ms_per_step" not in summary:
+            c.add("profile", m, "-", summary.get("note", ""))
+            continue
+        what = "GPU" if cuda else "CPU (rehearsal: top-level CPU ops)"
+        c.add(
+            "profile",
+            f"{m}: {what} busy / wall per step",
+            f"{summary['busy_ms_per_step']:.1f} / {summary['wall_ms_per_step']:.1f} ms",
+            f"{summary['busy_fraction']:.0%} busy; {summary['blocking_syncs_per_step']:.1f} blocking syncs per step; "
+            f"idle {summary['idle_ms_per_step']:.1f} ms per step; trace {path.name}",
+        )
+        for g in summary["longest_gaps"][:3]:
+            c.add(
+                "profile",
+                f"{m}: idle gap",
+                f"{g['ms']:.2f} ms",
+                f"after {g['after']}, before {g['before']} (launched by {g['launched_by']})"
+                + (f"; syncs in it: {', '.join(g['syncs'])}" if g["syncs"] else ""),
+            )
+        top = "; ".join(f"{k['name'][:50]} {k['ms_per_step']:.2f} ms" for k in summary["top_kernels"][:4])
+        c.add("profile", f"{m}: top {'kernels' if cuda else 'ops'} per step", "-", top.replace("|", "/"))
 
 
 def loader_rate(items, collate, n: int, batch: int, workers: int, consume=None, passes: int = 3) -> tuple[float, float]:
@@ -417,38 +578,122 @@ def data_path(c: Check, limit, device, tiny, root: Path):
         c.add("data path", f"PIL path, {workers} workers, batch {batch}", f"{steady:.0f} img/s", "for comparison")
 
 
-def projection(c: Check, limit, device, tiny, root: Path, results: dict):
+def write_cub_test(root: Path, images: int, unique: int = 240) -> Path:
+    """A CUB200-format tree whose test split (classes 101-200) holds `images` generated JPEGs of 500 x 375 (CUB's test
+    split: 5,924): `unique` distinct files, hard-linked (else copied) to the other names: each decodes as a photo
+    does. The train split gets one image per class."""
+    import shutil
+    from data import write_jpegs
+
+    base = root / "CUB_200_2011"
+    pool = write_jpegs(root / "pool", unique, seed=7)
+    per = [images // 100 + (k < images % 100) for k in range(100)]
+    lines, labels, names, i = [], [], [], 0
+    for c in range(1, 201):
+        folder = f"{c:03d}.Bird_{c}"
+        names.append(f"{c} {folder}")
+        (base / "images" / folder).mkdir(parents=True, exist_ok=True)
+        for k in range(1 if c <= 100 else per[c - 101]):
+            i += 1
+            dst = base / "images" / folder / f"{k:05d}.jpg"
+            try:
+                os.link(pool[i % unique], dst)
+            except OSError:
+                shutil.copy(pool[i % unique], dst)
+            lines.append(f"{i} {folder}/{dst.name}")
+            labels.append(f"{i} {c}")
+    (base / "images.txt").write_text("\n".join(lines) + "\n")
+    (base / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
+    (base / "classes.txt").write_text("\n".join(names) + "\n")
+    return root
+
+
+def embed_rate(learn, test, device, batch_size=None) -> float:
+    """img/s of the embedding pass over `test` in steady state: from its first batch on (the loader's start left out),
+    after a whole warm-up pass; a pass of one batch is timed whole."""
+    learn.embed(
+        test, batch_size=batch_size
+    )  # warm-up: cuDNN's choices, the loader's first start, the decoder's buffers
+    times, first = [], []
+
+    def fn(x):
+        if not times:
+            sync(device)
+            times.append(time.perf_counter())
+            first.append(len(x))
+        return learn.method.embed(x)
+
+    t = time.perf_counter()
+    learn.embed(test, fn=fn, batch_size=batch_size)
+    sync(device)
+    end = time.perf_counter()
+    rest = len(test) - first[0]
+    return rest / (end - times[0]) if rest > 0 else len(test) / (end - t)
+
+
+def evaluation_pass(c: Check, limit, device, tiny, root: Path, results: dict):
+    """The evaluation's embedding pass at CUB's test size in steady state (fp32 and bf16), and the DiVA CUB200
+    projection: 200 epochs of training (bf16, the target's precision, and fp32), and 350 epochs with an evaluation
+    every epoch (the paper files' fp32)."""
     from dml_nb.data.datasets import load_dataset
     from dml_nb.data.batches import JpegImages
     from dml_nb.evaluation.metrics import evaluate
     from eval import synthetic
 
     learn = results.get("diva_learner")
-    if learn is None or "diva" not in results:
-        c.add("projection", "DiVA CUB200, 350 epochs", "-", "needs the DiVA row above")
+    if learn is None or "diva_img_s" not in results:
+        c.add("evaluation pass", "DiVA's embedding pass", "-", "needs the DiVA row of the training section")
         return
-    test = JpegImages(load_dataset("cub200", root=root, split="test", size=32 if tiny else None))
-    t = time.perf_counter()
-    learn.embed(test)
-    sync(device)
-    embed_rate = len(test) / (time.perf_counter() - t)
-    n, classes = (600, 10) if tiny else (CUB_TEST, 100)
-    emb, labels = synthetic(n, classes, noise=0.15)
+    n_test = 120 if tiny else CUB_TEST
+    with tempfile.TemporaryDirectory() as tmp:
+        cub = write_cub_test(Path(tmp) / "cub", n_test, unique=20 if tiny else 240)
+        test = JpegImages(load_dataset("cub200", root=cub, split="test", size=32 if tiny else None))
+        rates = {}
+        for amp, lrn in (("fp32", learn), ("bf16", results.get("diva_learner_bf16"))):
+            if lrn is None:
+                continue
+            was = lrn.amp
+            lrn.amp = None if amp == "fp32" else "bf16"
+            try:
+                rates[amp] = embed_rate(lrn, test, device, batch_size=16 if tiny else None)
+            finally:
+                lrn.amp = was
+            results["eval_embed_img_s" if amp == "fp32" else "eval_embed_bf16_img_s"] = rates[amp]
+            train = results["diva_img_s" if amp == "fp32" else "diva_bf16_img_s"]
+            c.add(
+                "evaluation pass",
+                f"DiVA's embedding pass, {len(test):,} CUB-format JPEGs, {amp}",
+                f"{rates[amp]:.0f} img/s",
+                f"steady state after a warm-up pass; {rates[amp] / train:.1f}x DiVA's training rate (target >= 2x)",
+            )
+    m, classes = (600, 10) if tiny else (CUB_TEST, 100)
+    emb, labels = synthetic(m, classes, noise=0.15)
     emb, labels = emb.to(device), labels.to(device)
-    kw = dict(learn.evaluator.readings)
     t = time.perf_counter()
-    evaluate(emb, labels, learn.evaluator.metrics, **kw)
+    evaluate(emb, labels, learn.evaluator.metrics, **dict(learn.evaluator.readings))
     sync(device)
-    metrics_s = (time.perf_counter() - t) * (CUB_TEST / n)
-    train_s, eval_s = CUB_TRAIN / results["diva"], CUB_TEST / embed_rate + metrics_s
-    total = EPOCHS * (train_s + eval_s)
-    c.add(
-        "projection",
-        "DiVA CUB200, 350 epochs, evaluation every epoch",
-        f"{total / 3600:.2f} h",
-        f"per epoch: training {train_s:.0f} s ({results['diva']:.0f} img/s), evaluation {eval_s:.1f} s "
-        f"(embedding {embed_rate:.0f} img/s, metrics {metrics_s:.1f} s{' scaled from a toy set' if tiny else ''})",
-    )
+    metrics_s = (time.perf_counter() - t) * (CUB_TEST / m)
+    for amp in ("bf16", "fp32"):
+        rate = results.get("diva_img_s" if amp == "fp32" else "diva_bf16_img_s")
+        if rate:
+            minutes = 200 * CUB_TRAIN / rate / 60
+            results["diva_cub200_200_epochs_min" if amp == "bf16" else "diva_cub200_200_epochs_fp32_min"] = minutes
+            c.add(
+                "evaluation pass",
+                f"DiVA CUB200, 200 epochs of training, {amp}",
+                f"{minutes:.1f} min",
+                f"{CUB_TRAIN} images an epoch at {rate:.0f} img/s{' (target <= 10 min)' if amp == 'bf16' else ''}",
+            )
+    if "fp32" in rates:
+        train_s, eval_s = CUB_TRAIN / results["diva_img_s"], CUB_TEST / rates["fp32"] + metrics_s
+        results["diva_cub200_350_epochs_eval_h"] = EPOCHS * (train_s + eval_s) / 3600
+        c.add(
+            "evaluation pass",
+            "DiVA CUB200, 350 epochs, evaluation every epoch, fp32",
+            f"{results['diva_cub200_350_epochs_eval_h']:.2f} h",
+            f"per epoch: training {train_s:.0f} s, evaluation {eval_s:.1f} s (embedding {rates['fp32']:.0f} img/s, "
+            f"metrics {metrics_s:.1f} s{' scaled from a toy set' if tiny else ''})",
+        )
 
 
 def sop_eval(c: Check, limit, device, tiny, pml: bool = True):
@@ -637,6 +882,46 @@ def resume(c: Check, limit, device, tiny):
     )
 
 
+def write_results(path: Path, results: dict, device, c: Check) -> None:
+    "gpu_results.json: the card, date and versions, every rate and projection of the run (absent: the section did not run)."
+    import torchvision
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (rehearsal)"
+    out = {
+        "card": card,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "device": device.type,
+        "seconds": round(time.perf_counter() - c.t0),
+        "precision": {"paper": "fp32 (the paper files' amp: none)", "bf16": "autocast bf16 (train.amp=bf16)"},
+    }
+    keys = ["bare", "bare_eval_bn", "bare_eval_bn_zeros_wd", *METHODS]
+    for k in keys:
+        for suffix in ("_img_s", "_bf16_img_s"):
+            if f"{k}{suffix}" in results:
+                out[f"{k}{suffix}"] = round(results[f"{k}{suffix}"], 2)
+    for k in (
+        "eval_embed_img_s",
+        "eval_embed_bf16_img_s",
+        "diva_cub200_200_epochs_min",
+        "diva_cub200_200_epochs_fp32_min",
+        "diva_cub200_350_epochs_eval_h",
+    ):
+        if k in results:
+            out[k] = round(results[k], 3)
+    for m in METHODS:
+        for amp, ref in (("", "bare_img_s"), ("_bf16", "bare_bf16_img_s")):
+            if f"{m}{amp}_img_s" in out and ref in out:
+                out[f"{m}{amp}_overhead"] = round(out[ref] / out[f"{m}{amp}_img_s"] - 1, 4)
+    if "profile" in results:
+        out["profile"] = results["profile"]
+    out["failed_rows"] = [list(r) for r in c.rows if r[1] == "FAILED"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"results written to {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -644,39 +929,65 @@ def main(argv=None):
     ap.add_argument(
         "--budget",
         type=float,
-        default=450.0,
-        help="seconds for the whole check (gpu_check.sh stops it at $GPU_CHECK_TIMEOUT, 480 s by default)",
+        default=300.0,
+        help="seconds for the whole check (gpu_check.sh stops it at $GPU_CHECK_TIMEOUT, 330 s by default)",
     )
-    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.md"))
+    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.md"), help="the table; traces go beside it")
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="the machine-readable results (default benchmarks/gpu_results.json on a GPU, beside --out on a CPU)",
+    )
     ap.add_argument(
         "--skip",
         default="",
-        help="comma-separated sections to leave out (gpu_tests, training, data_path, projection, evaluation, torchrun, "
-        "resume) and 'pml' (the pytorch-metric-learning comparison: minutes of faiss k-means on the CPU)",
+        help="comma-separated sections to leave out (training, profile, evaluation_pass, data_path, gpu_tests, "
+        "evaluation, torchrun, resume) and 'pml' (the pytorch-metric-learning comparison: minutes of faiss k-means on "
+        "the CPU)",
     )
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device[:200]!r}: not a torch device; use cuda (the check) or cpu (the rehearsal)")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: run the rehearsal with --device cpu --tiny")
+    results_path = (
+        Path(args.results)
+        if args.results
+        else (
+            ROOT / "benchmarks" / "gpu_results.json"
+            if device.type == "cuda"
+            else Path(args.out).parent / "gpu_results.json"
+        )
+    )
+    if device.type != "cuda" and results_path.resolve().parent == (ROOT / "benchmarks").resolve():
+        ap.error(
+            f"--results {str(results_path)[:200]}: benchmarks/gpu_results.json holds a GPU's figures, not a "
+            f"{device.type} rehearsal's: give a path outside benchmarks/ (the default is beside --out)"
+        )
     torch.set_num_threads(min(4, os.cpu_count() or 1) if args.tiny else (os.cpu_count() or 1))
     c = Check(Path(args.out), args.budget)
     skip = set(filter(None, args.skip.split(",")))
-    if bad := skip - {"gpu_tests", "training", "data_path", "projection", "evaluation", "torchrun", "resume", "pml"}:
+    known = {"training", "profile", "evaluation_pass", "data_path", "gpu_tests", "evaluation", "torchrun", "resume"}
+    if bad := skip - known - {"pml"}:
         ap.error(f"--skip: unknown section(s) {sorted(bad)}")
     tiny = args.tiny
     lim = lambda full, small: small if tiny else full
     results: dict = {}
+    out_dir = Path(args.out).parent / "gpu_check_traces"
     with tempfile.TemporaryDirectory() as tmp:
         root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 6)))  # CUB: classes 1-100 train, 101-200 test
         c.section("environment", 10, environment, device)
-        sections = [
-            ("gpu tests", lim(75, 60), gpu_tests, (device,)),
-            ("training", lim(170, 60), training, (device, tiny, root, results)),
-            ("data path", lim(40, 20), data_path, (device, tiny, root)),
-            ("projection", lim(25, 15), projection, (device, tiny, root, results)),
-            ("evaluation", lim(60, 20), sop_eval, (device, tiny, "pml" not in skip)),
-            ("torchrun", lim(50, 90), torchrun, (device,)),  # its start-up alone took > 40 s at a load of 20-30
-            ("resume", lim(25, 30), resume, (device, tiny)),
+        sections = [  # in order of priority: a section that no longer fits the budget is skipped
+            ("training", lim(130, 150), training, (device, tiny, root, results)),
+            ("profile", lim(30, 40), profile, (device, tiny, root, results, out_dir)),
+            ("evaluation pass", lim(45, 40), evaluation_pass, (device, tiny, root, results)),
+            ("data path", lim(20, 20), data_path, (device, tiny, root)),
+            ("gpu tests", lim(40, 60), gpu_tests, (device,)),
+            ("evaluation", lim(30, 20), sop_eval, (device, tiny, "pml" not in skip)),
+            ("torchrun", lim(25, 90), torchrun, (device,)),  # its start-up alone took > 40 s at a load of 20-30
+            ("resume", lim(15, 30), resume, (device, tiny)),
         ]
         for name, limit, fn, fargs in sections:
             if name.replace(" ", "_") in skip:
@@ -684,6 +995,7 @@ def main(argv=None):
             else:
                 c.section(name, limit, fn, *fargs)
     c.write()
+    write_results(results_path, results, device, c)
     print(f"\n{c.table()}\n\nwritten to {c.out} ({time.perf_counter() - c.t0:.0f} s)")
     failed = [r for r in c.rows if r[1] == "FAILED" or r[2] in ("DIFFERENT",) or str(r[2]).startswith("rc ")]
     return 1 if failed else 0

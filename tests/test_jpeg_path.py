@@ -1,7 +1,10 @@
 """The JPEG path (`data.decode: jpeg_batch`, dml_nb.data.batches.JpegImages): for the same seeds it gives the PIL path's crop
-boxes and flips, and on the CPU its pixels equal the PIL path's to the bit (both decode with libjpeg-turbo and crop,
-resize and normalise with the same torchvision functions; measured tolerance: 0). A run trains identically on both
-paths. On a GPU (nvJPEG) the decode differs by a few levels: the `gpu` test bounds it and gpu_check.sh measures it."""
+boxes and flips. Decoded in the loader workers (the CPU's mode) its pixels equal the PIL path's to the bit (both
+decode with libjpeg-turbo and crop, resize and normalise with the same torchvision functions, image by image; measured
+tolerance: 0), and a run trains identically on both paths. Decoded on the device, a batch is cropped in one batched
+pass (resampling weights, two matrix products): equal up to float rounding, within 1/20 of an 8-bit level (measured
+on the CPU: at most 1/140). On a GPU (nvJPEG) the decode differs by a few levels: the `gpu` test bounds it and
+gpu_check.sh measures it."""
 
 from __future__ import annotations
 from pathlib import Path
@@ -24,6 +27,15 @@ from dml_nb.data.batches import (
 from dml_nb.core.config import ConfigError, make_config
 from dml_nb.core.base import seed_everything
 from dml_nb.data.datasets import ImageListDataset, make_transform
+
+LEVEL = 1 / 255  # one 8-bit level, as a fraction of a view's value range
+
+
+def close_to(a: torch.Tensor, ref: torch.Tensor, levels: float = 0.05) -> bool:
+    "Whether `a` is within `levels` 8-bit levels of `ref`, in units of ref's value range (the views are normalised)."
+    span = float(ref.max() - ref.min())
+    return a.shape == ref.shape and float((a - ref).abs().max()) <= levels * LEVEL * span
+
 
 SIZES = [(375, 500), (500, 375), (333, 500), (500, 281), (41, 900), (900, 41), (60, 60), (224, 224), (17, 23)]
 
@@ -100,7 +112,8 @@ def test_crop_boxes_and_flips_are_the_pil_paths_draws(scale, ratio):
     "preset, size", [("resnet50", None), ("bninception", None), ("googlenet", 227), ("resnet50", 96)]
 )
 def test_pixels_equal_the_pil_path(files, preset, size):
-    "Batched (as on the device), in the worker and per item: the PIL path's tensors, bit for bit, train and test."
+    """In the worker and per item: the PIL path's tensors, bit for bit, train and test; batched (as on the device, one
+    pass): within 1/20 of an 8-bit level of them."""
     src = dataset(files, train=True, preset=preset, size=size)
     keys = [(k, 1000 + k) for k in range(len(files))] + [(0, 5, False), (4, 6, False)]
     pil = SeededViews(src, views=2)
@@ -111,13 +124,16 @@ def test_pixels_equal_the_pil_path(files, preset, size):
     worker = JpegImages(src, decode_on="worker").loader_items(2, "cpu")[0]
     for j, k in enumerate(keys):
         ref = pil[k]
-        assert torch.equal(batch["x"][j], ref["x"]) and torch.equal(
-            batch["extra_views"][0][j], ref["extra_views"][0]
-        ), k
+        assert close_to(batch["x"][j], ref["x"]) and close_to(batch["extra_views"][0][j], ref["extra_views"][0]), k
         got = worker[k]
         assert torch.equal(got["x"], ref["x"]) and torch.equal(got["extra_views"][0], ref["extra_views"][0]), k
         assert (batch["y"][j].item(), batch["index"][j].item()) == (ref["y"], ref["index"])
+    assert not close_to(batch["x"][0].flip(-1), pil[keys[0]]["x"], levels=10)  # the bound tells views apart
     test = JpegImages(dataset(files, train=False, preset=preset, size=size))
+    t_items, t_collate = JpegImages(test.source, decode_on="device").loader_items(1, "cpu")  # evaluation, batched
+    t_batch = to_device(t_collate([t_items[(i, i)] for i in range(len(files))]), "cpu", transform=test.batch_transform)
+    for i in range(len(files)):
+        assert close_to(t_batch["x"][i], test.source[i][0]), i
     assert test.eval_view() is test
     ev = JpegImages(src).eval_view()
     for i in range(len(files)):
@@ -129,7 +145,10 @@ def test_pixels_equal_the_pil_path(files, preset, size):
 
 
 def test_a_run_trains_identically_on_both_paths(tmp_path, monkeypatch):
-    "A short run on CUB-format JPEGs: the same losses and metrics on the PIL path and the JPEG path (both of its modes)."
+    """A short run on CUB-format JPEGs: the same losses and metrics on the PIL path and the JPEG path decoded in the
+    workers; decoded on the device (one batched pass per batch), the same training logs up to float rounding (measured:
+    2e-5 relative). Its evaluation metrics are not compared: the toy images of a class differ by a few levels of
+    noise, so rounding moves a neighbour (measured: train recall@1 0.81 against 0.88)."""
     from dml_nb.data.checks import write_fake_dataset
     from dml_nb.reproduction.experiment import run
 
@@ -154,8 +173,13 @@ def test_a_run_trains_identically_on_both_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(JpegImages, "decodes_on_device", lambda self, device: True)  # the GPU's mode, on the CPU
     device = run(jpeg_cfg, runs_dir=tmp_path / "device", progress=False)
     strip = lambda h: [{k: v for k, v in row.items() if k != "time" and not k.startswith("time/")} for row in h]
-    assert strip(pil.history) == strip(worker.history) == strip(device.history)
-    assert pil.metrics == worker.metrics == device.metrics
+    assert strip(pil.history) == strip(worker.history)
+    assert pil.metrics == worker.metrics
+    logs = lambda h: [{k: v for k, v in row.items() if k.split("/")[0] in ("loss", "grad_norm", "grad")} for row in h]
+    assert [r.keys() for r in logs(pil.history)] == [r.keys() for r in logs(device.history)]
+    for a, b in zip(logs(pil.history), logs(device.history)):
+        assert all(abs(a[k] - b[k]) <= 1e-3 * abs(a[k]) for k in a), (a, b)
+    assert len(logs(pil.history)) == 2 and all("loss" in r for r in logs(pil.history))
 
 
 def test_bad_settings_are_clear_errors(files):
