@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dml_nb"
-# the layers, lowest first: a module imports only from its own layer and the layers before it (README, Layout)
+# the layers, lowest first: a module imports only from its own layer and the layers before it (README, "Where to read next")
 LAYERS = ("core", "data", "blocks", "evaluation", "training", "methods", "reproduction")
 
 
@@ -227,8 +227,8 @@ def test_the_layers_are_the_folders():
 
 
 # The public namespace (`from dml_nb import losses, methods`; 03_threads): modules at the top of the package that only
-# re-export names of the layers (70_losses to 74_experiments), and layer packages whose `__init__` re-exports its
-# layer's names on first use (18_data, 46_training, 35_evaluation, 58_methods). They are for users: no module of the
+# re-export names of the layers (70_api_losses to 74_api_experiments), and layer packages whose `__init__` re-exports its
+# layer's names on first use (18_data, 46_training, 35_evaluation, 58_api_methods). They are for users: no module of the
 # library imports one.
 PUBLIC_MODULES = ("losses", "miners", "distances", "models", "experiments")
 PUBLIC_PACKAGES = ("data", "training", "evaluation", "methods")

@@ -1,5 +1,5 @@
 """The one-off migration of claims files written as Markdown only (`tools/claims_to_json.py`): the JSON it writes
-renders back to the very Markdown it came from, and gives the README's claim table what the saved JSON gives."""
+renders back to the very Markdown it came from, and gives the claim table of REPORT.md what the saved JSON gives."""
 
 import importlib.util
 import json

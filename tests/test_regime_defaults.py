@@ -34,7 +34,7 @@ def test_default_run_is_one_regime(stem):
 
 
 def test_claim_table_gives_each_switched_notebook_its_v2_verdicts():
-    "The README's claim table puts a v3 notebook's regime v2 counts (`figures/regime_v2/`) beside its v3 verdicts."
+    "The claim table of REPORT.md puts a v3 notebook's regime v2 counts (`figures/regime_v2/`) beside its v3 verdicts."
     from dml_nb.reproduction.reproduce import claims_summary
 
     table = claims_summary(ROOT / "figures")[0].splitlines()

@@ -190,7 +190,7 @@ def test_dml_train_takes_the_largest_count(tmp_path):
 
 @pytest.fixture
 def clone(tmp_path, monkeypatch):
-    """A git clone-like project: a notebook, README with a claim table, committed figures/ and results/, all tracked;
+    """A git clone-like project: a notebook, REPORT.md with a claim table, committed figures/ and results/, all tracked;
     papermill replaced by a stand-in notebook that writes its figures where its parameters say, as `setup` picks them."""
     import papermill
 
@@ -202,7 +202,7 @@ def clone(tmp_path, monkeypatch):
     (root / "nbs" / "repro_x.ipynb").write_text(
         json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
     )
-    (root / "README.md").write_text("# x\n<!-- claims -->\nold table\n<!-- /claims -->\n")
+    (root / "REPORT.md").write_text("# x\n<!-- claims -->\nold table\n<!-- /claims -->\n")
     (root / "figures").mkdir()
     (root / "figures" / "repro_x.md").write_text("committed\n")
     (root / "results").mkdir()
@@ -243,7 +243,7 @@ def test_write_committed_writes_the_committed_outputs(clone):
 
     assert reproduce_main(["repro_x", "--write-committed", "--runs-dir", str(clone.root / "runs")]) == 0
     changed = sorted(line[3:] for line in clone.status().splitlines())
-    assert changed == ["README.md", "figures/.reproduced.json", "figures/repro_x.md"], changed
+    assert changed == ["REPORT.md", "figures/.reproduced.json", "figures/repro_x.md"], changed
 
 
 def test_write_notebooks_asks_for_write_committed(clone, capsys):

@@ -4,10 +4,10 @@ written before `Claims.save` wrote `figures/<stem>_claims.json`).
 
     python tools/claims_to_json.py                  # every figures/repro_*_claims.md without a JSON beside it
     python tools/claims_to_json.py --force FILE.md  # these files, over their JSON
-    python tools/claims_to_json.py --check-readme   # and say whether README.md's claim table is the one the JSON gives
+    python tools/claims_to_json.py --check-readme   # and say whether REPORT.md's claim table is the one the JSON gives
 
 Since the JSON, the claims are data: `Claims.save` writes the JSON and renders the Markdown from it
-(`claims.render_claims_markdown`), and the README's claim table (`reproduce.update_readme_claims`) reads the JSON only.
+(`claims.render_claims_markdown`), and the claim table of REPORT.md (`reproduce.update_readme_claims`) reads the JSON only.
 This script is the one place left that parses a claims file's Markdown, once per file, to migrate it: the table of
 claims, the **Resolution.** sentence (as numbers: its basis and the smallest differences per metric), **Cost.** (runs,
 training minutes), **Setting.** (the sentence and the fields it names), **Tasks.** and the **Rule.** paragraph (`rule`:
@@ -120,7 +120,7 @@ def readme_matches(readme: Path, figures: Path) -> bool:
     from dml_nb.reproduction.reproduce import update_readme_claims
 
     with tempfile.TemporaryDirectory() as d:
-        copy = Path(d) / "README.md"
+        copy = Path(d) / readme.name
         copy.write_text(readme.read_text())
         update_readme_claims(copy, figures)
         diff = difflib.unified_diff(readme.read_text().splitlines(), copy.read_text().splitlines(), lineterm="", n=0)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("files", nargs="*", type=Path, help="claims Markdown files (default: figures/repro_*_claims.md)")
     ap.add_argument("--force", action="store_true", help="write over an existing JSON")
-    ap.add_argument("--check-readme", action="store_true", help="check README.md's claim table against the JSON")
+    ap.add_argument("--check-readme", action="store_true", help="check REPORT.md's claim table against the JSON")
     args = ap.parse_args(argv)
     files = args.files or sorted((ROOT / "figures").glob("repro_*_claims.md"))
     todo = [f for f in files if args.force or not f.with_suffix(".json").exists()]
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     print(f"{len(written)} of {len(todo)} claims file(s) written as JSON ({len(files) - len(todo)} had one)")
     ok = len(written) == len(todo)
     if args.check_readme:
-        same = readme_matches(ROOT / "README.md", ROOT / "figures")
-        print("README.md's claim table is the one the JSON gives" if same else "README.md's claim table differs")
+        same = readme_matches(ROOT / "REPORT.md", ROOT / "figures")
+        print("REPORT.md's claim table is the one the JSON gives" if same else "REPORT.md's claim table differs")
         ok = ok and same
     return 0 if ok else 1
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from dml_nb.reproduction.results import count_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 DECIDED = ("holds", "fails")
 
@@ -101,8 +103,10 @@ def run_differences(before: Path, after: Path, metric: str = "recall@1") -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="+")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads per run for the retraining (default 2)")
-    p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument(
+        "--threads", type=count_arg, default=2, help="CPU threads per run for the retraining (1 to 512; default 2)"
+    )
+    p.add_argument("--workers", type=count_arg, default=1, help="runs at a time (1 to 512; default 1)")
     p.add_argument("--runs-dir", required=True, help="an empty run cache for the retraining")
     p.add_argument("--compare-only", action="store_true", help="compare figures/local/ without training")
     p.add_argument(

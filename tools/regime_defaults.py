@@ -31,7 +31,7 @@ import yaml
 
 from dml_nb.reproduction.notebook import notebook_defaults
 from dml_nb.reproduction.repro import base_config
-from dml_nb.reproduction.transfer import regime_of, regime_v2_file, transferred_parameters
+from dml_nb.reproduction.transfer import regime_of, regime_v2_file, stems_of, transferred_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 V3 = "finegrained_premise"
@@ -135,6 +135,10 @@ def main(argv=None) -> int:
         for nb in sorted((ROOT / "nbs").glob("repro_*.ipynb")):
             print(f"{nb.stem:28} {regime_of(nb.stem)}")
         return 0
+    try:
+        stems_of(args.notebooks)  # every name checked before any file is written
+    except ValueError as e:
+        p.error(str(e))
     for stem in args.notebooks:
         switch(stem)
     return 0

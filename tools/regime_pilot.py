@@ -21,7 +21,8 @@ from pathlib import Path
 import yaml
 
 from dml_nb.reproduction.repro import base_config
-from dml_nb.reproduction.transfer import transferred_parameters
+from dml_nb.reproduction.results import count_arg
+from dml_nb.reproduction.transfer import stems_of, transferred_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,11 +53,15 @@ def main(argv=None) -> int:
         help="the results folder restored into the run cache first (default: dml-reproduce's, <project>/results; "
         "'none' for a retraining that must train every run, as a flip-rate run)",
     )
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workers", type=count_arg, default=2, help="runs at a time (1 to 512; default 2)")
+    p.add_argument("--threads", type=count_arg, default=1, help="CPU threads per run (1 to 512; default 1)")
     p.add_argument("--keep", help="copy each notebook's claims, table and figures here")
     p.add_argument("--print", action="store_true", help="print the parameters and stop")
     args = p.parse_args(argv)
+    try:
+        stems_of(args.notebooks)  # every name checked before anything runs
+    except ValueError as e:
+        p.error(str(e))
     for stem in args.notebooks:
         params = parameters(stem, args.dataset)
         if args.print:

@@ -33,7 +33,7 @@ import pandas as pd
 import yaml
 from tqdm.auto import tqdm
 
-from dml_nb.reproduction.results import RUN_NAME
+from dml_nb.reproduction.results import RUN_NAME, count_arg
 
 
 def _uses(job) -> list:
@@ -209,7 +209,9 @@ def main(argv=None):
     ap.add_argument("--regime", help="make the plan: every notebook's rows transferred to this regime's dataset")
     ap.add_argument("--notebooks", nargs="+", default=None, help="with --regime: these notebooks (default: all)")
     ap.add_argument("--results", type=Path, default=None, help="a results folder to read finished runs from too")
-    ap.add_argument("--workers", type=int, default=2, help="runs at a time, for the wall-clock estimate (2)")
+    ap.add_argument(
+        "--workers", type=count_arg, default=2, help="runs at a time, for the wall-clock estimate (1 to 512; default 2)"
+    )
     ap.add_argument("--csv", type=Path, default=None, help="write the per-run table here")
     a = ap.parse_args(argv)
     if a.plan is None and a.regime is None:

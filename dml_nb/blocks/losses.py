@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,9 +16,10 @@ from .distances import Distance, EuclideanDistance, as_distance
 from .miners import check_batch, negative_mask, positive_mask
 
 # %% auto #0
-__all__ = ['zero_loss', 'all_triplets', 'as_triplets', 'as_pairs', 'pair_masks', 'reduce_losses', 'log1p_sum_exp', 'RankingLoss',
-           'TripletLoss', 'SoftTripletLoss', 'MarginLoss', 'ContrastiveLoss', 'NPairLoss', 'MultiSimilarityLoss',
-           'WeightedMultiSimilarityLoss', 'FastAPLoss', 'snr_distance', 'SNRDistance', 'SNRContrastiveLoss', 'RDMLLoss']
+__all__ = ['zero_loss', 'all_triplets', 'as_triplets', 'as_pairs', 'is_pair_masks', 'pair_masks', 'reduce_losses',
+           'log1p_sum_exp', 'RankingLoss', 'TripletLoss', 'SoftTripletLoss', 'MarginLoss', 'ContrastiveLoss',
+           'NPairLoss', 'MultiSimilarityLoss', 'WeightedMultiSimilarityLoss', 'FastAPLoss', 'snr_distance',
+           'SNRDistance', 'SNRContrastiveLoss', 'RDMLLoss']
 
 # %% ../../nbs/22_losses.ipynb #e05cc622
 def zero_loss(*tensors: Tensor) -> Tensor:
@@ -60,10 +62,22 @@ def as_pairs(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Te
     raise ValueError(f"{who} needs pairs (a1, p, a2, n) or triplets (a, p, n); got {len(tuples)} index tensors")
 
 
+def is_pair_masks(tuples, labels: Tensor) -> bool:
+    "Whether `tuples` is a pair of boolean (N, N) masks of positive and negative pairs (a miner's `masks`)."
+    n = len(labels)
+    return (
+        isinstance(tuples, (tuple, list))
+        and len(tuples) == 2
+        and all(isinstance(t, Tensor) and t.dtype == torch.bool and tuple(t.shape) == (n, n) for t in tuples)
+    )
+
+
 def pair_masks(tuples, labels: Tensor, who: str = "this loss") -> tuple[Tensor, Tensor]:
-    "Boolean (N, N) masks of the positive and negative pairs in `tuples` (None: all pairs)."
+    "Boolean (N, N) masks of the positive and negative pairs in `tuples` (None: all pairs; two masks: themselves)."
     if tuples is None:
         return positive_mask(labels), negative_mask(labels)
+    if is_pair_masks(tuples, labels):
+        return tuples[0].to(labels.device), tuples[1].to(labels.device)
     a1, p, a2, n = as_pairs(tuples, labels, who)
     m = len(labels)
     pos = torch.zeros(m, m, dtype=torch.bool, device=labels.device)
@@ -180,6 +194,23 @@ class MarginLoss(RankingLoss):
             self.beta = nn.Parameter(b)
         else:
             self.register_buffer("beta", b)
+        self.labels_checked = False  # True once `check_labels` saw every label this loss will get
+
+    def check_labels(self, labels) -> None:
+        """Check once, on the host, that `labels` (every label the loss will see, e.g. the training set's) index the
+        betas; the steps then skip the check of each batch's anchor labels, which reads them from the device."""
+        if self.num_classes is None:
+            return
+        labels = np.asarray(labels)
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(self._range_error(int(labels.min()), int(labels.max()), "labels"))
+        self.labels_checked = True
+
+    def _range_error(self, lo: int, hi: int, what: str = "anchor labels") -> str:
+        return (
+            f"MarginLoss has one beta per class for {self.num_classes} classes but got {what} in [{lo}, {hi}]; set "
+            "num_classes to the number of training classes (or groups) and renumber labels 0..num_classes-1"
+        )
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None) -> Tensor:
         x, labels = self.prepare(embeddings, labels)
@@ -190,12 +221,9 @@ class MarginLoss(RankingLoss):
             beta = self.beta.expand(len(a))
         else:
             la = labels[a]
-            if int(la.min()) < 0 or int(la.max()) >= self.num_classes:
-                raise ValueError(
-                    f"MarginLoss has one beta per class for {self.num_classes} classes but got anchor "
-                    f"labels in [{int(la.min())}, {int(la.max())}]; set num_classes to the number of "
-                    "training classes (or groups) and renumber labels 0..num_classes-1"
-                )
+            # labels not checked up front (`check_labels`): read from the device, which waits for it
+            if not self.labels_checked and (int(la.min()) < 0 or int(la.max()) >= self.num_classes):
+                raise ValueError(self._range_error(int(la.min()), int(la.max())))
             beta = self.beta[la]
         d_ap, d_an = self.distance.rowwise(x[a], x[p]), self.distance.rowwise(x[a], x[n])
         pos = F.relu(self.distance.margin(d_ap, beta) + self.margin)
@@ -312,9 +340,19 @@ class MultiSimilarityLoss(RankingLoss):
         return xi_pos / self.alpha, xi_neg / self.beta
 
     def forward(self, embeddings: Tensor, labels: Tensor, tuples=None, weights: Tensor | None = None) -> Tensor:
+        """`tuples`: index tensors (pairs or triplets), two boolean (N, N) masks of the pairs (a miner's `masks`), or
+        None (all pairs)."""
         x, labels = self.prepare(embeddings, labels)
         pos, neg = pair_masks(tuples, labels, type(self).__name__)
-        if not (pos.any() or neg.any()):
+        # no pair at all: a zero loss. Told by the host where it can (index tuples, all pairs); two masks are not
+        # read from the device: without a pair, their terms and gradients are 0 as well
+        if tuples is None:
+            empty = len(labels) < 2
+        elif is_pair_masks(tuples, labels):
+            empty = False
+        else:
+            empty = sum(len(t) for t in tuples) == 0
+        if empty:
             return zero_loss(embeddings)
         xi_pos, xi_neg = self.terms(self.similarities(x), pos, neg)
         if weights is None:

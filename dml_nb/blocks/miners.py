@@ -4,8 +4,12 @@
 
 # %% ../../nbs/21_miners.ipynb #c084c6ce
 from __future__ import annotations
+import dataclasses
+import functools
+import inspect
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -15,10 +19,10 @@ from .distances import Distance, EuclideanDistance, as_distance
 # %% auto #0
 __all__ = ['POSITIVES', 'log_inverse_sphere_density', 'check_cutoffs', 'distance_weights', 'positive_mask', 'negative_mask',
            'uniform_choice', 'weighted_choice', 'with_uniform_fallback', 'check_positives', 'anchor_positive_pairs',
-           'empty_tuples', 'check_batch', 'TupleMiner', 'check_triplets', 'RandomTripletMiner', 'SemiHardMiner',
-           'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner', 'SharedRandomMiner',
-           'UnconstrainedTripletMiner', 'IntraClassTripletMiner', 'DnCNearestMiner', 'GroupingMiner',
-           'MultiSimilarityMiner']
+           'empty_tuples', 'check_batch', 'row_major', 'LabelLayout', 'TupleMiner', 'check_triplets',
+           'RandomTripletMiner', 'SemiHardMiner', 'semihard_choice', 'DistanceWeightedMiner', 'SharedTripletMiner',
+           'SharedRandomMiner', 'UnconstrainedTripletMiner', 'IntraClassTripletMiner', 'label_ranks', 'DnCNearestMiner',
+           'GroupingMiner', 'MultiSimilarityMiner']
 
 # %% ../../nbs/21_miners.ipynb #a76eeb12
 def log_inverse_sphere_density(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
@@ -96,9 +100,21 @@ def check_positives(positives: str) -> None:
 
 
 def anchor_positive_pairs(
-    pos: Tensor, neg: Tensor, positives: str = "one", generator: torch.Generator | None = None
+    pos: Tensor,
+    neg: Tensor,
+    positives: str = "one",
+    generator: torch.Generator | None = None,
+    layout: LabelLayout | None = None,
 ) -> tuple[Tensor, Tensor]:
-    "`(a, p)` for anchors with a positive and a negative: one uniform positive each ('one') or every pair ('all')."
+    """`(a, p)` for anchors with a positive and a negative: one uniform positive each ('one') or every pair ('all').
+    With the `layout` of a batch that gives every anchor both (`LabelLayout.every_anchor`), every row is an anchor:
+    the same draws, without waiting for the device."""
+    if layout is not None and layout.every_anchor:
+        if positives == "one":
+            return torch.arange(len(pos), device=pos.device), uniform_choice(pos, generator)
+        if layout.equal:  # every row has the same number of positives: `nonzero`'s row-major order, fixed shapes
+            return row_major(pos, layout.min_count - 1)
+    # the anchors with a positive and a negative: a count only the device knows, so `nonzero` waits for it
     ok = pos.any(1) & neg.any(1)
     if positives == "all":
         return (pos & ok[:, None]).nonzero(as_tuple=True)
@@ -125,6 +141,44 @@ def check_batch(embeddings: Tensor, labels: Tensor | None, who: str, name: str =
         )
     return labels.to(embeddings.device)
 
+
+def row_major(mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    "`mask.nonzero(as_tuple=True)` of a (N, M) boolean `mask` whose every row has exactly `k` true entries (no sync)."
+    cols = (~mask).to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # the true columns first, in column order
+    rows = torch.arange(len(mask), device=mask.device)[:, None].expand(-1, k)
+    return rows.reshape(-1), cols.reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelLayout:
+    """What the host knows of a batch's labels before the device has them: the number of distinct labels, the fewest
+    and the most samples of one, and the (anchor, positive) pairs. The learner computes it from the training set's
+    labels for every batch (`batch['y_layout']`); a miner given it keeps fixed shapes where the layout guarantees
+    what it would otherwise read from the device (every anchor a positive and a negative in a P x K batch)."""
+
+    classes: int
+    min_count: int
+    max_count: int
+    positive_pairs: int  # ordered pairs (i, j), i != j, of one label: sum over labels of n (n - 1)
+
+    @classmethod
+    def of(cls, labels) -> "LabelLayout":
+        "The layout of host `labels` (a sequence or array of ints; not a device tensor)."
+        _, counts = np.unique(np.asarray(labels), return_counts=True)
+        if not len(counts):
+            return cls(0, 0, 0, 0)
+        return cls(len(counts), int(counts.min()), int(counts.max()), int((counts * (counts - 1)).sum()))
+
+    @property
+    def every_anchor(self) -> bool:
+        "Every sample has a positive (another sample of its label) and a negative (one of another label)."
+        return self.classes >= 2 and self.min_count >= 2
+
+    @property
+    def equal(self) -> bool:
+        "Every label has the same number of samples."
+        return self.min_count == self.max_count
+
 # %% ../../nbs/21_miners.ipynb #71146d05
 class TupleMiner:
     "Base class of the miners: `miner(embeddings, labels, generator=None) -> tuple of LongTensors`."
@@ -135,8 +189,19 @@ class TupleMiner:
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
 
-    def __call__(self, embeddings: Tensor, labels: Tensor, generator: torch.Generator | None = None, **kwargs):
+    def __call__(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        generator: torch.Generator | None = None,
+        layout: LabelLayout | None = None,
+        **kwargs,
+    ):
+        """The tuples of a batch; `layout`: the host's `LabelLayout` of `labels` (None: unknown), given to a `mine`
+        that takes it."""
         labels = check_batch(embeddings, labels, type(self).__name__)
+        if layout is not None and _takes_layout(type(self)):
+            kwargs["layout"] = layout
         with torch.no_grad():
             x = self.distance.embed(embeddings.detach())
             return self.mine(x, labels, generator if generator is not None else self.generator, **kwargs)
@@ -147,6 +212,11 @@ class TupleMiner:
     def __repr__(self):
         opts = {k: v for k, v in vars(self).items() if k != "generator" and not k.startswith("_")}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
+
+
+@functools.cache
+def _takes_layout(cls) -> bool:
+    return "layout" in inspect.signature(cls.mine).parameters
 
 
 def check_triplets(tuples, labels: Tensor, relation: str = "class") -> bool:
@@ -181,7 +251,7 @@ class RandomTripletMiner(TupleMiner):
 
     def mine(self, x, labels, generator):
         pos, neg = positive_mask(labels), negative_mask(labels)
-        if self.sampling == "batch":
+        if self.sampling == "batch":  # every valid triplet: a count only the device knows (`nonzero` waits for it)
             a, p, n = (pos[:, :, None] & neg[:, None, :]).nonzero(as_tuple=True)
             keep = torch.randperm(len(a), generator=generator, device=x.device)[
                 : self.triplets_per_anchor * len(labels)
@@ -215,9 +285,9 @@ class SemiHardMiner(TupleMiner):
         self.margin, self.mode, self.positives, self.fallback = margin, mode, positives, fallback
         self.distance = as_distance(distance)
 
-    def mine(self, x, labels, generator):
+    def mine(self, x, labels, generator, layout=None):
         pos, neg = positive_mask(labels), negative_mask(labels)
-        a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
+        a, p = anchor_positive_pairs(pos, neg, self.positives, generator, layout)
         if len(a) == 0:
             return empty_tuples(3, x.device)
         dist = self.distance.as_dissimilarity(self.distance.matrix(x))
@@ -260,9 +330,9 @@ class DistanceWeightedMiner(TupleMiner):
         super().__init__(generator)
         self.cutoff, self.upper_cutoff, self.positives = cutoff, upper_cutoff, positives
 
-    def mine(self, x, labels, generator):
+    def mine(self, x, labels, generator, layout=None):
         pos, neg = positive_mask(labels), negative_mask(labels)
-        a, p = anchor_positive_pairs(pos, neg, self.positives, generator)
+        a, p = anchor_positive_pairs(pos, neg, self.positives, generator, layout)
         if len(a) == 0:
             return empty_tuples(3, x.device)
         w = distance_weights(self.distance.matrix(x), x.shape[1], neg, self.cutoff, self.upper_cutoff)
@@ -309,8 +379,9 @@ class SharedTripletMiner(TupleMiner):
         self.positive, self.negative, self.cutoff, self.upper_cutoff = positive, negative, cutoff, upper_cutoff
         self.margin, self.first = margin, first
 
-    def mine(self, x, labels, generator):
-        if len(labels.unique()) < 3:
+    def mine(self, x, labels, generator, layout=None):
+        # the distinct labels: the host's layout, or the device (`unique` waits for it)
+        if (layout.classes if layout is not None else len(labels.unique())) < 3:
             return empty_tuples(3, x.device)
         dist, other = self.distance.matrix(x), negative_mask(labels)
         args = (x.shape[1], generator, self.cutoff, self.upper_cutoff)
@@ -329,13 +400,15 @@ class SharedTripletMiner(TupleMiner):
 class SharedRandomMiner(DistanceWeightedMiner):
     "DiVA's 'random' sharing: the distance-weighted miner on a randomly permuted copy of the batch's labels."
 
-    def mine(self, x, labels, generator, permutation: Tensor | None = None):
-        if permutation is None:
+    def mine(self, x, labels, generator, permutation: Tensor | None = None, layout=None):
+        "`layout`: that of `labels`, and so of any permutation of them."
+        if permutation is None:  # a permutation by construction
             permutation = torch.randperm(len(labels), generator=generator, device=labels.device)
-        permutation = torch.as_tensor(permutation, device=labels.device)
-        if not torch.equal(permutation.sort().values, torch.arange(len(labels), device=labels.device)):
-            raise ValueError(f"permutation must be a permutation of 0..{len(labels) - 1}")
-        return super().mine(x, labels[permutation], generator)
+        else:  # a caller's: checked, which reads it back from the device
+            permutation = torch.as_tensor(permutation, device=labels.device)
+            if not torch.equal(permutation.sort().values, torch.arange(len(labels), device=labels.device)):
+                raise ValueError(f"permutation must be a permutation of 0..{len(labels) - 1}")
+        return super().mine(x, labels[permutation], generator, layout)
 
 # %% ../../nbs/21_miners.ipynb #c8cc522e
 @MINERS.register("unconstrained")
@@ -371,9 +444,10 @@ class IntraClassTripletMiner(TupleMiner):
         super().__init__(generator)
         self.sampling, self.distinct, self.cutoff, self.upper_cutoff = sampling, distinct, cutoff, upper_cutoff
 
-    def mine(self, x, labels, generator):
+    def mine(self, x, labels, generator, layout=None):
         if not self.distinct:
-            return self._code_variant(labels, generator)
+            return self._code_variant(labels, generator, layout)
+        # the anchors with two other samples of their class: a count only the device knows (`nonzero` waits for it)
         pos = positive_mask(labels)
         a = (pos.sum(1) >= 2).nonzero().squeeze(1)
         if len(a) == 0:
@@ -385,14 +459,28 @@ class IntraClassTripletMiner(TupleMiner):
         n = _draw(dist, pa & (cols[None, :] != p[:, None]), self.sampling, *args)
         return a, p, n
 
-    def _code_variant(self, labels, generator):
-        "DiVA's intra_random.py: per batch element a class uniform among the batch's, then a, p, n with replacement."
+    def _code_variant(self, labels, generator, layout=None):
+        """DiVA's intra_random.py: per batch element a class uniform among the batch's, then a, p, n with replacement.
+        With the host's `layout` (the number of classes) no `unique` waits for the device: each sample's class is
+        its rank among the sorted distinct labels, which picks the same members."""
         if len(labels) == 0:
             return empty_tuples(3, labels.device)
-        classes = labels.unique()
-        pick = torch.randint(len(classes), (len(labels),), generator=generator, device=labels.device)
-        members = labels[None, :] == classes[pick][:, None]
+        if layout is None:
+            classes = labels.unique()
+            pick = torch.randint(len(classes), (len(labels),), generator=generator, device=labels.device)
+            members = labels[None, :] == classes[pick][:, None]
+        else:
+            pick = torch.randint(layout.classes, (len(labels),), generator=generator, device=labels.device)
+            members = label_ranks(labels)[None, :] == pick[:, None]
         return tuple(uniform_choice(members, generator) for _ in range(3))
+
+
+def label_ranks(labels: Tensor) -> Tensor:
+    "Each label's rank among the distinct labels, in ascending order (`labels.unique(return_inverse=True)[1]`, no sync)."
+    s, order = labels.sort(stable=True)
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[1:] = s[1:] != s[:-1]
+    return torch.empty_like(s).scatter_(0, order, first.cumsum(0) - 1)
 
 # %% ../../nbs/21_miners.ipynb #26ac426d
 @MINERS.register("dnc_nearest")
@@ -406,9 +494,10 @@ class DnCNearestMiner(TupleMiner):
         super().__init__(generator)
         self.cutoff, self.short = cutoff, short
 
-    def mine(self, x, labels, generator):
+    def mine(self, x, labels, generator, layout=None):
         pos = positive_mask(labels)
-        k = int(pos.sum()) // max(len(labels), 1)
+        # the positives per sample: the host's layout, or read from the device
+        k = (layout.positive_pairs if layout is not None else int(pos.sum())) // max(len(labels), 1)
         if k == 0:
             return empty_tuples(3, x.device)
         dist = self.distance.matrix(x)
@@ -419,6 +508,11 @@ class DnCNearestMiner(TupleMiner):
             score = torch.where(neg & ~valid, 4.0 + (self.cutoff - dist), score)
         nearest = score.topk(min(k, len(labels)), dim=1, largest=False).indices
         chosen = torch.zeros_like(valid).scatter_(1, nearest, True) & score.isfinite()
+        if layout is not None and layout.every_anchor and layout.equal and self.short == "fill":
+            # every sample has k = n - 1 positives and at least k negatives, all with finite scores: k of each
+            a, p = row_major(pos, k)
+            return a, p, row_major(chosen, k)[1]
+        # the pairs a sample keeps: a count per row only the device knows (`nonzero` waits for it)
         m = torch.minimum(pos.sum(1), chosen.sum(1))[:, None]
         a, p = (pos & (pos.cumsum(1) <= m)).nonzero(as_tuple=True)
         n = (chosen & (chosen.cumsum(1) <= m)).nonzero(as_tuple=True)[1]
@@ -490,6 +584,8 @@ class MultiSimilarityMiner(TupleMiner):
     def mine(self, x, labels, generator):
         pos_keep, neg_keep = self.informative_masks(self.similarities(x), labels, self.epsilon)
         self._stats = (pos_keep.any(1), neg_keep.any(1))
+        # the informative pairs as indices: a count only the device knows (`nonzero` waits for it); `masks` gives
+        # the same pairs as two boolean matrices without it, which the multi-similarity losses take as `tuples`
         a1, p = pos_keep.nonzero(as_tuple=True)
         a2, n = neg_keep.nonzero(as_tuple=True)
         return a1, p, a2, n

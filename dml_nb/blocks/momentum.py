@@ -51,8 +51,9 @@ class MomentumEncoder(nn.Module):
         return self.encoder.embed(*args, **kwargs)
 
     @torch.no_grad()
-    def update(self, model: nn.Module, momentum: float | None = None):
-        "key = m * key + (1 - m) * query for every parameter (and floating buffer when `buffers='ema'`)."
+    def update(self, model: nn.Module, momentum: float | None = None, with_buffers: bool = True):
+        """key = m * key + (1 - m) * query for every parameter (and floating buffer when `buffers='ema'`);
+        `with_buffers=False`: the parameters only, the buffers left as they are."""
         m = self.momentum if momentum is None else float(momentum)
         model = _unwrap_ddp(model)
         kp, qp = dict(self.encoder.named_parameters()), dict(model.named_parameters())
@@ -65,7 +66,7 @@ class MomentumEncoder(nn.Module):
         keys, queries = list(kp.values()), [qp[n].detach() for n in kp]
         torch._foreach_mul_(keys, m)
         torch._foreach_add_(keys, queries, alpha=1.0 - m)
-        qb = dict(model.named_buffers())
+        qb = dict(model.named_buffers()) if with_buffers else {}
         for n, b in self.encoder.named_buffers():
             if n not in qb:
                 continue
@@ -96,6 +97,7 @@ class MemoryQueue(nn.Module):
         self.register_buffer("queue", torch.zeros(size, dim, dtype=dtype))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self._count = 0  # `count` on the host: reading the buffer would wait for the device
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor) -> None:
@@ -113,24 +115,30 @@ class MemoryQueue(nn.Module):
         self.queue.index_copy_(0, idx, keys[skip:].to(self.queue))
         self.ptr.copy_((self.ptr + n) % self.size)
         self.count.copy_(torch.clamp(self.count + n, max=self.size))
+        self._count = min(self._count + n, self.size)
 
     @property
     def keys(self) -> torch.Tensor:
         "The filled part of the queue, in storage order (a view)."
-        return self.queue if self.is_full else self.queue[: int(self.count)]
+        return self.queue if self.is_full else self.queue[: self._count]
 
     def ordered_keys(self) -> torch.Tensor:
         "The stored keys, oldest first."
-        return torch.roll(self.queue, -int(self.ptr), 0) if self.is_full else self.queue[: int(self.count)]
+        return torch.roll(self.queue, -int(self.ptr), 0) if self.is_full else self.queue[: self._count]
 
     @property
     def is_full(self) -> bool:
-        return int(self.count) == self.size
+        return self._count == self.size
 
     def __len__(self) -> int:
-        return int(self.count)
+        return self._count
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._count = int(self.count)  # once per load, not per step
 
     def reset(self):
         self.queue.zero_()
         self.ptr.zero_()
         self.count.zero_()
+        self._count = 0

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -23,10 +24,10 @@ if TYPE_CHECKING:
     import torch  # annotations only: importing dml_nb.core.base does not import torch
 
 # %% auto #0
-__all__ = ['in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'get_device', 'gather_rows', 'DiskWriteError',
-           'disk_cause', 'disk_write_error', 'tmp_prefix', 'atomic_write', 'atomic_torch_save', 'atomic_json',
-           'remove_temp_files', 'config_hash', 'data_root', 'project_root', 'source_hash', 'RunLockedError',
-           'describe_holder', 'lock_dir']
+__all__ = ['MAX_THREADS', 'in_test', 'seed_everything', 'derive_seed', 'name_key', 'stream_seed', 'check_threads', 'get_device',
+           'gather_rows', 'DiskWriteError', 'disk_cause', 'disk_write_error', 'tmp_prefix', 'atomic_write',
+           'atomic_torch_save', 'atomic_json', 'remove_temp_files', 'config_hash', 'data_root', 'project_root',
+           'source_hash', 'RunLockedError', 'UnsafeLockError', 'describe_holder', 'lock_dir']
 
 # %% ../../nbs/00_core.ipynb #f74ed9fb
 def in_test() -> bool:
@@ -61,6 +62,22 @@ def name_key(name: str) -> int:
 def stream_seed(seed: int, name: str, *keys: int) -> int:
     "The seed of random stream `name` of a run seeded with `seed`, at position `keys` (e.g. epoch, step)."
     return derive_seed(seed, name_key(name), *keys)
+
+
+MAX_THREADS = 512  # the most CPU threads a run trains on, whichever path asks (command line, notebook, results entry)
+
+
+def check_threads(n, what: str = "threads") -> int:
+    """`n` if it is a whole number from 1 to `MAX_THREADS`, else a one-line `ConfigError` naming `what` (the option or
+    file that gave it): every count that reaches `torch.set_num_threads` for a run is checked here first."""
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_THREADS:
+        return n
+    from dml_nb.core.params import ConfigError, shown
+
+    raise ConfigError(
+        f"{what} must be a whole number of at least 1 and at most {MAX_THREADS} (CPU threads per run); got {shown(n)}: "
+        f"give a count within that range"
+    )
 
 
 def get_device(device: "str | torch.device | None" = "auto") -> "torch.device":
@@ -161,12 +178,12 @@ def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -
                 f.write(write)
             else:
                 write(f)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # mkstemp creates 0600: the mode a plain open() would give
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600: give the file the mode a plain open() would
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a link planted at `path` itself: nothing is written through it
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -285,11 +302,66 @@ class RunLockedError(RuntimeError):
     "Another process holds the lock of a run directory."
 
 
-def _holder(path: Path) -> dict:
+class UnsafeLockError(RunLockedError):
+    "A run directory's `.lock` is a link, not a plain file, or a file with another name too: refused, never written."
+
+
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _holder(lock: Path | int) -> dict:
+    "The holder record of a lock file: its open descriptor, or its path (opened without following a link)."
+    opened = not isinstance(lock, int)
     try:
-        return json.loads(path.read_text() or "{}")
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | _NO_FOLLOW) if opened else lock
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the read
+            return {}
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}
+    finally:
+        if opened:
+            os.close(fd)
+
+
+def _unsafe_lock(folder: Path, why: str) -> UnsafeLockError:
+    path = folder / ".lock"
+    return UnsafeLockError(
+        f"{folder}: its lock file .lock {why}; dml_nb never writes through a link or into a file that is not a plain "
+        f"file of its own (someone may have planted it): remove {path} and run again, or use another run directory"
+    )
+
+
+def _open_lock(folder: Path, path: Path) -> tuple[int, bool]:
+    """(`path` opened read-write without following a link, whether it may be written): a link, a FIFO, a folder
+    or a file with more than one name is an `UnsafeLockError` (nothing written); another user's plain file is
+    locked but never written (its holder record is then not kept)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NO_FOLLOW, 0o666)
+    except OSError as e:
+        if path.is_symlink():
+            target = os.readlink(path)
+            raise _unsafe_lock(folder, f"is a symbolic link (to {target[:200]})") from None
+        if e.errno == errno.EISDIR:
+            raise _unsafe_lock(folder, "is a folder, not a file") from None
+        if e.errno in _DISK_ERRNOS:
+            raise disk_write_error(path, e) from e
+        raise
+    st = os.fstat(fd)
+    why = (
+        "is not a plain file (a FIFO, socket or device)"
+        if not stat.S_ISREG(st.st_mode)
+        else f"has {st.st_nlink} names (a hard link to another file)"
+        if st.st_nlink != 1
+        else None
+    )
+    if why is not None:
+        os.close(fd)
+        raise _unsafe_lock(folder, why)
+    return fd, st.st_uid == os.geteuid()
 
 
 def describe_holder(h: dict) -> str:
@@ -302,11 +374,12 @@ def describe_holder(h: dict) -> str:
 
 class lock_dir:
     """Exclusive lock on `folder` (created if needed) while the `with` block runs: `RunLockedError` naming the
-    holder if another process has it, or, with `wait=True`, wait for it (`on_wait(holder)` is called once first)."""
+    holder if another process has it, or, with `wait=True`, wait for it (`on_wait(holder)` is called once first).
+    A `.lock` that is a link, not a plain file or a file with another name is `UnsafeLockError`: nothing is written."""
 
     def __init__(self, folder: str | Path, wait: bool = False, on_wait: Callable[[dict], None] | None = None):
         self.folder, self.wait, self.on_wait = Path(folder), wait, on_wait
-        self.path, self.fd, self.previous = self.folder / ".lock", None, {}
+        self.path, self.fd, self.previous, self.own = self.folder / ".lock", None, {}, False
 
     def __enter__(self) -> "lock_dir":
         import fcntl
@@ -315,16 +388,16 @@ class lock_dir:
         while True:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as e:
                 if e.errno in _DISK_ERRNOS:
                     raise disk_write_error(self.path, e) from e
                 raise
+            fd, own = _open_lock(self.folder, self.path)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = _holder(self.path)
+                    holder = _holder(fd)
                     if not self.wait:
                         raise RunLockedError(
                             f"{self.folder} is in use by {describe_holder(holder)}: wait for it "
@@ -335,7 +408,8 @@ class lock_dir:
                     waited = True
                     fcntl.flock(fd, fcntl.LOCK_EX)
                 try:
-                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                    here, mine = os.lstat(self.path), os.fstat(fd)
+                    same = (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
                 except FileNotFoundError:
                     same = False
             except BaseException:
@@ -344,7 +418,9 @@ class lock_dir:
             if same:
                 break
             os.close(fd)  # the folder was removed while we waited: lock the new one
-        self.fd, self.previous = fd, _holder(self.path)
+        self.fd, self.previous, self.own = fd, _holder(fd), own
+        if not own:  # another user's lock file (a shared run cache): locked, never truncated or written
+            return self
         record = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -360,7 +436,8 @@ class lock_dir:
 
         if self.fd is not None:
             try:
-                os.ftruncate(self.fd, 0)  # nobody holds it now
+                if self.own:
+                    os.ftruncate(self.fd, 0)  # nobody holds it now
             except OSError:
                 pass
             fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -10,12 +10,19 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
-from .params import ConfigError, parse_yaml  # the reader of every parameter file
+from dml_nb.core.params import (
+    SHOWN_CHARS,
+    ConfigError,
+    parse_yaml,
+    parse_yaml_file,
+    shown,
+)  # the reader of every parameter file
 from dml_nb.core.registry import (
     BACKBONES,
     DATASETS,
@@ -31,11 +38,11 @@ from dml_nb.core.registry import (
 )
 
 # %% auto #0
-__all__ = ['HASH_RULES', 'METHOD_OPTIONS', 'MAX_EPOCHS', 'RANGES', 'MAX_KEY_DEPTH', 'hashed', 'added_later', 'choices',
-           'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config', 'make_config',
-           'make_section', 'config_to_dict', 'source_constant', 'method_options_class', 'method_option_names',
-           'method_option_default', 'stored_options', 'deep_merge', 'merge_layers', 'read_yaml', 'apply_override',
-           'load_config']
+__all__ = ['HASH_RULES', 'METHOD_OPTIONS', 'MAX_EPOCHS', 'RANGES', 'MAX_WIDTH', 'MAX_DIM', 'SIZES', 'MAX_KEY_DEPTH', 'hashed',
+           'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',
+           'make_config', 'make_section', 'config_to_dict', 'source_constant', 'method_options_class',
+           'method_option_names', 'method_option_default', 'stored_options', 'deep_merge', 'merge_layers', 'read_yaml',
+           'apply_override', 'load_config']
 
 # %% ../../nbs/04_config.ipynb #dd7b8c31
 HASH_RULES = ("always", "omit_at_default")  # how a field enters `config_to_dict` (config.yaml) and so the run hash
@@ -133,6 +140,12 @@ class TrainConfig:
     group_options: dict = added_later(
         factory=dict
     )  # per parameter group (name or prefix): {"lr": .., "weight_decay": ..}
+    # how often the loss and gradient norm are read from the device and checked finite (the steps between never
+    # wait for it): every `log_every` steps; None: at the progress bar's redraws (25 steps apart with several processes)
+    log_every: Optional[int] = added_later(None)
+    check_every_step: bool = added_later(False)  # read and check every step, before its optimiser step (a sync each)
+    task_grad_every: int = added_later(1)  # the grad/<task> logs (an extra backward through each loss): every n steps
+    fused_optimizer: bool = added_later(False)  # torch's fused Adam / AdamW / SGD (one kernel per group; not bit-equal)
 
 
 @dataclass
@@ -209,6 +222,41 @@ def _describe(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _Cut:
+    "A value as an error message echoes it: its `repr` cut by `shown`, its `str` cut to `SHOWN_CHARS` characters."
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return shown(self.value)
+
+    def __str__(self) -> str:
+        return str(self.value)[:SHOWN_CHARS]
+
+
+def _unknown_name(kind: str, name, valid) -> ConfigError:
+    "`unknown_name_error` as a `ConfigError`, the unknown name echoed cut to 200 characters."
+    return ConfigError(str(unknown_name_error(kind, _Cut(name) if len(shown(name)) > SHOWN_CHARS else name, valid)))
+
+
+def _cut_values(message: str, *given) -> str:
+    """`message` (of a check in another module) with every long value of `given` (and of the mappings and lists in
+    it) that it echoes cut by `shown`."""
+    todo, seen = list(given), 0
+    while todo and seen < 10_000:
+        v, seen = todo.pop(), seen + 1
+        if isinstance(v, Mapping):
+            todo += [*v.keys(), *v.values()]
+            continue
+        if isinstance(v, (list, tuple)):
+            todo += list(v)
+        for text in {repr(v), str(v)}:
+            if len(text) > SHOWN_CHARS and text in message:
+                message = message.replace(text, shown(v) if text == repr(v) else str(_Cut(v)) + "...")
+    return message
+
+
 def _hint(key: str, valid: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.5)
     return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
@@ -216,14 +264,14 @@ def _hint(key: str, valid: Sequence[str]) -> str:
 
 def _unknown_key(section: str, key: str, valid: Sequence[str]) -> ConfigError:
     return ConfigError(
-        f"unknown key {section + '.' if section else ''}{key!r}.{_hint(key, valid)} "
+        f"unknown key {section + '.' if section else ''}{shown(key)}.{_hint(str(_Cut(key)), valid)} "
         f"Valid keys{' of ' + section if section else ''}: {', '.join(valid)}"
     )
 
 
 def _build_section(cls, values: dict, section: str):
     if not isinstance(values, dict):
-        raise ConfigError(f"{section or 'the config'} must be a mapping, got {type(values).__name__}: {values!r}")
+        raise ConfigError(f"{section or 'the config'} must be a mapping, got {type(values).__name__}: {shown(values)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -256,7 +304,7 @@ def _int_field(tp) -> bool:
 
 def _bad_value(path: str, value, tp) -> str:
     "The one line on a value of the wrong type: the key, the value, what is allowed and, for an integer field, the fix."
-    msg = f"bad value for {path}: {value!r} ({type(value).__name__}); expected {_describe(tp)}"
+    msg = f"bad value for {path}: {shown(value)} ({type(value).__name__}); expected {_describe(tp)}"
     if not _int_field(tp):
         return msg
     if isinstance(value, bool):
@@ -300,7 +348,7 @@ def _check_options(kind: str, name: str, given: dict, valid: Sequence[str]) -> N
     for k in given:
         if k not in valid:
             raise ConfigError(
-                f"{kind} {name!r} has no option {k!r}.{_hint(k, valid)} Valid options: {', '.join(valid)}"
+                f"{kind} {name!r} has no option {shown(k)}.{_hint(str(_Cut(k)), valid)} Valid options: {', '.join(valid)}"
             )
 
 
@@ -322,64 +370,54 @@ def _check_parts(cfg: Config) -> None:
     loss = opts.get("loss", method_option_default(name, "loss"))
     if "loss" in takes:
         if not isinstance(loss, str):
-            raise ConfigError(f"bad value for method.loss: {loss!r}; expected a loss name: {', '.join(LOSSES)}")
+            raise ConfigError(f"bad value for method.loss: {shown(loss)}; expected a loss name: {', '.join(LOSSES)}")
         if loss not in LOSSES:
-            raise ConfigError(str(unknown_name_error("loss (method.loss)", loss, LOSSES)))
+            raise _unknown_name("loss (method.loss)", loss, LOSSES)
         lopts = opts.get("loss_options") or {}
         if not isinstance(lopts, dict):
             raise ConfigError(
-                f"bad value for method.loss_options: {lopts!r}; expected a mapping of options of loss {loss!r}"
+                f"bad value for method.loss_options: {shown(lopts)}; expected a mapping of options of loss {loss!r}"
             )
         try:
             LOSSES.check_options(loss, lopts)
         except TypeError as e:
-            raise ConfigError(f"method.loss_options: {e}") from None
+            raise ConfigError(f"method.loss_options: {_cut_values(str(e), lopts)}") from None
     if "miner" in takes:
         miner = opts.get("miner", method_option_default(name, "miner"))
         mopts = opts.get("miner_options") or {}
         if not isinstance(mopts, dict):
             raise ConfigError(
-                f"bad value for method.miner_options: {mopts!r}; expected a mapping of options of the miner"
+                f"bad value for method.miner_options: {shown(mopts)}; expected a mapping of options of the miner"
             )
         if miner == "auto":
             miner = LOSSES.attr(loss, "default_miner") if isinstance(loss, str) else None
         elif miner is not None and not isinstance(miner, str):
-            raise ConfigError(f"bad value for method.miner: {miner!r}; expected a miner name, 'auto' or null")
+            raise ConfigError(f"bad value for method.miner: {shown(miner)}; expected a miner name, 'auto' or null")
         elif miner is not None and miner not in MINERS:
-            raise ConfigError(str(unknown_name_error("miner (method.miner)", miner, ["auto", *MINERS])))
+            raise _unknown_name("miner (method.miner)", miner, ["auto", *MINERS])
         if miner is None and mopts:
             raise ConfigError(
-                f"method.miner_options {mopts} are given but no miner is used (loss {loss!r} has no default "
+                f"method.miner_options {_cut_values(str(mopts), mopts)} are given but no miner is used (loss {loss!r} has no default "
                 "miner): name one with method.miner, or drop method.miner_options"
             )
         if miner is not None:
             try:
                 MINERS.check_options(miner, mopts)
             except TypeError as e:
-                raise ConfigError(f"method.miner_options: {e}") from None
+                raise ConfigError(f"method.miner_options: {_cut_values(str(e), mopts)}") from None
 
 
 def _check_data_names(d: DataConfig) -> None:
     "The data section's names: the dataset, its splits, and the options that only some sets or paths take."
     if d.name not in DATASETS:
-        raise ConfigError(str(unknown_name_error("dataset (data.name)", d.name, DATASETS)))
+        raise _unknown_name("dataset (data.name)", d.name, DATASETS)
     if d.test_split not in SPLITS[d.name] or d.test_split == "train":
-        raise ConfigError(
-            str(
-                unknown_name_error(
-                    f"data.test_split of {d.name!r}", d.test_split, [s for s in SPLITS[d.name] if s != "train"]
-                )
-            )
-        )
+        raise _unknown_name(f"data.test_split of {d.name!r}", d.test_split, [s for s in SPLITS[d.name] if s != "train"])
     if d.train_eval_split not in SPLITS[d.name] or d.train_eval_split == d.test_split:
-        raise ConfigError(
-            str(
-                unknown_name_error(
-                    f"data.train_eval_split of {d.name!r} (the training classes' images that eval_train measures)",
-                    d.train_eval_split,
-                    [s for s in SPLITS[d.name] if s in ("train", "heldout")],
-                )
-            )
+        raise _unknown_name(
+            f"data.train_eval_split of {d.name!r} (the training classes' images that eval_train measures)",
+            d.train_eval_split,
+            [s for s in SPLITS[d.name] if s in ("train", "heldout")],
         )
     if d.test_images_per_class is not None and d.name not in ("shapes", *FINEGRAINED_SETS):
         raise ConfigError(
@@ -388,7 +426,7 @@ def _check_data_names(d: DataConfig) -> None:
         )
     if d.cache_dir is not None and not d.cache:
         raise ConfigError(
-            f"data.cache_dir is set ({d.cache_dir!r}) but data.cache is false: set data.cache: true "
+            f"data.cache_dir is set ({shown(d.cache_dir)}) but data.cache is false: set data.cache: true "
             "to use the image cache, or remove data.cache_dir"
         )
     if d.decode == "jpeg_batch" and d.cache:
@@ -401,7 +439,7 @@ def _check_data_names(d: DataConfig) -> None:
 def _check_names(cfg: Config) -> None:
     _check_data_names(cfg.data)
     if cfg.model.backbone not in BACKBONES:
-        raise ConfigError(str(unknown_name_error("backbone (model.backbone)", cfg.model.backbone, BACKBONES)))
+        raise _unknown_name("backbone (model.backbone)", cfg.model.backbone, BACKBONES)
     _check_options(
         "backbone",
         cfg.model.backbone,
@@ -409,7 +447,7 @@ def _check_names(cfg: Config) -> None:
         [o for o in BACKBONES.options(cfg.model.backbone) if o != "pretrained"],
     )
     if cfg.method.name not in METHODS:
-        raise ConfigError(str(unknown_name_error("method (method.name)", cfg.method.name, METHODS)))
+        raise _unknown_name("method (method.name)", cfg.method.name, METHODS)
     _check_options("method", cfg.method.name, cfg.method.options, method_option_names(cfg.method.name))
     _check_parts(cfg)
     _check_run_sections(cfg)
@@ -432,19 +470,27 @@ def _check_names(cfg: Config) -> None:
         )
 
 
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]{1,3})?")  # train.device: what `get_device` takes
+
+
 def _check_run_sections(cfg: Config) -> None:
-    "The names inside the train and eval sections: the schedule's kind and options, the metrics."
+    "The names inside the train and eval sections: the device's form, the schedule's kind and options, the metrics."
+    if not _DEVICE.fullmatch(cfg.train.device):
+        raise ConfigError(
+            f"bad value for train.device: {shown(cfg.train.device)}; expected 'auto' (a GPU if there is one), "
+            "'cpu', 'cuda', 'cuda:N' (GPU number N) or 'mps'; set train.device to one of them"
+        )
     s = cfg.train.schedule
     if s is not None:
         kinds = {"multistep": ["milestones", "gamma"], "cosine": ["min_factor"], "constant": []}
         if s.get("kind") not in kinds:
-            raise ConfigError(str(unknown_name_error("train.schedule.kind", s.get("kind"), kinds)))
+            raise _unknown_name("train.schedule.kind", s.get("kind"), kinds)
         _check_options("schedule", s["kind"], {k: v for k, v in s.items() if k != "kind"}, kinds[s["kind"]])
     for m in cfg.eval.metrics:
         try:
             parse_metric(m)
         except ValueError as e:
-            raise ConfigError(f"eval.metrics: {e}") from None
+            raise ConfigError(f"eval.metrics: {_cut_values(str(e), m)}") from None
 
 
 def make_section(name: str, values=None, **fields):
@@ -527,7 +573,7 @@ def _canonical_options(cfg: Config) -> None:
         try:
             cfg.method.options = cls.renamed(cfg.method.options)
         except ValueError as e:
-            raise ConfigError(f"method {cfg.method.name!r}: {e}") from None
+            raise ConfigError(f"method {cfg.method.name!r}: {_cut_values(str(e), cfg.method.options)}") from None
 
 
 def _check_method_options(cfg: Config) -> None:
@@ -537,7 +583,7 @@ def _check_method_options(cfg: Config) -> None:
         try:
             cls(**cfg.method.options)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"method {cfg.method.name!r}: {e}") from None
+            raise ConfigError(f"method {cfg.method.name!r}: {_cut_values(str(e), cfg.method.options)}") from None
 
 
 def stored_options(method: str, options: dict) -> dict:
@@ -581,6 +627,8 @@ RANGES = {
     "train.grad_clip": (lambda v: 0 < v <= 1e9, "a finite number > 0 and at most 1e9, or null for no clipping"),
     "train.num_workers": (lambda v: 0 <= v <= 512, "an integer from 0 to 512 (0: load in the training process)"),
     "train.checkpoint_every_steps": _up_to(10**9),
+    "train.log_every": _up_to(10**9),
+    "train.task_grad_every": _up_to(10**9),
     "train.schedule.gamma": (
         lambda v: 0 < v <= 100,
         "a finite number > 0 and at most 100 (the factor at each milestone)",
@@ -594,6 +642,24 @@ RANGES = {
     "eval.batch_size": _up_to(1_000_000),
     "eval.nmi_seeds": _up_to(1000, " (the k-means starts NMI is averaged over)"),
 }
+# the sizes of a backbone's and a method's layers (where the backbone or method takes the option): whole numbers,
+# checked at load, before any data is built or memory allocated (the committed runs use width 32, feature_dim 256,
+# embedding_dim 128 to 512); a method's `dims` is a mapping of head to size, each checked
+MAX_WIDTH, MAX_DIM = 1024, 65_536
+SIZES = {
+    "model.width": (MAX_WIDTH, " (small_cnn's first channels; its blocks have 1, 2 and 4 times as many)"),
+    "model.feature_dim": (MAX_DIM, " (the backbone's feature size)"),
+    "method.embedding_dim": (MAX_DIM, " (the embedding's size)"),
+    "method.shared_dim": (MAX_DIM, " (the shared embedding's size)"),
+    "method.decorrelation_hidden_dim": (MAX_DIM, " (the decorrelation network's hidden size)"),
+    "method.dims": (MAX_DIM, " (each head's embedding size)"),
+}
+RANGES.update(
+    {
+        k: (lambda v, hi=hi: 1 <= v <= hi and float(v).is_integer(), f"a whole number from 1 up to {hi}{what}")
+        for k, (hi, what) in SIZES.items()
+    }
+)
 
 
 def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
@@ -618,13 +684,22 @@ def _check_ranges(cfg: Config) -> None:
         values += [(f"train.schedule.{k}", s[k]) for k in ("gamma", "min_factor") if k in s]
         ms = s.get("milestones", [])
         values += [("train.schedule.milestones", m) for m in (ms if isinstance(ms, (list, tuple)) else [ms])]
+    for key in SIZES:
+        section, option = key.split(".")
+        v = getattr(cfg, section).options.get(option)
+        values += [(key, d) for d in v.values()] if isinstance(v, Mapping) else [(key, v)]
     for key, v in values:
         if v is None:
             continue
         test, what = RANGES.get(key, (lambda v: True, "a finite number"))
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and test(v)
         if not ok:
-            raise ConfigError(f"bad value for {key}: {_short(v)}; expected {what}; set {key} within that range")
+            part = key in SIZES and (
+                f"backbone {cfg.model.backbone!r}: " if key.startswith("model.") else f"method {cfg.method.name!r}: "
+            )
+            raise ConfigError(
+                f"{part or ''}bad value for {key}: {_short(v)}; expected {what}; set {key} within that range"
+            )
 
 
 def _whole_milestones(cfg: Config) -> None:
@@ -637,8 +712,8 @@ def _whole_milestones(cfg: Config) -> None:
 
 
 def _short(v) -> str:
-    "`v` for a message: a huge integer (10**300 from a YAML 1e300) as 1e+300, not its 300 digits."
-    return f"{float(v):.6g}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30 else repr(v)
+    "`v` for a message: a huge integer (10**300 from a YAML 1e300) as 1e+300, not its 300 digits; else `shown`."
+    return f"{float(v):.6g}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30 else shown(v)
 
 
 def _get(cfg: Config, key: str):
@@ -680,11 +755,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         )
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: 'base:' files form a cycle ({' -> '.join(map(str, _seen))} -> {path})")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not a text file ({e})") from None
-    raw = parse_yaml(text, str(path))
+    raw = parse_yaml_file(path)  # its size first: a 100 MB file is refused, not parsed
     if raw is None:  # nothing but comments: every default would train, which a user rarely means
         raise ConfigError(
             f"{path} is empty (no option is set): write the options to change, or '{{}}' to train every default"
@@ -696,7 +767,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         return raw
     bases = [base] if isinstance(base, str) else base
     if not (isinstance(bases, list) and bases and all(isinstance(b, str) for b in bases)):
-        raise ConfigError(f"{path}: 'base:' must be a file name or a list of file names, got {base!r}")
+        raise ConfigError(f"{path}: 'base:' must be a file name or a list of file names, got {shown(base)}")
     merged = {}
     for b in bases:
         merged = merge_layers(_unflatten(merged), _unflatten(read_yaml(path.parent / b, _seen + (path.resolve(),))))
@@ -709,17 +780,17 @@ MAX_KEY_DEPTH = 8  # the parts of a --set key: section.option.… (train.schedul
 def apply_override(raw: dict, assignment: str) -> dict:
     "Apply one `a.b.c=value` override (value parsed as YAML)."
     if "=" not in assignment:
-        raise ConfigError(f"--set expects key=value, got {assignment!r}")
+        raise ConfigError(f"--set expects key=value, got {shown(assignment)}")
     key, value = assignment.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) > MAX_KEY_DEPTH:  # before any nesting: a deep key would exhaust the recursion limit
         sections = ", ".join(f.name for f in dataclasses.fields(Config))
         raise ConfigError(
-            f"--set: key {parts[0]!r}.… is {len(parts)} parts deep, at most {MAX_KEY_DEPTH}: write "
+            f"--set: key {shown(parts[0])}.… is {len(parts)} parts deep, at most {MAX_KEY_DEPTH}: write "
             f"section.option=value, a section being one of {sections}"
         )
     if not all(parts):
-        raise ConfigError(f"--set: bad key {key!r}")
+        raise ConfigError(f"--set: bad key {shown(key)}")
     update = parse_yaml(value, f"--set {assignment}") if value.strip() else None
     for p in reversed(parts):
         update = {p: update}

@@ -14,8 +14,8 @@ from ..core.base import seed_everything
 
 # %% auto #0
 __all__ = ['DECODE_ON', 'without_flips', 'SeededViews', 'BatchList', 'to_device', 'DeviceBatched', 'LoaderItems', 'BatchSource',
-           'Tagged', 'TaggedBatch', 'batch_tag', 'jpeg_size', 'random_resized_crop_params', 'nvjpeg_available',
-           'JpegDecode', 'JpegItems', 'jpeg_collate', 'unpack_jpeg', 'JpegImages']
+           'Tagged', 'TaggedBatch', 'batch_tag', 'jpeg_size', 'random_resized_crop_params', 'axis_weights',
+           'nvjpeg_available', 'JpegDecode', 'JpegItems', 'jpeg_collate', 'unpack_jpeg', 'JpegImages']
 
 # %% ../../nbs/17_batches.ipynb #444d8707
 def without_flips(dataset):
@@ -81,7 +81,7 @@ def to_device(
     """Move `batch` to `device`. With `transform` (a `BatchAugment`), 'x' is a padded uint8 batch ('sizes'):
     it becomes `views` augmented float views ('x' and 'extra_views'), drawn from `generator`, on the device
     (`flip=False`: without horizontal flips, the same crops). A batch of `JpegItems` ('jpeg': encoded images, as a
-    list or as `jpeg_collate`'s buffer and 'jpeg_shapes'; 'boxes', 'flips') is decoded, cropped and normalised on the device by `transform` (a `JpegDecode`)."""
+    list or as `jpeg_collate`'s buffer and 'jpeg_shapes'; 'boxes', 'flips', kept on the host) is decoded, cropped and normalised on the device by `transform` (a `JpegDecode`)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def move(v):
@@ -93,11 +93,15 @@ def to_device(
         return v
 
     jpeg = batch.pop("jpeg", None)  # encoded images stay on the CPU: the decoder reads them from there
-    if jpeg is not None and "jpeg_shapes" in batch:  # `jpeg_collate`'s one buffer
-        jpeg = unpack_jpeg(jpeg, batch.pop("jpeg_shapes"))
+    if jpeg is not None:
+        if "jpeg_shapes" in batch:  # `jpeg_collate`'s one buffer
+            jpeg = unpack_jpeg(jpeg, batch.pop("jpeg_shapes"))
+        # boxes and flips stay on the host: the crops' weights are built from them (a copy there and back would
+        # make the host wait for the device)
+        boxes, flips, index = batch.pop("boxes"), batch.pop("flips"), batch.get("index")
     batch = {k: move(v) for k, v in batch.items()}
     if jpeg is not None:
-        xs = transform(jpeg, batch.pop("boxes"), batch.pop("flips"), device, flip=flip, index=batch.get("index"))
+        xs = transform(jpeg, boxes, flips, device, flip=flip, index=index)
         batch["x"] = xs[0].contiguous(memory_format=fmt)
         if len(xs) > 1:
             batch["extra_views"] = [x.contiguous(memory_format=fmt) for x in xs[1:]]
@@ -169,7 +173,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms.v2 import functional as TF
 
-from .cache import BatchAugment
+from .cache import BatchAugment, center_crop_boxes
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
@@ -197,6 +201,26 @@ def _decode_jpeg(data, device):
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
+def axis_weights(start, length, out_size: int, n_in: int, limit=None, flip=None) -> torch.Tensor:
+    """(R, out_size, n_in) float32 weights that resample, along one axis, the window [start, start + length) of each
+    of R rows (1-d tensors on one device) to `out_size` samples, as `interpolate(mode='bilinear', antialias=True,
+    align_corners=False)` resizes a crop: a triangle filter widened by the downscale, its taps inside the window (or
+    inside [0, limit): resize the whole image, then crop), normalised to sum 1; `flip` (R,) bool reverses the output.
+    `dml_nb.data.cache.resample_weights` in float32, with the flip and the window's offset folded into the centres."""
+    dev = start.device
+    scale = length / out_size  # input pixels per output pixel
+    inv = 1.0 / scale.clamp(min=1.0)  # the filter widens when downsampling
+    i = torch.arange(out_size, dtype=torch.float32, device=dev).expand(len(start), -1)
+    if flip is not None:
+        i = torch.where(flip[:, None], out_size - 1 - i, i)
+    centre = start[:, None] + scale[:, None] * (i + 0.5) - 0.5  # in the axis' pixel coordinates
+    g = torch.arange(n_in, dtype=torch.float32, device=dev)
+    w = (1 - ((g - centre[..., None]) * inv[:, None, None]).abs()).clamp_(min=0)
+    lo, hi = (start - 1, start + length) if limit is None else (torch.full_like(start, -1.0), limit)
+    w = w.mul_(((g > lo[:, None]) & (g < hi[:, None]))[:, None, :])
+    return w.div_(w.sum(-1, keepdim=True).clamp_(min=1e-12))
+
+
 _NVJPEG: dict = {}
 
 
@@ -219,14 +243,20 @@ def nvjpeg_available(device) -> bool:
 
 class JpegDecode(torch.nn.Module):
     """The device stage of the JPEG path, for one `make_transform` pipeline: decode encoded images (nvJPEG on a
-    CUDA device), then per image its box of the full-resolution decode -> float -> resize (train: the box to `size`;
-    test: the shorter side to `resize`, then a centre crop) -> flip, then normalise (and RGB -> BGR), with the
-    functions the PIL path calls in its order, so that equal decodes give equal pixels."""
+    CUDA device), then crop, resize (train: the box to `size`; test: the shorter side to `resize`, then a centre crop),
+    flip and normalise (and RGB -> BGR). On a batch (`forward`, what `to_device` runs) all images and views go through
+    one batched pass: the decodes zero-padded into one tensor, each view's crop, resize and flip folded into per-image
+    antialiased resampling weights (two batched matrix products, as `dml_nb.data.cache.BatchAugment` does); equal to
+    the PIL path up to float rounding. `per_image=True` runs the functions the PIL path calls, in its order, image by
+    image (what a loader worker does): equal decodes then give equal pixels, to the bit."""
+
+    batched = True  # `forward` crops a batch in one pass (benchmarks/step_census.py reads this)
 
     def __init__(self, spec: BatchAugment, has_flip: bool):
         super().__init__()
         self.spec, self.has_flip = spec, bool(has_flip)
         self.fallback = None  # index -> uint8 (3, H, W): the PIL path's image (`JpegImages` sets it)
+        self._norm: dict = {}  # device -> (mean, std) as (3, 1, 1) float tensors there, built once
 
     @classmethod
     def from_transform(cls, transform) -> "JpegDecode":
@@ -265,7 +295,7 @@ class JpegDecode(torch.nn.Module):
         return [x.to(device, non_blocking=True) for x in out]
 
     def view(self, image: torch.Tensor, box, flip: bool) -> torch.Tensor:
-        "One uint8 (3, H, W) image's view before normalisation: float (3, size, size) in [0, 1]."
+        "One uint8 (3, H, W) image's view before normalisation, with the PIL path's functions: float (3, size, size) in [0, 1]."
         s = self.spec
         if s.train_mode:
             top, left, h, w = (int(v) for v in box)
@@ -294,15 +324,76 @@ class JpegDecode(torch.nn.Module):
             img = TF.resize(img, list(size), antialias=True)
         return img
 
+    def norm(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        "(mean, std) as float (3, 1, 1) tensors on `device`, built on the first call (a copy from the host waits)."
+        device = torch.device(device)
+        if device not in self._norm:
+            as_t = lambda v: torch.tensor(v, dtype=torch.float32).view(-1, 1, 1).to(device)
+            self._norm[device] = as_t(self.spec.mean), as_t(self.spec.std)
+        return self._norm[device]
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x = TF.normalize(x, list(self.spec.mean), list(self.spec.std))
+        "(x - mean) / std of a float batch in [0, 1], as torchvision's `normalize` computes it; then RGB -> BGR."
+        mean, std = self.norm(x.device)
+        x = (x - mean) / std
         return x.flip(-3) if self.spec.bgr else x
 
+    def crops(self, images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor) -> list[torch.Tensor]:
+        """Every view of N uint8 (3, h, w) images on one device in one pass: `boxes` (N, views, 4) and `flips`
+        (N, views), on the host, give each view's crop (train; test: the centre crop of the resized image) and flip;
+        `views` normalised float batches (N, 3, size, size). The host waits for nothing: the resampling weights of
+        both axes are built on the device in one go, from one small non-blocking copy of the boxes."""
+        s, n, views = self.spec, len(images), boxes.shape[1]
+        device, vn = images[0].device, views * n
+        sizes = torch.tensor([tuple(im.shape[-2:]) for im in images], dtype=torch.float64)  # host metadata
+        H, W = (int(v) for v in sizes.max(0).values)
+        x = torch.zeros(n, 3, H, W, device=device)  # zero-padded; uint8 to float in the copy
+        st = x.stride()
+        torch._foreach_copy_([x.as_strided(im.shape, st[1:], i * st[0]) for i, im in enumerate(images)], images)
+        if s.train_mode:  # crop, then resize: the taps stay inside the box
+            box = boxes.transpose(0, 1).reshape(-1, 4).double()  # (views * N, 4), view-major
+            lim = torch.zeros(vn, 2, dtype=torch.float64)  # unused
+        else:  # resize, then centre crop: one box per image in source pixels, the taps inside the image
+            box = center_crop_boxes(sizes[:, 0], sizes[:, 1], s.size, s.resize).repeat(views, 1)
+            lim = sizes.repeat(views, 1)
+        flip = flips.transpose(0, 1).reshape(-1).double()
+        # rows: vn for the height axis (top, height, limit, no flip), then vn for the width axis
+        rows = torch.cat(
+            [
+                torch.stack([box[:, 0], box[:, 2], lim[:, 0], torch.zeros_like(flip)], 1),
+                torch.stack([box[:, 1], box[:, 3], lim[:, 1], flip], 1),
+            ]
+        ).float()
+        if device.type == "cuda":
+            rows = rows.pin_memory()
+        q = rows.to(device, non_blocking=True)
+        lim = None if s.train_mode else q[:, 2]
+        r = axis_weights(q[:, 0], q[:, 1], s.size, max(H, W), lim, q[:, 3] > 0.5)  # (2 vn, size, max(H, W))
+        out = []
+        for v in range(views):
+            ry, rx = r[v * n : (v + 1) * n, :, :H], r[vn + v * n : vn + (v + 1) * n, :, :W]
+            a = torch.bmm(x.view(n, 3 * H, W), rx.transpose(1, 2)).view(n, 3, H, s.size)  # the width axis
+            a = a.transpose(1, 2).reshape(n, H, 3 * s.size)
+            out.append(torch.bmm(ry, a).view(n, s.size, 3, s.size).permute(0, 2, 1, 3))  # the height axis
+        mean, std = self.norm(device)
+        out = (torch.stack(out) - mean * 255) * (1 / (std * 255))  # on the 0-255 scale: (x / 255 - mean) / std
+        if s.bgr:
+            out = out.flip(-3)
+        return list(out.unbind(0))
+
     def forward(
-        self, data: list, boxes: torch.Tensor, flips: torch.Tensor, device, flip: bool = True, index=None
+        self,
+        data: list,
+        boxes: torch.Tensor,
+        flips: torch.Tensor,
+        device,
+        flip: bool = True,
+        index=None,
+        per_image: bool = False,
     ) -> list[torch.Tensor]:
         """`views` normalised float batches (N, 3, size, size) on `device` from N encoded (or decoded) images and their
-        (N, views, 4) boxes and (N, views) flips; `flip=False` leaves every view unflipped."""
+        (N, views, 4) boxes and (N, views) flips (host tensors); `flip=False` leaves every view unflipped. One batched
+        pass (`crops`); `per_image=True`: the PIL path's functions image by image."""
         try:
             images = self.decode(data, device)
         except RuntimeError as e:
@@ -313,7 +404,9 @@ class JpegDecode(torch.nn.Module):
                     "images; data.on_unreadable: skip leaves them out; data.decode: pil decodes with PIL"
                 ) from e
             images = [self._decode_or_fall_back(d, int(i), device) for d, i in zip(data, index)]
-        boxes, flips = boxes.cpu(), flips.cpu() & flip
+        boxes, flips = torch.as_tensor(boxes), torch.as_tensor(flips) & flip  # on the host: reading them is free
+        if not per_image:
+            return self.crops(images, boxes, flips)
         return [
             self.normalize(torch.stack([self.view(im, boxes[i, v], bool(flips[i, v])) for i, im in enumerate(images)]))
             for v in range(boxes.shape[1])
@@ -343,7 +436,7 @@ class JpegItems(torch.utils.data.Dataset):
         item = {"y": int(self.images.labels[index]), "index": index}
         if not self.decode_in_worker:
             return {"jpeg": data, "boxes": boxes, "flips": flips, **item}
-        xs = self.images.batch_transform([data], boxes[None], flips[None], "cpu", index=[index])
+        xs = self.images.batch_transform([data], boxes[None], flips[None], "cpu", index=[index], per_image=True)
         item["x"] = xs[0][0]
         if self.views > 1:
             item["extra_views"] = [x[0] for x in xs[1:]]
@@ -442,7 +535,8 @@ class JpegImages(torch.utils.data.Dataset):
     def __getitem__(self, i):
         data, (h, w) = self.read(int(i))
         boxes, flips = self.batch_transform.draw(h, w)
-        return self.batch_transform([data], boxes[None], flips[None], "cpu", index=[int(i)])[0][0], int(self.labels[i])
+        x = self.batch_transform([data], boxes[None], flips[None], "cpu", index=[int(i)], per_image=True)[0][0]
+        return x, int(self.labels[i])
 
     def decodes_on_device(self, device) -> bool:
         "Whether batches decode on `device` (else in the workers): 'auto' decodes on a CUDA device with nvJPEG."

@@ -406,7 +406,8 @@ class _Decode(torch.utils.data.Dataset):
 
 
 def _fingerprint(dataset, short_side: int) -> str:
-    "Names and sizes of the source files, and the cache settings: a changed file list or file gives another cache."
+    """Names, sizes and modification times (ns) of the source files, and the cache settings: a changed file list or
+    file (one rewritten with the same size too) gives another cache."""
     h = hashlib.sha256(
         json.dumps(
             [CACHE_FORMAT, short_side, getattr(dataset, "name", ""), getattr(dataset, "split", ""), len(dataset)]
@@ -414,7 +415,7 @@ def _fingerprint(dataset, short_side: int) -> str:
     )
     for p in dataset.paths:
         st = os.stat(p)
-        h.update(f"{p}\0{st.st_size}\0".encode())
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:16]
 
 

@@ -18,6 +18,7 @@ from ..training.callbacks import TASK_ORDER
 from ..training.context import Method, subscriptions
 from ..blocks.heads import EmbeddingModel, MultiHead
 from ..blocks.decorrelation import Decorrelation
+from ..blocks.miners import TupleMiner
 
 # %% auto #0
 __all__ = ['build_loss', 'build_miner', 'Task', 'TaskBackbones', 'MultiTaskMethod', 'BaselineMethod', 'task_health']
@@ -100,8 +101,21 @@ class Task(nn.Module):
         return batch[self.labels]
 
     def mine(self, embeddings: torch.Tensor, labels: torch.Tensor, batch: Mapping):
-        "The tuples the loss sees (None: the whole batch)."
-        return None if self.miner is None else self.miner(embeddings, labels)
+        """The tuples the loss sees (None: the whole batch). A task on the class labels gives a `TupleMiner` the
+        host's layout of the batch's labels (`batch['y_layout']`, set by the learner)."""
+        if self.miner is None:
+            return None
+        layout = batch.get("y_layout") if self.labels == "y" else None
+        if layout is not None and isinstance(self.miner, TupleMiner):
+            return self.miner(embeddings, labels, layout=layout)
+        return self.miner(embeddings, labels)
+
+    def labels_known(self, labels) -> None:
+        """Called once with every label this task will train on (the training set's class labels, for a task on
+        'y'): a loss that checks its labels (`MarginLoss.check_labels`) checks them here, not in every step."""
+        check = getattr(self.loss, "check_labels", None)
+        if callable(check):
+            check(labels)
 
     def forward(self, embeddings: torch.Tensor, batch: Mapping, method: "MultiTaskMethod") -> dict:
         "{'loss': unweighted task loss, other logs} for this task's head embeddings of the batch."
@@ -275,7 +289,8 @@ class MultiTaskMethod(Method):
             out = task(embs[task.head], batch, self)
             total = task.weight * out["loss"] if total is None else total + task.weight * out["loss"]
             logs[f"loss/{task.name}"] = out["loss"].detach()
-            logs[f"grad/{task.name}"] = self._task_gradient(out["loss"], embs[task.head])
+            if batch.get("task_grads", True):  # the learner's `train.task_grad_every`: on some steps only
+                logs[f"grad/{task.name}"] = self._task_gradient(out["loss"], embs[task.head])
             logs.update(
                 {
                     f"{k}/{task.name}": (v.detach() if isinstance(v, torch.Tensor) else v)
@@ -347,6 +362,11 @@ class MultiTaskMethod(Method):
 
     def on_fit_start(self, ctx) -> None:
         self._steps = int(self.steps_done)
+        labels = getattr(ctx.train_dataset, "labels", None)
+        if labels is not None:  # the class labels of every step: checked once, here
+            for t in self.tasks.values():
+                if t.labels == "y":
+                    t.labels_known(labels)
         self._forward("before_fit", ctx)
 
     def on_epoch_start(self, ctx) -> None:

@@ -117,11 +117,11 @@ class BSPML(Method):
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict) -> dict:
         emb, y = self.model(batch["x"]).float(), batch["y"]
-        pairs = self.miner(emb, y)
+        pos, neg = self.miner.masks(emb, y)  # the informative pairs as masks: no index count to read from the device
         w = self.weights[batch["index"]] if self.weights is not None else None
         logs = {
-            "loss": self.loss(emb, y, pairs, weights=w),
-            "tuples": float(len(pairs[0]) + len(pairs[2])),
+            "loss": self.loss(emb, y, (pos, neg), weights=w),
+            "tuples": pos.sum() + neg.sum(),
         }  # informative pairs
         if w is not None:
             logs["batch_weight"] = w.mean()
@@ -230,7 +230,7 @@ class BSPML(Method):
         return out
 
 # %% ../../nbs/57_bspml.ipynb #3efa3124
-# The age schedule and the weight solver, two named readings (07d's fidelity table, points 11 and 12):
+# The age schedule and the weight solver, two named readings (rows 11 and 12 of the fidelity table below):
 # dml_nb's (the library defaults: ages in units of the pair-loss floor, 0.5 -> 1.0, the exact solver) and the paper's
 # text (an absolute age, lambda_inf in the paper's tuning range [1, 5], Algorithm 3). The text gives neither lambda0
 # nor c nor a lambda_inf value: the numbers here are the ones dml_nb used for it before (1 -> 3, c = 1.2).

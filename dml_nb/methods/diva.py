@@ -175,12 +175,8 @@ class QueueTask(Task):
 
     @torch.no_grad()
     def after_optimizer_step(self, method, ctx):
-        enc = self.key_encoder.encoder
-        kept = [b.clone() for b in enc.buffers()] if self.key_buffers == "initial" else None
-        self.key_encoder.update(method.model)
-        if kept is not None:
-            for b, old in zip(enc.buffers(), kept):
-                b.copy_(old)
+        # key_buffers 'initial': the key encoder keeps its first buffers, so the update leaves them alone
+        self.key_encoder.update(method.model, with_buffers=self.key_buffers != "initial")
         if self._pending is not None:
             self.queue.enqueue(self._pending)
             self._pending = None
@@ -237,7 +233,7 @@ class DeepClusterTask(Task):
 
     def forward(self, embeddings, batch, method) -> dict:
         y = self.assignments[batch["index"].to(self.assignments.device)]
-        if bool((y < 0).any()):
+        if bool((y < 0).any()):  # a check that reads the device (DeepCluster is not a paper config's task)
             raise ValueError(
                 f"task {self.name!r} has no pseudo-labels yet: they are computed in on_epoch_start "
                 "(Learner.fit) or by task.recluster(features)"

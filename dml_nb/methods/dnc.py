@@ -17,6 +17,7 @@ from ..core.registry import METHODS, PRESETS
 from ..training.context import BatchFormationError, Method
 from ..evaluation.clustering import cluster_statistics, kmeans_assign, match_clusters
 from .base import build_loss, build_miner
+from ..blocks.miners import TupleMiner
 from ..blocks.heads import EmbeddingModel, SlicedHead
 from ..data.samplers import ClassBalancedBatchSampler, RoundRobinBatchSampler, usable_members
 from .options import DnCOptions
@@ -328,7 +329,13 @@ class DivideAndConquer(Method):
             emb = self.model(x) if self.grouping == "kmeans_nosplit" else self.model(x, slice=k)
             loss_fn = self.learner_losses[k]
         emb = emb.float()
-        tuples = self.miner(emb, y) if self.miner is not None else None
+        layout = batch.get("y_layout")  # the host's layout of the labels (the learner's): fixed-shape tuples
+        if self.miner is None:
+            tuples = None
+        elif layout is not None and isinstance(self.miner, TupleMiner):
+            tuples = self.miner(emb, y, layout=layout)
+        else:
+            tuples = self.miner(emb, y)
         logs = {"loss": loss_fn(emb, y, tuples)}
         if tuples is not None:
             logs["tuples"] = float(len(tuples[0]))

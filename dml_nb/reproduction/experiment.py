@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 import time
 import warnings
@@ -24,6 +25,7 @@ from dml_nb.core.base import (
     atomic_json,
     atomic_torch_save,
     atomic_write,
+    check_threads,
     data_root,
     describe_holder,
     disk_write_error,
@@ -52,8 +54,8 @@ from dml_nb.reproduction.results import (
 # %% auto #0
 __all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'eval_dataset',
            'build_data', 'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for',
-           'cpu_info', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'check_seeds',
-           'run_seeds']
+           'cpu_info', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'foreign_run',
+           'check_seeds', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #49a5662f
 def _splits_read(cfg: Config) -> list[str]:
@@ -461,26 +463,48 @@ RUN_THREADS = 1
 
 
 def recorded_threads(run_dir: str | Path) -> int | None:
-    "The CPU thread count the run in `run_dir` trained with: its `metrics.json`, else its `checkpoint.pt`; None if neither records one."
+    """The CPU thread count the run in `run_dir` trained with: its `metrics.json`, else its `checkpoint.pt`; None if
+    neither records one. A recorded count past `MAX_THREADS` is a one-line `ConfigError` naming the file."""
     run_dir = Path(run_dir)
+    source = run_dir / "metrics.json"
     try:
-        n = json.loads((run_dir / "metrics.json").read_text()).get("threads")
+        n = json.loads(source.read_text()).get("threads")
     except (OSError, ValueError, AttributeError):
         n = None
     if n is None and (run_dir / "checkpoint.pt").exists():
         from dml_nb.training.checkpoint import CheckpointError, load_checkpoint
 
+        source = run_dir / "checkpoint.pt"
         try:
-            n = load_checkpoint(run_dir / "checkpoint.pt").get("threads")
+            n = load_checkpoint(source).get("threads")
         except CheckpointError:
             n = None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    return None if n is None else check_threads(n, f"the thread count {source} records")
 
 
 def _check_threads(threads) -> None:
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+    if threads is not None:
+        check_threads(threads, "threads")
+
+
+def _check_device(cfg: Config) -> None:
+    "A CUDA `train.device` on a machine without CUDA (or without that GPU): one line, before any data is read."
+    device = cfg.train.device
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= have:
+        found = (
+            f"only {have} GPU(s) ({', '.join(f'cuda:{i}' for i in range(have))})"
+            if have
+            else "no GPU (CUDA is not available)"
+        )
         raise ConfigError(
-            f"threads must be a whole number of at least 1 (or None: this process's count); got {threads!r}"
+            f"train.device is {device!r} but this machine has {found}: set train.device=auto (a GPU if there is "
+            "one) or train.device=cpu"
         )
 
 
@@ -619,6 +643,7 @@ def run(
         )
     if _run_state(run_dir, cdict) == "done" and (run_dir / "config.yaml").exists():
         return load_result(run_dir)
+    _check_device(cfg)  # a GPU asked for where there is none: before the data is read
     check_data(cfg)  # the root and the index files: before anything is written
     main = process_rank() == 0
     created = next(
@@ -666,7 +691,7 @@ def _run_locked(
     kept = recorded_threads(run_dir) if state == "resume" else None
     if kept and threads and kept != threads and progress:
         print(f"{run_dir.name}: resumed on the {kept} thread(s) it started with, not {threads}", file=sys.stderr)
-    n, before = kept or threads or torch.get_num_threads(), torch.get_num_threads()
+    n, before = check_threads(kept or threads or torch.get_num_threads()), torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         return _train(cfg, cdict, run_dir, progress, created, lock, n)
@@ -738,6 +763,27 @@ def train_again(result: RunResult, progress: bool = False) -> RunResult:
     threads = result.info.get("threads") or RUN_THREADS
     clear_restored(result.run_dir)
     return run(result.config, run_dir=result.run_dir, progress=progress, wait=True, threads=threads)
+
+# %% ../../nbs/60_experiment.ipynb #f0e1gn00run1
+def foreign_run(run_dir: str | Path, cdict: dict, what: str) -> None:
+    """A one-line `ConfigError` where the finished run in `run_dir` is not one of config `cdict` (what `what`, a row
+    and seed, asks for): the check `experiment.run` makes before it reuses a folder (the `config_key` its
+    metrics.json records, else its config.yaml), so that every reader (collect-only, a plan, the collector) refuses
+    the folder training refuses. Another config's finished run in the folder is an error, not a run to train: the
+    folder is someone's run, and training there would be refused too."""
+    run_dir = Path(run_dir)
+    try:
+        _run_state(run_dir, cdict)
+    except ConfigError as e:
+        why = re.split(
+            r"[:;] (?:nothing was changed there; )?choose", str(e).removeprefix(f"run directory {run_dir} ")
+        )[0]
+        raise ConfigError(
+            one_line(
+                f"{run_dir} is not read for {what}: it {why}, another config than the one asked for (key "
+                f"{run_key(cdict)}); move it away or delete it, and the run is trained there again"
+            )
+        ) from None
 
 # %% ../../nbs/60_experiment.ipynb #f8139276
 def check_seeds(seeds: Sequence[int], what: str = "seeds") -> list[int]:

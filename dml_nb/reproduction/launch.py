@@ -19,11 +19,13 @@ from tqdm.auto import tqdm
 from ..core.base import project_root
 from .experiment import RUN_THREADS, recorded_threads
 from .results import MAX_COUNT, RunPolicy, clear_restored, count_arg, restored, run_key, runs_folder
+from .results import restore_run
 from ..core.config import ConfigError, config_to_dict, load_config
 from dml_nb.reproduction.sweep import (
     COLLECT_ENV,
     PLAN_ENV,
     SETTLED,
+    PlanError,
     Job,
     Plan,
     collecting,
@@ -295,6 +297,8 @@ def launch(
     failed and their logs. A run another process is training is waited for (its lock); a killed run resumes."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    for j in plan.jobs:  # a run the policy's results folder holds: restored, not trained (only the plan's runs)
+        restore_run(j.run_dir)
     for j in plan.jobs:  # restored from a results folder, needed with its embeddings or weights: trained again
         if j.rebuild and restored(
             j.run_dir
@@ -365,7 +369,11 @@ def add_sweep_arguments(ap) -> None:
     )
     g.add_argument("-y", "--parameters-yaml", dest="overrides", help="papermill parameters as YAML, over the -f file")
     g.add_argument("--seeds", type=int, nargs="+", help="the seeds parameter")
-    g.add_argument("--runs-dir", help="the shared run cache (output.runs_dir; default $DML_RUNS, else <project>/runs)")
+    g.add_argument(
+        "--runs-dir",
+        help="the shared run cache (output.runs_dir; default $DML_RUNS, else <project>/runs; with --from-plan the "
+        "plan's runs must lie there: default the plan's own run cache)",
+    )
     g.add_argument(
         "--plan-dir", help="where the plan, its configs and logs go (default <runs dir>/.plans/<notebook or all>)"
     )
@@ -407,6 +415,20 @@ def _launcher_missing(args, gpus, threads: int | None = None) -> int | None:
         print(f"dml-reproduce: error: {e}", file=sys.stderr)
         return 2
     return None
+
+
+def _check_plan_cache(plan: Plan, args, policy: RunPolicy | None) -> None:
+    """A `PlanError` where the plan's runs lie outside the run cache this command was given (`--runs-dir`, else
+    `$DML_RUNS`); without either, the plan's own run cache is used (the one it was planned in)."""
+    given = args.runs_dir or (policy.runs if policy is not None else None)
+    cache = plan.cache()
+    if given is None or cache is None or Path(cache).resolve() == Path(given).resolve():
+        return
+    source = "--runs-dir" if args.runs_dir else "$DML_RUNS"
+    raise PlanError(
+        f"plan {args.from_plan}: its runs lie in {str(cache)[:200]}, not in the run cache in use {str(given)[:200]} "
+        f"({source}): give --runs-dir {str(cache)[:200]} (or set DML_RUNS to it), or plan again with this run cache"
+    )
 
 
 def _print_plan(plan: Plan, json_out=None) -> None:
@@ -484,7 +506,7 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None, policy: 
         return None
     root = Path(root) if root is not None else project_root()
     notebooks = list(args.notebooks) or [p.stem for p in _reproduction_notebooks(root)]
-    if not notebooks:
+    if not notebooks and not (args.from_plan and args.no_collect):  # a plan's launch alone needs no notebook
         raise FileNotFoundError(
             f"no reproduction notebooks in {root / 'nbs'}: run dml-reproduce in the project's folder"
         )
@@ -500,6 +522,7 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None, policy: 
         plan = plan_notebook(notebooks, args.plan_dir or _default_plan_dir(args, root), **pp)
     elif args.from_plan:
         plan = Plan.load(args.from_plan)
+        _check_plan_cache(plan, args, policy)
     if plan is not None:
         _print_plan(plan, args.json_out)
     if args.launch:

@@ -317,7 +317,11 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
             )
         nb_defaults = notebook_defaults(stem)
         _check_parameters(stem, params, nb_defaults)
-        _check_data(base)  # a paper dataset that is not here: no row could run
+        policy = (
+            RunPolicy.from_env()
+        )  # the notebook's process starts here: the one read of $DML_PLAN, $DML_RESULTS, ...
+        if policy.mode == "train":  # a plan lists configs, collect-only reads runs: neither needs the images here
+            _check_data(base)  # a paper dataset that is not here: no row could run
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise _one_line(stem, e) from None
     variant = paper_variant(base)
@@ -329,7 +333,6 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
                 raise KeyError(f"setup({stem!r}): shrink names {k!r}, which is not a parameter of the notebook")
             params[k] = _small(params[k], n)
     dataset = params.get("dataset", "shapes")
-    policy = RunPolicy.from_env()  # the notebook's process starts here: the one read of $DML_PLAN, $DML_RESULTS, ...
     use_policy(policy)  # for the harness's `run_rows`, which a notebook may also call itself
     try:
         figures, runs = _writable_dirs(stem, output, variant)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import copy
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ from .claims import metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, FINEGRAINED_SETS, METHODS
 from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
-from .experiment import check_seeds
+from .experiment import check_seeds, foreign_run
 from .results import RunPolicy, RunStopped, one_line, restored, run_key, runs_folder, stopped_record
+from .results import restore_run, run_policy
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..core.config import ConfigError, config_to_dict, make_config, merge_layers, method_options_class
@@ -29,9 +31,9 @@ from .viz import markdown_table
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'PREMISE_BASE', 'SECTIONS', 'paper_variant',
-           'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one', 'load_learner',
-           'portable', 'job_config', 'run_rows', 'reported_as', 'seeds_status', 'summarize', 'paper_numbers', 'compare',
-           'write_table', 'collect_runs']
+           'private_folder', 'output_dirs', 'base_config', 'smoke', 'Row', 'rows_from', 'availability', 'run_one',
+           'load_learner', 'portable', 'job_config', 'run_rows', 'reported_as', 'seeds_status', 'summarize',
+           'paper_numbers', 'compare', 'write_table', 'collect_runs']
 
 # %% ../../nbs/64_repro.ipynb #485c4a64
 EMBEDDED = (
@@ -51,15 +53,39 @@ def paper_variant(raw: Mapping) -> str | None:
     return f"{name}-{raw.get('model', {}).get('backbone', 'small_cnn')}"
 
 
+def private_folder(path: str | Path) -> Path:
+    """`path` made as a folder only this user may enter (mode 0700) where there is none; a `ValueError` of one line
+    where it is a link or not a folder, another user's, or open to other users: a folder of a fixed name in a shared
+    temporary folder is someone else's to plant, so it is checked before anything is written into it."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is a link or not a folder"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to another user (uid {st.st_uid})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}, not 700)"
+    else:
+        return path
+    raise ValueError(
+        f"temporary folder {path} {problem}: nothing was written there; remove it, or set TMPDIR to a folder of your own"
+    )
+
+
 def output_dirs(
     figures_dir: str | Path | None = None, runs_dir: str | Path | None = None, variant: str | None = None
 ) -> tuple[Path, Path]:
     """(figures folder, runs folder): the given ones, else `<project>/figures` and `<project>/runs` (`$DML_RUNS` when set: a
     run cache on shared storage); a temporary pair
-    under `nbdev_test`. A paper-scale run (`variant`, see `paper_variant`) writes to `figures/<variant>/`, so it never
-    overwrites the committed figures of the embedded defaults."""
-    smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{source_hash()}"
+    under `nbdev_test`, in this user's private smoke folder (`private_folder`). A paper-scale run (`variant`, see
+    `paper_variant`) writes to `figures/<variant>/`, so it never overwrites the committed figures of the embedded defaults."""
+    smoke = Path(tempfile.gettempdir()) / f"dml_nb_smoke_{os.getuid()}_{source_hash()}"
     if in_test():
+        private_folder(smoke)  # a fixed name in a shared temporary folder: ours, or refused
         base_f, base_r = smoke / "figures", smoke / "runs"
     else:
         root = project_root()
@@ -86,7 +112,7 @@ SHAPES_BASE = {
     "eval": {"every": 3, "metrics": ["recall@1", "recall@2", "recall@4", "nmi"]},
 }
 
-FINEGRAINED_BASE = {  # the miniature regime (#17), chosen on the margin baseline alone: nbs/67_regime.ipynb
+FINEGRAINED_BASE = {  # the miniature regime, chosen on the margin baseline alone: nbs/67_regime.ipynb
     "data": {"name": "finegrained", "images_per_class": 16, "size": 32},
     "model": {"backbone": "small_cnn", "pretrained": True, "options": {"width": 32, "feature_dim": 256}},
     "train": {"epochs": 4, "batch_size": 60, "samples_per_class": 4, "lr": 3e-5, "weight_decay": 4e-4},
@@ -120,7 +146,7 @@ def base_config(
     return raw
 
 # %% ../../nbs/64_repro.ipynb #bf4283d8
-NOVEL_BASE = {  # regime v2 (#37): training matters; chosen on the margin baseline alone, nbs/67_regime.ipynb
+NOVEL_BASE = {  # regime v2: training matters; chosen on the margin baseline alone, nbs/67_regime.ipynb
     "data": {
         "name": "finegrained_novel",
         "images_per_class": 16,
@@ -145,7 +171,7 @@ NOVEL_BASE = {  # regime v2 (#37): training matters; chosen on the margin baseli
 }
 
 # %% ../../nbs/64_repro.ipynb #acae54e37e7d407bbb7b55eff062a284
-PREMISE_BASE = {  # regime v3 (#47): the papers' premise; chosen on the margin baseline alone, nbs/67_regime.ipynb
+PREMISE_BASE = {  # regime v3: the papers' premise; chosen on the margin baseline alone, nbs/67_regime.ipynb
     "data": {
         "name": "finegrained_premise",
         "images_per_class": 32,  # 8 of each number of parts
@@ -327,6 +353,7 @@ def run_rows(
             skipped[(row.name, seed)] = f"not run: {portable(why)}"
             continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
+        restore_run(run_dir_for(make_config(raw), runs_dir), (policy or run_policy()).restore)  # only the runs read
         try:
             results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress, threads=threads)
         except FileNotFoundError as e:  # a dataset file or weights file that is not here: listed, not dropped
@@ -432,13 +459,17 @@ def write_table(
     return [csv, md]
 
 # %% ../../nbs/64_repro.ipynb #ff4fa13c
-def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None, key: str | None = None) -> dict:
+def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None, cdict: dict | None = None) -> dict:
     """The line of `row` and `seed`: its status and, for a finished run, its metrics (of the row's head) and folder.
-    A run that stopped by design (its `stopped` record, of config `key`) is 'stopped: <reason>'; a finished run whose
-    results cannot be read ('done' without `metrics.json`) is 'not run: <why>'."""
+    A run that stopped by design (its `stopped` record, of config `cdict`) is 'stopped: <reason>'; a finished run whose
+    results cannot be read ('done' without `metrics.json`) is 'not run: <why>'; a finished run of another config
+    than `cdict` (`experiment.foreign_run`, the check `experiment.run` makes) is an error naming the folder."""
     rec = {"row": row.name, "group": row.group, "seed": seed}
+    key = None if cdict is None else run_key(cdict)
     if skipped:
         return {**rec, "status": skipped}
+    if cdict is not None and (run_dir / "done").exists():
+        foreign_run(run_dir, cdict, f"{row.name} (seed {seed})")
     if not (run_dir / "done").exists():
         stop = stopped_record(run_dir, key)
         why = f"stopped: {one_line(stop['message'])}" if stop else f"not run: no finished run in {run_dir.name}"
@@ -480,9 +511,7 @@ def collect_runs(
         cfgs = [make_config(job_config(r, base, s)) for r, s in jobs]
         return pd.DataFrame(
             [
-                _row_record(
-                    r, s, run_dir_for(c, runs_dir), (skipped or {}).get((r.name, s)), run_key(config_to_dict(c))
-                )
+                _row_record(r, s, run_dir_for(c, runs_dir), (skipped or {}).get((r.name, s)), config_to_dict(c))
                 for (r, s), c in zip(jobs, cfgs)
             ]
         )

@@ -31,8 +31,8 @@ from ..core.config import Config, ConfigError, config_to_dict, make_config
 __all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'POLICY_ENV', 'MODES',
            'MAX_COUNT', 'run_key', 'run_folder_name', 'one_line', 'RunStopped', 'stopped_record', 'record_stopped',
            'check_stopped', 'results_path', 'results_dir', 'runs_folder', 'folder_problem', 'check_runs_folder',
-           'save_result', 'restore_results', 'restored', 'restored_problem', 'clear_restored', 'RunPolicy',
-           'run_policy', 'use_policy', 'is_count', 'count_arg', 'result_checksum', 'result_problem']
+           'save_result', 'restore_results', 'restore_run', 'restored', 'restored_problem', 'clear_restored',
+           'RunPolicy', 'run_policy', 'use_policy', 'is_count', 'count_arg', 'result_checksum', 'result_problem']
 
 # %% ../../nbs/60a_results.ipynb #a3c1e7d1
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
@@ -233,22 +233,37 @@ def restore_results(results: str | Path, runs_dir: str | Path) -> list[Path]:
     `runs_dir`, through a temporary folder there renamed into place. A folder of that name in the cache is never
     touched, but for the half of an entry that a killed restore left: replaced. An entry that fails a check is left
     out with one line on stderr naming it and why. Returns the run folders written."""
-    results, runs_dir, out = Path(results), Path(runs_dir), []
+    results, runs_dir = Path(results), Path(runs_dir)
     if not results.is_dir():
-        return out
-    for src in sorted(results.iterdir()):
-        if src.name.startswith(".") or not (src.is_dir() or src.is_symlink()):
-            continue  # hidden, or a file beside the runs (a README)
-        if (problem := _shape_problem(src, src.name)) is not None:
-            _say(f"{src} is not restored from the results folder: {problem}; {_FIX}")
-            continue
-        dest = runs_dir / src.name
-        _remove_stale_restores(dest)
-        if (dest.exists() or dest.is_symlink()) and not _half_entry(dest):
-            continue  # the cache's own: never touched
-        if _restore_one(src, dest):
-            out.append(dest)
-    return out
+        return []
+    entries = (p for p in sorted(results.iterdir()) if not p.name.startswith(".") and (p.is_dir() or p.is_symlink()))
+    return [d for src in entries if (d := _restore_entry(src, runs_dir)) is not None]  # not a file beside (a README)
+
+
+def _restore_entry(src: Path, runs_dir: Path) -> Path | None:
+    "The entry `src` restored into `runs_dir` as `restore_results` restores each (checked; the cache's own never touched), or None."
+    if (problem := _shape_problem(src, src.name)) is not None:
+        return _say(f"{src} is not restored from the results folder: {problem}; {_FIX}")
+    dest = runs_dir / src.name
+    _remove_stale_restores(dest)
+    if (dest.exists() or dest.is_symlink()) and not _half_entry(dest):
+        return None  # the cache's own: never touched
+    return dest if _restore_one(src, dest) else None
+
+
+def restore_run(run_dir: str | Path, results: str | Path | None = None) -> bool:
+    """Restore the one run `run_dir` (a folder of a run cache) from the results folder `results` (default: the run
+    policy's `restore`, `run_policy().restore`), as `restore_results` restores each entry, where the cache does not
+    hold it yet; whether it did. The readers of a run (`repro.run_rows`, a plan, collect-only, a launch) call it
+    for the runs they read: a command restores only those, not the whole results folder."""
+    results = run_policy().restore if results is None else results
+    run_dir = Path(run_dir)
+    if results is None or run_dir.exists() and not _half_entry(run_dir):
+        return False
+    src = Path(results) / run_dir.name
+    if not RUN_NAME.fullmatch(run_dir.name) or not (src.is_dir() or src.is_symlink()):
+        return False
+    return _restore_entry(src, run_dir.parent) is not None
 
 
 RESTORE_STALE_S = 600  # a restore copies three small files: its temporary folder untouched this long is a leftover
@@ -361,7 +376,7 @@ def _recorded_keys(folder: Path) -> set:
 
 # %% ../../nbs/60a_results.ipynb #acae54e37e7d407bbb7b55eff062a284
 POLICY_ENV = dict(
-    plan="DML_PLAN", collect="DML_COLLECT_ONLY", results="DML_RESULTS", runs="DML_RUNS"
+    plan="DML_PLAN", collect="DML_COLLECT_ONLY", results="DML_RESULTS", runs="DML_RUNS", restore="DML_RESTORE"
 )  # the variables a policy travels in to a notebook's process (`RunPolicy.environ`, `RunPolicy.from_env`)
 MODES = ("train", "plan", "collect")  # what a run that is not finished becomes: trained, listed in a plan, an error
 
@@ -379,13 +394,15 @@ def _env_path(value: str | None, root: str | Path | None) -> Path | None:
 class RunPolicy:
     """What a reproduction run does with a run that is not finished (`mode`: one of `MODES`), and what travels with
     that: the `plan` file (JSON lines) plan mode lists the runs in, the `results` folder finished runs are saved in
-    (None: none), the run cache `runs` (None: `<project>/runs`) and the CPU `threads` per run (None: the caller's)."""
+    (None: none), the run cache `runs` (None: `<project>/runs`), the CPU `threads` per run (None: the caller's) and
+    the results folder a run read is restored from when the cache lacks it (`restore`, `restore_run`; None: none)."""
 
     mode: str = "train"
     plan: Path | None = None
     results: Path | None = None
     runs: Path | None = None
     threads: int | None = None
+    restore: Path | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -401,15 +418,17 @@ class RunPolicy:
     ) -> "RunPolicy":
         """The policy the environment variables `POLICY_ENV` give (`environ`, default `os.environ`): the one place they
         are read, called at an entry point. `$DML_PLAN` (a file): plan mode; else `$DML_COLLECT_ONLY` (1, true, yes):
-        collect; `$DML_RESULTS` ('none' or empty: none; unset: `results_default`); `$DML_RUNS`. A relative folder
-        is taken from the project root (`root`), not the working directory: papermill runs a notebook in nbs/."""
+        collect; `$DML_RESULTS` ('none' or empty: none; unset: `results_default`); `$DML_RUNS`; `$DML_RESTORE`. A
+        relative folder is taken from `root`: a command passes the folder it was started in (`dml-reproduce` hands
+        its notebooks absolute folders); a notebook's `setup`, whose kernel runs in nbs/, the project root (default)."""
         env = os.environ if environ is None else environ
         plan = _env_path(env.get(POLICY_ENV["plan"]), root)
         collect = (env.get(POLICY_ENV["collect"]) or "").strip().lower() not in ("", "0", "false", "no")
         given = env.get(POLICY_ENV["results"])
         results = results_default if given is None else None if results_path(given) is None else _env_path(given, root)
         mode = "plan" if plan else "collect" if collect else "train"
-        return cls(mode, plan, results, _env_path(env.get(POLICY_ENV["runs"]), root))
+        runs, restore = (_env_path(env.get(POLICY_ENV[k]), root) for k in ("runs", "restore"))
+        return cls(mode, plan, results, runs, restore=restore)
 
     def environ(self) -> dict:
         """The environment variables that carry this policy into a notebook's process ({name: value or None to unset}),
@@ -419,6 +438,7 @@ class RunPolicy:
             POLICY_ENV["collect"]: "1" if self.mode == "collect" else None,
             POLICY_ENV["results"]: "none" if self.results is None else str(Path(self.results).resolve()),
             POLICY_ENV["runs"]: None if self.runs is None else str(Path(self.runs).resolve()),
+            POLICY_ENV["restore"]: None if self.restore is None else str(Path(self.restore).resolve()),
         }
 
     @contextlib.contextmanager

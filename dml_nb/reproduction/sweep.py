@@ -19,21 +19,36 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..core.base import atomic_write, project_root
-from ..core.config import config_to_dict, load_config, make_config
+from ..core.params import parse_yaml
+from ..core.registry import REAL_DATASETS
+from ..core.config import ConfigError, config_to_dict, load_config, make_config
 from .experiment import RunResult, load_result, run_dir_for, run_key
 from .results import RUN_NAME, one_line, restored, restored_problem, stopped_record
+from .results import restore_run
+from .experiment import foreign_run
 from .results import POLICY_ENV, RunPolicy, is_count, run_policy
 
 # %% auto #0
-__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'SETTLED', 'RUN_HASH', 'NOTEBOOK_NAME', 'MissingRunsError', 'PlanStop', 'SweepMode',
-           'SweepResult', 'finished', 'sweep_mode', 'env_vars', 'collecting', 'PlanError', 'Job', 'job_problem', 'Plan',
-           'notebook_parameters', 'notebook_path', 'execute', 'plan_configs', 'plan_notebook']
+__all__ = ['PLAN_ENV', 'COLLECT_ENV', 'MISSING_SHOWN', 'SETTLED', 'RUN_HASH', 'NOTEBOOK_NAME', 'append_line', 'MissingRunsError',
+           'PlanStop', 'SweepMode', 'SweepResult', 'finished', 'sweep_mode', 'env_vars', 'collecting', 'PlanError',
+           'Job', 'job_problem', 'Plan', 'notebook_parameters', 'notebook_path', 'execute', 'plan_configs',
+           'plan_notebook']
 
 # %% ../../nbs/66_sweep.ipynb #76aba256
 PLAN_ENV, COLLECT_ENV = (
     POLICY_ENV["plan"],
     POLICY_ENV["collect"],
 )  # set by the planner / for collect-only, for a notebook's process: its `setup` reads them (`RunPolicy.from_env`)
+
+
+MISSING_SHOWN = 5  # the runs a collect-only error names (then how many more)
+
+
+def append_line(path: str | Path, line: str) -> None:
+    "Append `line` to the file `path` (made if missing), never through a link: a plan's records lie in a shared run cache."
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "a") as f:
+        f.write(line + "\n")
 
 
 class MissingRunsError(RuntimeError):
@@ -57,9 +72,14 @@ class SweepMode:
         """One (row, seed) job of `run_rows`: its `RunResult` when finished, else the status that replaces training
         ('planned: ...', 'missing: ...'), or None where `run_rows` goes on as usual (a run this machine cannot start)."""
         cfg = make_config(raw)
-        run_dir, key = run_dir_for(cfg, runs_dir), run_key(config_to_dict(cfg))
-        done, unsound = finished(run_dir, key)
+        run_dir, cdict = run_dir_for(cfg, runs_dir), config_to_dict(cfg)
+        key = run_key(cdict)
+        restore_run(run_dir)  # from the policy's results folder: only the runs read
+        done, unsound = finished(run_dir, cdict, f"{row.name} (seed {seed})")
         stopped = None if done else stopped_record(run_dir, key)  # settled: the recipe cannot train here
+        elsewhere = (
+            why and raw.get("data", {}).get("name") in REAL_DATASETS
+        )  # a paper-scale run (`repro.paper_variant`): trained where the data is
         if self.plan is not None:
             rec = {
                 "row": row.name,
@@ -71,13 +91,12 @@ class SweepMode:
                 "unavailable": why,
                 **({"rebuild": True} if unsound else {}),  # a restored run that fails its checks: trained again
             }
-            with open(self.plan, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_line(self.plan, json.dumps(rec))
         if done:
             return SweepResult(**vars(load_result(run_dir)), mode=self)
         if stopped is not None:
             return f"stopped: {one_line(stopped['message'])}"
-        if why:
+        if why and not elsewhere:
             return None
         if self.plan is not None:
             self.planned += 1
@@ -98,9 +117,12 @@ class SweepMode:
             )
         if self.missing and self.plan is None:
             n, self.missing = self.missing, []
+            shown = "; ".join(n[:MISSING_SHOWN]) + (
+                f"; and {len(n) - MISSING_SHOWN} more" if len(n) > MISSING_SHOWN else ""
+            )
             raise MissingRunsError(
                 f"collect-only ({COLLECT_ENV} is set): {len(n)} run(s) this notebook needs are not finished: "
-                + "; ".join(n)
+                + shown
                 + ". Train them first (dml-reproduce --launch local|multi_gpu|slurm with the "
                 f"same notebook and parameters), or unset {COLLECT_ENV} to train them here"
             )
@@ -126,35 +148,33 @@ class SweepResult(RunResult):
             json.loads(l) for l in mode.plan.read_text().splitlines() if l.strip()
         ]  # which the later cells read is not known
         again = dict.fromkeys([r["run_dir"] for r in records if restored(r["run_dir"])] + [str(run_dir)])
-        with open(mode.plan, "a") as f:
-            for d in again:
-                cfg = load_result(d).config
-                f.write(
-                    json.dumps(
-                        {
-                            "row": "(restored: trained again for its embeddings and weights)",
-                            "group": None,
-                            "seed": cfg.get("seed"),
-                            "run_dir": d,
-                            "done": True,
-                            "config": cfg,
-                            "rebuild": True,
-                        }
-                    )
-                    + "\n"
-                )
+        for d in again:
+            cfg = load_result(d).config
+            rec = {
+                "row": "(restored: trained again for its embeddings and weights)",
+                "group": None,
+                "seed": cfg.get("seed"),
+                "run_dir": d,
+                "done": True,
+                "config": cfg,
+                "rebuild": True,
+            }
+            append_line(mode.plan, json.dumps(rec))
         raise PlanStop(
             f"planned: {why}; the plan lists it and the notebook's {len(again) - 1} other restored run(s) to be "
             "trained again, and the notebook stops here"
         )
 
 
-def finished(run_dir: Path, key: str) -> tuple[bool, bool]:
-    """(whether `run_dir` holds a finished run to read, whether it holds a restored run of config `key` that fails its
-    checks: not read, with one line on stderr saying why, but trained again)."""
+def finished(run_dir: Path, cdict: dict, what: str = "this run") -> tuple[bool, bool]:
+    """(whether `run_dir` holds a finished run of config `cdict` to read, whether it holds a restored run of that
+    config that fails its checks: not read, with one line on stderr saying why, but trained again). A finished run
+    of another config is a `ConfigError` naming the folder and `what` asked for it (`experiment.foreign_run`, the check
+    training makes): collect-only and a plan read only the config they ask for."""
     if not (run_dir / "done").exists():
         return False, False
-    if (problem := restored_problem(run_dir, key)) is None:
+    if (problem := restored_problem(run_dir, run_key(cdict))) is None:
+        foreign_run(run_dir, cdict, what)
         return True, False
     print(one_line(f"{run_dir}: restored from a results folder, but {problem}: not read"), file=sys.stderr)
     return False, True
@@ -246,10 +266,12 @@ def _count_or_none(n) -> bool:
     return n is None or is_count(n)  # `MAX_COUNT`, `is_count`: `results`, where every command's counts are checked
 
 
-def job_problem(job: Job, plan_dir: Path, runs_dir: Path) -> str | None:
+def job_problem(job: Job, plan_dir: Path, runs_dir: Path, real=None) -> str | None:
     """Why a plan's `job` cannot be launched: a field not of the kind a plan writes, a hash that is not a run hash,
-    a run folder that is not `runs_dir/<run name>` (resolved: no `..`, no link elsewhere), or a config or log file
-    outside `plan_dir` (the config file must be there); None if it can."""
+    a run folder that is not `runs_dir/<run name>` (no `..`, not a link, its folder resolved to `runs_dir`'s), or a
+    config or log file that is a link or lies outside `plan_dir` (the config file must be there); None if it can.
+    `real`: `Path.resolve` of a folder, memoised by `Plan.problem` for a plan's jobs (one call per folder, not per job)."""
+    real = real or (lambda p: Path(p).resolve())
     kinds = {"hash": str, "run_dir": str, "config": dict, "done": bool, "rebuild": bool}
     bad = [k for k, t in kinds.items() if not isinstance(getattr(job, k), t)]
     bad += [] if isinstance(job.uses, list) and all(isinstance(u, str) for u in job.uses) else ["uses"]
@@ -259,16 +281,17 @@ def job_problem(job: Job, plan_dir: Path, runs_dir: Path) -> str | None:
         return f"its {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not of the kind a plan writes"
     if not RUN_HASH.fullmatch(job.hash):
         return f"its hash {job.hash[:40]!r} is not a run hash (12 hex digits)"
-    run_dir = Path(job.run_dir)
-    if ".." in run_dir.parts or not RUN_NAME.fullmatch(run_dir.name) or not run_dir.name.endswith(f"-{job.hash}"):
-        return f"its run folder {job.run_dir!r} is not <run cache>/<method>-<dataset>-{job.hash}"
-    if run_dir.resolve().parent != runs_dir.resolve():
-        return f"its run folder {job.run_dir} leads outside the plan's run cache {runs_dir}"
-    for f in (job.config_file(plan_dir), job.log_file(plan_dir)):
-        if not f.resolve().is_relative_to(Path(plan_dir).resolve()):
-            return f"its {f.name} leads outside the plan folder {plan_dir}"
-    if not job.config_file(plan_dir).is_file():
-        return f"its config file {job.config_file(plan_dir)} is missing"
+    name = os.path.basename(job.run_dir)  # plain strings: a plan of 10,000 jobs is checked in seconds
+    if ".." in job.run_dir.split(os.sep) or not RUN_NAME.fullmatch(name) or not name.endswith(f"-{job.hash}"):
+        return f"its run folder {job.run_dir[:200]!r} is not <run cache>/<method>-<dataset>-{job.hash}"
+    if os.path.islink(job.run_dir) or real(os.path.dirname(job.run_dir)) != real(str(runs_dir)):
+        return f"its run folder {job.run_dir[:200]} leads outside the plan's run cache {runs_dir}"
+    config = os.path.join(plan_dir, "configs", f"{job.hash}.yaml")
+    for f in (config, os.path.join(plan_dir, "logs", f"{job.hash}.log")):
+        if os.path.islink(f) or not real(os.path.dirname(f)).is_relative_to(real(str(plan_dir))):
+            return f"its {os.path.basename(f)} leads outside the plan folder {plan_dir}"
+    if not os.path.isfile(config):
+        return f"its config file {config} is missing"
     return None
 
 
@@ -347,10 +370,13 @@ class Plan:
             isinstance(n, str) and NOTEBOOK_NAME.fullmatch(n) for n in self.notebooks
         ):
             return f"its notebooks {one_line(self.notebooks)[:80]} are not notebook names (such as repro_table3)"
-        if self.jobs and self.cache() is None:
+        cache = self.cache()  # once: a plan of 10,000 jobs loads in seconds
+        if self.jobs and cache is None:
             return "its jobs lie in several run caches"
+        memo = {}  # each folder resolved once
+        real = lambda p: memo[p] if p in memo else memo.setdefault(p, Path(p).resolve())
         for j in self.jobs:
-            if (problem := job_problem(j, self.plan_dir, self.cache())) is not None:
+            if (problem := job_problem(j, self.plan_dir, cache, real)) is not None:
                 return f"job {one_line(j.hash)[:40]!r}: {problem}"
         return None
 
@@ -364,18 +390,30 @@ def notebook_parameters(
     """The papermill parameters of a notebook run: the `-f` file, the `-y` YAML (or dict) over it (as papermill
     merges them: key by key), `seeds`, `output.runs_dir` (the given one, else the run cache of the run policy in force,
     `run_policy().runs`, when it names one), and
-    `output.results: false` (`dml-reproduce` restores the results folder it is given before running any notebook)."""
+    `output.results: false` (the runs of the results folder `dml-reproduce` is given are restored as they are read:
+    the run policy's `restore`, `results.restore_run`). A `-f` file and `-y` text are read with the project's YAML
+    reader (`core.params.parse_yaml`: YAML 1.2 numbers and booleans, no duplicate keys, no alias bomb)."""
     params = {}
     if params_file is not None:
         p = Path(params_file)
         if not p.is_file():
             raise FileNotFoundError(f"parameter file {p} not found (-f names a YAML file of notebook parameters)")
-        params.update(yaml.safe_load(p.read_text()) or {})
+        try:
+            given = parse_yaml(p.read_text(), str(p))  # the project's reader: YAML 1.2 numbers, no alias bomb
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{p}: not a text file ({e.reason}); -f names a YAML file of notebook parameters"
+            ) from None
+        if not isinstance(given, (Mapping, type(None))):
+            raise ConfigError(
+                f"{p}: a parameter file must be a mapping of notebook parameters, got {type(given).__name__}"
+            )
+        params.update(given or {})
     if overrides:
-        extra = yaml.safe_load(overrides) if isinstance(overrides, str) else dict(overrides)
+        extra = parse_yaml(overrides, "-y") if isinstance(overrides, str) else dict(overrides)
         if not isinstance(extra, Mapping):
             raise ValueError(
-                f"-y must be a YAML mapping of notebook parameters, e.g. 'seeds: [0, 1]'; got {overrides!r}"
+                f"-y must be a YAML mapping of notebook parameters, e.g. 'seeds: [0, 1]'; got {str(overrides)[:200]!r}"
             )
         params.update(extra)
     if seeds is not None:
@@ -384,7 +422,7 @@ def notebook_parameters(
     params["output"] = {
         **(params.get("output") or {}),
         "progress": False,
-        "results": False,  # dml-reproduce restores the results folder itself (--results-dir)
+        "results": False,  # the runs of dml-reproduce's results folder: restored as read
         **({"runs_dir": str(runs)} if runs else {}),
     }
     return params
@@ -442,7 +480,8 @@ def plan_configs(
     for name, raw in configs.items():
         cfg = make_config(raw)
         run_dir = run_dir_for(cfg, runs_dir)
-        done, unsound = finished(run_dir, run_key(config_to_dict(cfg)))
+        restore_run(run_dir)  # from the policy's results folder: only the runs planned
+        done, unsound = finished(run_dir, config_to_dict(cfg), name)
         recs.append(
             {
                 "row": name,
@@ -487,13 +526,15 @@ def plan_notebook(
         params["output"]["figures_dir"] = str(figures)
         records = plan_dir / "records" / f"{nb.stem}.jsonl"
         records.parent.mkdir(exist_ok=True)
-        records.unlink(missing_ok=True)
-        records.touch()
+        records.unlink(missing_ok=True)  # a link there is removed, not followed
+        os.close(os.open(records, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
         try:
             execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
         except Exception as e:  # papermill's error for an exception in a cell: `PlanStop` is the expected end
             if getattr(e, "ename", None) != "PlanStop":
-                raise
+                if getattr(e, "ename", None) is None:
+                    raise
+                raise PlanError(one_line(f"planning {nb.stem} stopped: {e.ename}: {e.evalue}")[:2000]) from None
         finally:
             shutil.rmtree(figures, ignore_errors=True)
         _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], nb.stem, plan_dir)

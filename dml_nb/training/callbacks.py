@@ -118,10 +118,13 @@ class ProgressCallback(Callback):
             self.bar = None
 
     def _postfix(self, learner) -> dict:
-        out = {"loss": f"{learner.running('loss'):.4f}"}
+        # a Learner's: the epoch's mean loss at its last read of it (reading the device here would wait for it)
+        state = getattr(learner, "state", None)
+        loss = state.read_means.get("loss", float("nan")) if state is not None else learner.running("loss")
+        out = {"loss": f"{loss:.4f}"}
         r1 = learner.headline_recall()
         if r1 is not None:
-            out["R@1"] = f"{r1:.4f}"
+            out["R@1"] = f"{100 * r1:.1f}"  # percent, as dml-train's last line and the tables
         return out
 
     def _open(self, learner):

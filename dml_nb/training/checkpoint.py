@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from dml_nb.training.callbacks import Callback  # annotations only
 
 # %% auto #0
-__all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'NonFiniteLossError', 'DivergedError', 'rng_state',
-           'set_rng_state', 'to_safe', 'CheckpointError', 'load_checkpoint', 'insane_weights', 'RunState',
+__all__ = ['MAX_WEIGHT', 'MAX_LOSS', 'READ_LOGS', 'CHECKPOINT_FORMAT', 'CHECKPOINT_KEYS', 'NonFiniteLossError', 'DivergedError',
+           'rng_state', 'set_rng_state', 'to_safe', 'CheckpointError', 'load_checkpoint', 'insane_weights', 'RunState',
            'Checkpointer']
 
 # %% ../../nbs/43_checkpoint.ipynb #3734d5a4
@@ -36,8 +36,9 @@ class DivergedError(NonFiniteLossError):
 # epoch's mean loss (so far) finite with |loss| <= MAX_LOSS; beyond that the run stops as diverged. Embeddings are
 # L2-normalised and weight decay holds the weights near their initial scale, and the largest loss terms here (the
 # decorrelation terms, bounded by their weights rho / gamma, at most a few thousand) stay far below, so the bounds
-# catch runs that blew up (the issue's "last good" checkpoint had weights of about 1e28), not slow ones
+# catch runs that blew up (a diverged run's "last good" checkpoint had weights of about 1e28), not slow ones
 MAX_WEIGHT, MAX_LOSS = 1e6, 1e6
+READ_LOGS = ("loss", "grad_norm")  # the step logs read from the device every few steps (`RunState.read_stats`)
 
 CHECKPOINT_FORMAT = 1
 
@@ -146,10 +147,35 @@ class RunState:
     latest_metrics: dict = dataclasses.field(default_factory=dict)
     sums: dict = dataclasses.field(default_factory=dict)
     counts: dict = dataclasses.field(default_factory=dict)
+    # the steps' loss and gradient norm not read from the device yet: [(step, tensor [loss, grad_norm])], counted in
+    # `counts`, added to `sums` by `read_stats`
+    pending: list = dataclasses.field(default_factory=list)
+    read_means: dict = dataclasses.field(default_factory=dict)  # the epoch's mean loss and grad_norm at the last read
 
     def reset_logs(self) -> None:
         "Start an epoch's logs."
-        self.sums, self.counts = {}, {}
+        self.sums, self.counts, self.pending, self.read_means = {}, {}, [], {}
+
+    def add_step_stats(self, step: int, stats: torch.Tensor) -> None:
+        "Count one step's loss and gradient norm (`stats`: a device tensor of both), summed when next read."
+        for k in READ_LOGS:
+            self.sums.setdefault(k, 0.0)  # first in the epoch's row, as when every step read them
+            self.counts[k] = self.counts.get(k, 0) + 1
+        self.pending.append((step, stats))
+
+    def read_stats(self) -> list[tuple[int, float, float]]:
+        """Read the pending steps' loss and gradient norm from the device (one sync for all) and add them to `sums`,
+        in step order (the same sums as one read per step); (step, loss, gradient norm) of each."""
+        if not self.pending:
+            return []
+        values = torch.stack([t for _, t in self.pending]).tolist()
+        out = [(s, *v) for (s, _), v in zip(self.pending, values)]
+        self.pending = []
+        for _, *v in out:
+            for k, x in zip(READ_LOGS, v):
+                self.sums[k] = self.sums[k] + x
+        self.read_means = {k: self.running(k) for k in READ_LOGS}
+        return out
 
     def add_logs(self, logs: Mapping) -> None:
         "Add one step's logs."
@@ -159,6 +185,8 @@ class RunState:
 
     def running(self, key: str) -> float:
         "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
+        if self.pending and key in READ_LOGS:
+            self.read_stats()
         if not self.counts.get(key):
             return float("nan")
         return float(self.sums[key] / self.counts[key])
@@ -181,6 +209,7 @@ class Checkpointer:
         """Everything needed to continue this run (tensors and plain Python values only); `epoch_done`: the epoch counted
         as done; `stamps`: `run_key` and `threads` (the CPU threads a run trains on: a resume keeps them)."""
         s = self.state
+        s.read_stats()  # the sums of every counted step
         epoch, step = (s.epoch + 1, 0) if epoch_done else (s.epoch, s.step)
         return to_safe(
             {
@@ -224,7 +253,7 @@ class Checkpointer:
         s.epoch, s.step, s.global_step = ckpt["epoch"], ckpt["step"], ckpt["global_step"]
         s.history, s.latest_metrics = list(ckpt["history"]), dict(ckpt["latest_metrics"])
         s.sums = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ckpt["sums"].items()}
-        s.counts = dict(ckpt["counts"])
+        s.counts, s.pending, s.read_means = dict(ckpt["counts"]), [], {}
         for key, cb in self.callback_keys():
             state = ckpt["callbacks"].get(key)
             if state is not None:

@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..core.base import atomic_json, get_device, remove_temp_files, seed_everything, stream_seed
 from ..core.registry import unknown_name_error
 from ..core.config import Config, EvalConfig, TrainConfig, choices, make_config, make_section
 from .context import Method, MethodContext
+from ..blocks.miners import LabelLayout
 from dml_nb.training.callbacks import (
     Callback,
     CheckpointCallback,
@@ -48,10 +50,12 @@ from dml_nb.training.distributed import (
 from ..evaluation.evaluator import EvalLoop, Evaluator
 
 # %% auto #0
-__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTINGS', 'RUN_ARGUMENTS', 'NoTuplesError',
-           'learner_sections', 'build_sampler', 'eval_view', 'check_parts', 'default_callbacks', 'build_optimizer',
-           'compile_backbones', 'train_loader', 'clip_and_measure', 'check_tuples', 'restore_sampler', 'epoch_batches',
-           'seeded_batches', 'step_loss', 'nonfinite_error', 'run_device', 'add_records', 'train_eval_view', 'Learner']
+__all__ = ['REPORTS', 'ZERO_GRADS', 'OPTIMIZERS', 'SAMPLER_FIELDS', 'CODE_SETTINGS', 'RUN_ARGUMENTS', 'DDP_READ_EVERY',
+           'READ_INTERVAL', 'NoTuplesError', 'learner_sections', 'build_sampler', 'eval_view', 'check_parts',
+           'default_callbacks', 'build_optimizer', 'compile_backbones', 'train_loader', 'clip_and_measure',
+           'zero_grads', 'fill_zero_grads', 'check_tuples', 'restore_sampler', 'epoch_batches', 'seeded_batches',
+           'step_loss', 'nonfinite_error', 'batch_layouts', 'run_device', 'add_records', 'train_eval_view',
+           'step_batch', 'device_logs', 'read_interval', 'read_due', 'read_stats', 'Learner']
 
 # %% ../../nbs/45_learner.ipynb #72f08d02
 class NoTuplesError(RuntimeError):
@@ -197,13 +201,20 @@ def build_optimizer(method: Method, train: TrainConfig) -> torch.optim.Optimizer
         g["base_lr"] = g["lr"]
     spec = train.optimizer
     if callable(spec):
+        if train.fused_optimizer:
+            raise ValueError(
+                "train.fused_optimizer applies to the named optimisers ('adam', 'adamw', 'sgd'); an optimizer "
+                "given as a function builds its own: pass fused=True there"
+            )
         return spec(groups)
+    # torch's fused kernels: one per group; close to, not bit-equal with, the default (foreach on a GPU)
+    fused = {"fused": True} if train.fused_optimizer else {}
     if spec == "adam":
-        return torch.optim.Adam(groups)
+        return torch.optim.Adam(groups, **fused)
     if spec == "adamw":
-        return torch.optim.AdamW(groups)
+        return torch.optim.AdamW(groups, **fused)
     if spec == "sgd":
-        return torch.optim.SGD(groups, momentum=0.9)
+        return torch.optim.SGD(groups, momentum=0.9, **fused)
     raise unknown_name_error("optimizer", spec, OPTIMIZERS)
 
 
@@ -238,8 +249,10 @@ def train_loader(train_ds, views: int, batches: BatchList, device: torch.device,
     )
 
 
-def clip_and_measure(optimizer, loss, clip: float | None, world_size: int) -> tuple[float, float]:
-    "Clip the gradients of `optimizer`'s parameters to norm `clip` (if set); (loss, gradient norm), means over the processes."
+def clip_and_measure(optimizer, loss, clip: float | None, world_size: int) -> torch.Tensor:
+    """Clip the gradients of `optimizer`'s parameters to norm `clip` (if set); the device tensor [loss, gradient
+    norm] (float32), means over the processes. Nothing here waits for the device: the learner reads the values
+    every few steps (`RunState.read_stats`)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if clip:
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -248,8 +261,34 @@ def clip_and_measure(optimizer, loss, clip: float | None, world_size: int) -> tu
     stats = torch.stack([loss.detach().float(), gnorm.detach().float().to(loss.device)])
     if world_size > 1:
         stats = mean_over_processes(stats)  # the mean loss: every rank stops together
-    loss_v, gnorm_v = stats.tolist()
-    return loss_v, gnorm_v
+    return stats
+
+
+def zero_grads(optimizer, set_to_none: bool) -> list:
+    """Clear the gradients before the backward. They are dropped either way, so that the backward's AccumulateGrad
+    takes each new gradient's buffer instead of adding it into zeros (one kernel per parameter). With
+    `train.zero_grad: zeros` (`set_to_none=False`) it returns the parameters that had a gradient: `fill_zero_grads`
+    gives zeros after the backward to those of them that got none, which is what `zero_grad(set_to_none=False)`
+    leaves (torch < 2.0's `zero_grad()`). The values are the same (`0 + g == g`) but for the sign of a zero: where the
+    new gradient is -0 this keeps -0, the zeros added into made +0. Adam's and AdamW's updates, their state and the
+    gradient norm cannot tell the two apart (the moments get `g * g` and `m + w * (g - m)`, with `m` never -0), so
+    those runs stay bit-identical; plain SGD could only flip the sign of a parameter entry that is already -0."""
+    had = [] if set_to_none else [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    optimizer.zero_grad(set_to_none=True)
+    return had
+
+
+def fill_zero_grads(params: list) -> None:
+    "Zeros (the parameter's layout) for those of `params` that the backward gave no gradient, so the optimiser steps them."
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+# with several processes the reads fall on the same steps everywhere (a stop must reach every process at one step):
+# every this many steps when train.log_every is unset
+DDP_READ_EVERY = 25
+READ_INTERVAL = 30.0  # seconds between reads without a progress bar (a bar's own: its redraw interval)
 
 
 def check_tuples(state: RunState, epoch: int, shape, hint: str) -> None:
@@ -323,16 +362,52 @@ def step_loss(method: Method, out) -> torch.Tensor:
 
 
 def nonfinite_error(
-    loss_v: float, gnorm_v: float, epoch: int, step: int, lr: float, checkpointer
+    loss_v: float,
+    gnorm_v: float,
+    epoch: int,
+    step: int,
+    lr: float,
+    checkpointer,
+    window: tuple[int, int] | None = None,
+    taken: bool = False,
 ) -> NonFiniteLossError:
-    "The error of a step whose loss or gradient norm is not finite (the checkpointer says which checkpoint is kept)."
+    """The error of a step whose loss or gradient norm is not finite (the checkpointer says which checkpoint is
+    kept). `window`: the steps read together with it (first, last); `taken`: the optimiser steps from `step` on
+    were taken (the values were read after them), else not even this step's."""
     what = f"the loss is {loss_v}" if not math.isfinite(loss_v) else f"the gradient norm is {gnorm_v}"
+    where = f"at epoch {epoch} (0-based), step {step}"
+    if window is not None and window[0] != window[1]:
+        where += (
+            f", the first non-finite one of steps {window[0]}-{window[1]}, read together (train.log_every; "
+            "train.check_every_step: true reads every step and stops before its optimiser step)"
+        )
+    if taken:
+        last = window[1] if window is not None else step
+        done = f"step of step {step} was" if last == step else f"steps of steps {step}-{last} were"
+        taken_text = f"The optimiser {done} taken (the parameters are not those before step {step})"
+    elif window is not None and window[1] != step:
+        done = f"step of step {step} was" if window[1] - 1 == step else f"steps of steps {step}-{window[1] - 1} were"
+        taken_text = (
+            f"The optimiser {done} taken, not that of step {window[1]} (the parameters are not those before "
+            f"step {step})"
+        )
+    else:
+        taken_text = "The optimiser step was not taken (the parameters are those before this step)"
     return NonFiniteLossError(
-        f"training stopped: {what} at epoch {epoch} (0-based), step {step}. The optimiser step was not "
-        f"taken (the parameters are those before this step); {checkpointer.kept()}. Lower the learning rate "
+        f"training stopped: {what} {where}. {taken_text}; {checkpointer.kept()}. Lower the learning rate "
         f"(lr={lr:g}; train.lr), set grad_clip (train.grad_clip), or check the loss and the data of this batch. "
         + checkpointer.rerun_hint()
     )
+
+
+def batch_layouts(train_ds, batches: list) -> list:
+    """The `LabelLayout` of every batch of an epoch (lists of dataset indices), from the training set's host labels
+    (`train_ds.labels`, which its items carry); None for each when the set has no such labels."""
+    labels = getattr(train_ds, "labels", None)
+    if labels is None or len(labels) != len(train_ds):
+        return [None] * len(batches)
+    labels = np.asarray(labels)
+    return [LabelLayout.of(labels[b]) for b in batches]
 
 
 def run_device(train: TrainConfig) -> tuple[torch.device, str | None, bool]:
@@ -364,6 +439,58 @@ def train_eval_view(train_ds, eval_sets: Mapping):
 def _state_field(name: str, doc: str) -> property:
     "A learner attribute that is the field `name` of its `RunState` (read and written there)."
     return property(lambda self: getattr(self.state, name), lambda self, v: setattr(self.state, name, v), doc=doc)
+
+
+def step_batch(learner: "Learner", batch: dict) -> dict:
+    """Seed step `batch["step"]` of the current epoch (its position: exact resume) and move `batch` to the learner's
+    device, augmented there (a cached set's `batch_transform`) and flipped as the recipe's group asks."""
+    e, s, seed, rank = learner.epoch, batch["step"], learner.seed, learner.rank
+    seed_everything(stream_seed(seed, "step", e, s, rank), cuda=learner.device.type == "cuda")
+    gen = None
+    if learner.batch_transform is not None:
+        gen = torch.Generator().manual_seed(stream_seed(seed, "augment", e, s, rank))
+    method = learner.method
+    flip = method.flips(batch.get("group"))
+    return to_device(
+        batch, learner.device, learner.channels_last, learner.batch_transform, method.views, gen, flip=flip
+    )
+
+
+def device_logs(out: Mapping) -> dict:
+    "A training step's logs but its loss: tensors detached in float64 on the device (no sync), numbers as floats."
+    return {k: v.detach().double() if isinstance(v, torch.Tensor) else float(v) for k, v in out.items() if k != "loss"}
+
+
+def read_interval(callbacks: Sequence[Callback]) -> float:
+    "Seconds between reads of the step stats when `log_every` is unset: the progress bar's redraw interval."
+    bars = [cb.bar for cb in callbacks if isinstance(cb, ProgressCallback) and cb.bar is not None]
+    return bars[0].mininterval if bars else READ_INTERVAL
+
+
+def read_due(learner: "Learner", s: int) -> bool:
+    """Whether step `s` reads the step stats (before its optimiser step): every step with `check_every_step`; the
+    first step of an epoch or a fit and the last of an epoch; before a checkpoint; every `log_every` steps, or
+    (unset) when the progress bar's redraw interval has passed since the last read."""
+    t = learner.train_config
+    if t.check_every_step or s == learner._first_step or s + 1 >= learner.steps_in_epoch:
+        return True
+    if t.checkpoint_every_steps and (s + 1) % t.checkpoint_every_steps == 0:
+        return True
+    if t.log_every or learner.world_size > 1:  # the same steps on every process
+        return (s + 1) % (t.log_every or DDP_READ_EVERY) == 0
+    return time.monotonic() - learner._last_read >= read_interval(learner.callbacks)
+
+
+def read_stats(learner: "Learner", values: list, before_step: bool) -> float:
+    """Check the (step, loss, gradient norm) `values` just read from the device: a `NonFiniteLossError` names the
+    first non-finite one and the window of steps read with it (`before_step`: its optimiser step was not taken).
+    Returns the time of the read."""
+    for s, loss_v, gnorm_v in values:
+        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            window, taken = (values[0][0], values[-1][0]), not before_step
+            e, lr, ck = learner.epoch, learner.lr, learner.checkpointer
+            raise nonfinite_error(loss_v, gnorm_v, e, s, lr, ck, window, taken=taken)
+    return time.monotonic()
 
 
 class Learner:
@@ -415,7 +542,8 @@ class Learner:
         )  # fmt: skip
         self.resumed, self.optimizer, self._loader, self._sampler_state = False, None, None, None
         self._parallel = None  # the training step under DistributedDataParallel when world_size > 1
-        self._interrupted, self._events, self.logs = False, None, {}  # logs: the last step's
+        self._interrupted, self._events, self.logs = False, None, {}  # logs: the last step's (device tensors)
+        self._last_read, self._first_step = time.monotonic(), 0  # the last read of the step stats; a fit's first step
         self.context = MethodContext(self)  # all that the method's hooks see of the run
 
     @classmethod
@@ -540,26 +668,28 @@ class Learner:
             self._events.fire("before_epoch")
         batches, groups = self._epoch_batches(e)
         self.steps_in_epoch = len(batches)
-        start = self.step
+        start = self._first_step = self.step
         flips = [self.method.flips(g) for g in groups]
         self._batches.batches = seeded_batches(batches, flips, self.seed, e, start, self.rank)
+        layouts = batch_layouts(self.train_ds, batches)
+        grads_every = self.train_config.task_grad_every
         t0 = time.time()
         for s, batch in enumerate(self._loader, start):
             batch["group"], batch["epoch"], batch["step"] = groups[s], e, s
+            batch["y_layout"] = layouts[s]  # the host's layout of the labels: miners keep fixed shapes
+            if grads_every > 1:
+                batch["task_grads"] = s % grads_every == 0  # the recipe's grad/<task> logs on these steps only
             self.logs = self._train_step(batch)
             self.step, self.global_step = s + 1, self.global_step + 1
             self._events.fire("after_step")
+        self.read_step_stats()  # anything not read yet (the last step normally was)
         problem = self.checkpointer.divergence()  # before evaluating a model that blew up
         if problem is not None:
             self.checkpointer.stop_diverged(problem)
         if self.world_size > 1:  # the row holds the mean of every log over all processes
             self.state.sums, self.state.counts = all_reduce_logs(self.state.sums, self.state.counts, self.device)
-        self.row = {
-            "epoch": e + 1,
-            **{f"lr/{k}": v for k, v in self.lrs.items()},
-            **{k: self.running(k) for k in self.state.sums},
-            "time": time.time() - t0,
-        }
+        self.row = {"epoch": e + 1, **{f"lr/{k}": v for k, v in self.lrs.items()}}
+        self.row |= {**{k: self.running(k) for k in self.state.sums}, "time": time.time() - t0}
         self.history.append(self.row)  # the recipe and callbacks add to this row (records, metrics)
         self._events.fire("after_epoch")  # the recipe's, its records, then the callbacks: evaluation, ..., checkpoint
         self.epoch, self.step = e + 1, 0
@@ -579,46 +709,40 @@ class Learner:
         return {k: getattr(self, k) for k in keys} | passes
 
     def _train_step(self, batch: dict) -> dict:
-        e, s = self.epoch, batch["step"]
-        seed_everything(stream_seed(self.seed, "step", e, s, self.rank), cuda=self.device.type == "cuda")
-        gen = None
-        if self.batch_transform is not None:
-            gen = torch.Generator().manual_seed(stream_seed(self.seed, "augment", e, s, self.rank))
-        batch = to_device(
-            batch,
-            self.device,
-            self.channels_last,
-            self.batch_transform,
-            self.method.views,
-            gen,
-            flip=self.method.flips(batch.get("group")),
-        )
+        s = batch["step"]
+        batch = step_batch(self, batch)
         step = self.method.training_step if self._parallel is None else self._parallel
         with self.autocast():
             out = step(batch)
         loss = step_loss(self.method, out)
-        self.optimizer.zero_grad(set_to_none=self.train_config.zero_grad == "none")
+        had_grads = zero_grads(self.optimizer, set_to_none=self.train_config.zero_grad == "none")
         loss.backward()  # under DDP the gradients are averaged over the processes during the backward
-        loss_v, gnorm_v = clip_and_measure(self.optimizer, loss, self.train_config.grad_clip, self.world_size)
-        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            raise nonfinite_error(loss_v, gnorm_v, self.epoch, s, self.lr, self.checkpointer)
+        fill_zero_grads(had_grads)  # `zero_grad: zeros`: the parameters without a gradient this step get zeros
+        stats = clip_and_measure(self.optimizer, loss, self.train_config.grad_clip, self.world_size)
+        self.state.add_step_stats(s, stats)  # counted now, read from the device every few steps
+        if read_due(self, s):
+            self.read_step_stats(before_step=True)  # a non-finite value stops the run before this optimiser step
         self.optimizer.step()
         self._events.fire("after_optimizer_step")
         if self.world_size > 1:
             broadcast_buffers(self.method)  # BatchNorm statistics and queues of rank 0
-        logs = {"loss": loss_v, "grad_norm": gnorm_v}
-        for k, v in out.items():  # tensors stay on the device (no sync); summed in float64
-            if k != "loss":
-                logs[k] = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+        logs = device_logs(out)
         self.state.add_logs(logs)
-        return logs
+        return {"loss": stats[0], "grad_norm": stats[1], **logs}
+
+    def read_step_stats(self, before_step: bool = False) -> None:
+        """Read the loss and gradient norm of the steps since the last read from the device (one sync) into the
+        epoch's logs; a `NonFiniteLossError` names the first non-finite one and the steps read with it.
+        `before_step`: called before the optimiser step of the last of them (it is not taken)."""
+        self._last_read = read_stats(self, self.state.read_stats(), before_step)
 
     def check_tuples(self, epoch: int) -> None:
         "Stop when a `tuples` log (a task's or a learner's mined tuples) summed to 0 over every step of `epoch`."
         check_tuples(self.state, epoch, self.context.batch_shape, self.method.no_tuples_hint())
 
     def running(self, key: str) -> float:
-        "Mean of log `key` over the steps of the current epoch that logged it (NaN when none)."
+        "Mean of log `key` over the steps of the current epoch that logged it (NaN when none); reads the device."
+        self.read_step_stats()
         return self.state.running(key)
 
     @property
@@ -655,6 +779,7 @@ class Learner:
     def state_dict(self, epoch_done: bool = False) -> dict:
         "`Checkpointer.state_dict`: everything needed to continue this run; `epoch_done`: the epoch counted as done."
         self.prepare_fit()
+        self.read_step_stats()  # the epoch's logs so far, checked
         stamps = {"run_key": self.run_key, "threads": self.threads}
         return self.checkpointer.state_dict(self.optimizer, self.sampler, self.schedule, epoch_done, **stamps)
 
@@ -665,4 +790,5 @@ class Learner:
 
     def save_checkpoint(self, epoch_done: bool = False) -> Path | None:
         "`Checkpointer.save`: write `run_dir/checkpoint.pt` atomically (rank 0) if the model is sane; returns its path."
+        self.read_step_stats()  # a non-finite step since the last read stops the run before anything is written
         return self.checkpointer.save(lambda: self.state_dict(epoch_done))
