@@ -431,3 +431,25 @@ def test_every_committed_results_entry_records_its_checksum():
     assert not missing, f"{len(missing)} entries without a checksum, e.g. {missing[:3]}"
     for p in entries[::50]:
         assert result_problem(p) is None, p.name
+
+
+def test_dml_train_takes_a_relative_results_folder_from_the_folder_it_was_started_in(tmp_path, monkeypatch, capsys):
+    "`dml-train` keeps the one rule of `dml-reproduce`: a relative `$DML_RESULTS` is taken from the shell's folder."
+    from dml_nb.reproduction.cli import main as dml_train
+
+    import shutil
+    import tempfile
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(A))
+    here = Path(tempfile.mkdtemp(dir=ROOT, prefix=".test-cwd-"))  # inside the project: its root is found from here
+    name = f"relresults-{here.name}"
+    try:
+        monkeypatch.chdir(here)
+        monkeypatch.setenv(RESULTS_ENV, name)
+        assert dml_train([str(tmp_path / "params.yaml"), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]) == 0
+        assert not (ROOT / name).exists(), "taken from the project root, not the folder the command started in"
+        (saved,) = (here / name).iterdir()
+        assert (saved / "done").is_file(), capsys.readouterr().err
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
+        shutil.rmtree(ROOT / name, ignore_errors=True)

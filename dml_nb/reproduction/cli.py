@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     presets = PRESETS.listing().replace("\n", "\n  ")  # read from the sources: --help loads no torch
     ap = argparse.ArgumentParser(
         prog="dml-train",
-        description="Train and evaluate one dml_nb run from parameter files.",
+        description="Train and evaluate one dml_nb run from parameter files. Relative paths (the parameter files, "
+        "-o, --runs-dir, $DML_RESULTS) are taken from the folder the command was started in.",
         epilog="method presets (method.preset in a parameter file; the file's own options win):\n  " + presets,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -137,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `dml-train`. Its run policy: train, and save the run (finished, or stopped by design) in the
     results folder `$DML_RESULTS` names, if set (a launcher of `dml-reproduce` sets it for the runs it starts)."""
     args = _parser().parse_args(argv)
-    policy = RunPolicy(results=RunPolicy.from_env().results)  # the one read of the environment, here at the entry
+    # the one read of the environment, here at the entry; a relative $DML_RESULTS from the folder started in
+    policy = RunPolicy(results=RunPolicy.from_env(Path.cwd()).results)
     try:
         cfg = load_config(*args.params, overrides=args.overrides)
         if args.check_data:
