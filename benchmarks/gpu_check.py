@@ -156,18 +156,36 @@ def gpu_tests(c: Check, limit, device):
         print(r.stdout[-4000:], r.stderr[-2000:])
 
 
-def write_cub(root: Path, classes: int, per_class: int) -> Path:
-    "A CUB200-format tree (images.txt, image_class_labels.txt, classes.txt) of generated JPEGs of 500 x 375 (CUB's size)."
+def write_cub(root: Path, classes: int, per_class: int, test_images: int, unique: int) -> Path:
+    """The one CUB200-format tree (images.txt, image_class_labels.txt, classes.txt) of generated JPEGs of 500 x 375
+    (CUB's size) that every section reads: `classes` training classes (of 1-100) of `per_class` distinct files, and a
+    test split (classes 101-200) of `test_images` files (CUB's: 5,924) of which `unique` are distinct, hard-linked
+    (else copied) to the other names: each decodes as a photo does."""
+    import shutil
     from data import write_jpegs
 
     base = root / "CUB_200_2011"
+    pool = write_jpegs(root / "pool", unique, seed=7)
+    per_test = [test_images // 100 + (k < test_images % 100) for k in range(100)]
     lines, labels, names, i = [], [], [], 0
-    for c in range(1, classes + 1):
+    for c in range(1, 201):
         folder = f"{c:03d}.Bird_{c}"
         names.append(f"{c} {folder}")
-        for p in write_jpegs(base / "images" / folder, per_class, seed=c):
+        if c <= 100:  # training classes: their own files
+            files = write_jpegs(base / "images" / folder, per_class, seed=c) if c <= classes else []
+        else:  # test classes: links to the pool
+            (base / "images" / folder).mkdir(parents=True, exist_ok=True)
+            files = []
+            for k in range(per_test[c - 101]):
+                dst = base / "images" / folder / f"{k:05d}.jpg"
+                try:
+                    os.link(pool[(i + k) % unique], dst)
+                except OSError:
+                    shutil.copy(pool[(i + k) % unique], dst)
+                files.append(dst)
+        for f in files:
             i += 1
-            lines.append(f"{i} {folder}/{p.name}")
+            lines.append(f"{i} {folder}/{f.name}")
             labels.append(f"{i} {c}")
     (base / "images.txt").write_text("\n".join(lines) + "\n")
     (base / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
@@ -302,7 +320,7 @@ def method_rate(cfg, device, warmup: int) -> tuple[float, float | None, object, 
     """(img/s of the steps after `warmup`, timed by CUDA events, peak GPU memory GiB, learner, a note) of one short
     epoch of `cfg` (no evaluation). An epoch shorter than `warmup + 2` steps (D&C's own sampler ignores
     batches_per_epoch) keeps fewer warm-up steps."""
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
 
     learn = build_learner(cfg, run_dir=None, progress=False)
     learn.eval_sets = {}  # steps only: no evaluation at the epoch's end
@@ -442,7 +460,7 @@ def trace_summary(path: Path, cuda: bool) -> dict:
 def profile(c: Check, limit, device, tiny, root: Path, results: dict, out_dir: Path):
     "torch.profiler traces of 3 steps of the baseline and of DiVA (after a warm-up), and their summaries."
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
     from dml_nb.training.callbacks import Callback
 
     cuda = device.type == "cuda"
@@ -578,36 +596,6 @@ def data_path(c: Check, limit, device, tiny, root: Path):
         c.add("data path", f"PIL path, {workers} workers, batch {batch}", f"{steady:.0f} img/s", "for comparison")
 
 
-def write_cub_test(root: Path, images: int, unique: int = 240) -> Path:
-    """A CUB200-format tree whose test split (classes 101-200) holds `images` generated JPEGs of 500 x 375 (CUB's test
-    split: 5,924): `unique` distinct files, hard-linked (else copied) to the other names: each decodes as a photo
-    does. The train split gets one image per class."""
-    import shutil
-    from data import write_jpegs
-
-    base = root / "CUB_200_2011"
-    pool = write_jpegs(root / "pool", unique, seed=7)
-    per = [images // 100 + (k < images % 100) for k in range(100)]
-    lines, labels, names, i = [], [], [], 0
-    for c in range(1, 201):
-        folder = f"{c:03d}.Bird_{c}"
-        names.append(f"{c} {folder}")
-        (base / "images" / folder).mkdir(parents=True, exist_ok=True)
-        for k in range(1 if c <= 100 else per[c - 101]):
-            i += 1
-            dst = base / "images" / folder / f"{k:05d}.jpg"
-            try:
-                os.link(pool[i % unique], dst)
-            except OSError:
-                shutil.copy(pool[i % unique], dst)
-            lines.append(f"{i} {folder}/{dst.name}")
-            labels.append(f"{i} {c}")
-    (base / "images.txt").write_text("\n".join(lines) + "\n")
-    (base / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
-    (base / "classes.txt").write_text("\n".join(names) + "\n")
-    return root
-
-
 def embed_rate(learn, test, device, batch_size=None) -> float:
     """img/s of the embedding pass over `test` in steady state: from its first batch on (the loader's start left out),
     after a whole warm-up pass; a pass of one batch is timed whole."""
@@ -644,28 +632,25 @@ def evaluation_pass(c: Check, limit, device, tiny, root: Path, results: dict):
     if learn is None or "diva_img_s" not in results:
         c.add("evaluation pass", "DiVA's embedding pass", "-", "needs the DiVA row of the training section")
         return
-    n_test = 120 if tiny else CUB_TEST
-    with tempfile.TemporaryDirectory() as tmp:
-        cub = write_cub_test(Path(tmp) / "cub", n_test, unique=20 if tiny else 240)
-        test = JpegImages(load_dataset("cub200", root=cub, split="test", size=32 if tiny else None))
-        rates = {}
-        for amp, lrn in (("fp32", learn), ("bf16", results.get("diva_learner_bf16"))):
-            if lrn is None:
-                continue
-            was = lrn.amp
-            lrn.amp = None if amp == "fp32" else "bf16"
-            try:
-                rates[amp] = embed_rate(lrn, test, device, batch_size=16 if tiny else None)
-            finally:
-                lrn.amp = was
-            results["eval_embed_img_s" if amp == "fp32" else "eval_embed_bf16_img_s"] = rates[amp]
-            train = results["diva_img_s" if amp == "fp32" else "diva_bf16_img_s"]
-            c.add(
-                "evaluation pass",
-                f"DiVA's embedding pass, {len(test):,} CUB-format JPEGs, {amp}",
-                f"{rates[amp]:.0f} img/s",
-                f"steady state after a warm-up pass; {rates[amp] / train:.1f}x DiVA's training rate (target >= 2x)",
-            )
+    test = JpegImages(load_dataset("cub200", root=root, split="test", size=32 if tiny else None))  # main's tree
+    rates = {}
+    for amp, lrn in (("fp32", learn), ("bf16", results.get("diva_learner_bf16"))):
+        if lrn is None:
+            continue
+        was = lrn.amp
+        lrn.amp = None if amp == "fp32" else "bf16"
+        try:
+            rates[amp] = embed_rate(lrn, test, device, batch_size=16 if tiny else None)
+        finally:
+            lrn.amp = was
+        results["eval_embed_img_s" if amp == "fp32" else "eval_embed_bf16_img_s"] = rates[amp]
+        train = results["diva_img_s" if amp == "fp32" else "diva_bf16_img_s"]
+        c.add(
+            "evaluation pass",
+            f"DiVA's embedding pass, {len(test):,} CUB-format JPEGs, {amp}",
+            f"{rates[amp]:.0f} img/s",
+            f"steady state after a warm-up pass; {rates[amp] / train:.1f}x DiVA's training rate (target >= 2x)",
+        )
     m, classes = (600, 10) if tiny else (CUB_TEST, 100)
     emb, labels = synthetic(m, classes, noise=0.15)
     emb, labels = emb.to(device), labels.to(device)
@@ -977,7 +962,8 @@ def main(argv=None):
     results: dict = {}
     out_dir = Path(args.out).parent / "gpu_check_traces"
     with tempfile.TemporaryDirectory() as tmp:
-        root = write_cub(Path(tmp) / "cub", *((32, 3) if tiny else (200, 6)))  # CUB: classes 1-100 train, 101-200 test
+        # the one CUB-format tree of every section: classes 1-100 train, 101-200 test (CUB's test size on a GPU)
+        root = write_cub(Path(tmp) / "cub", *((32, 3, 120, 20) if tiny else (100, 6, CUB_TEST, 240)))
         c.section("environment", 10, environment, device)
         sections = [  # in order of priority: a section that no longer fits the budget is skipped
             ("training", lim(130, 150), training, (device, tiny, root, results)),

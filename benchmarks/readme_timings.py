@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 QUICKSTART = """
 from dml_nb.core.base import project_root
-from dml_nb.reproduction.experiment import run
+from dml_nb.experiments.experiment import run
 from dml_nb.core.config import load_config
 import sys
 cfg = load_config(str(project_root() / "params/train/shapes_baseline.yaml"))

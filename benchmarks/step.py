@@ -25,9 +25,9 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
-import time
 
 import torch
+from timing import cpu  # process CPU time, best of repeats (shared with step_census.py)
 
 
 def spin(stop):
@@ -36,16 +36,6 @@ def spin(stop):
     while not stop.is_set():
         for i in range(100_000):
             x += i
-
-
-def cpu(fn, repeats: int) -> float:
-    "Best process CPU time of `fn()` over `repeats` runs."
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
 
 
 def main():
@@ -62,7 +52,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     from dml_nb.reproduction.repro import NOVEL_BASE
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
     from dml_nb.core.config import make_config
     from dml_nb.data.batches import SeededViews, to_device
     from dml_nb.data.cache import RawItems, pad_collate

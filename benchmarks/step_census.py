@@ -36,7 +36,10 @@ JSON. `-v` prints every sync with its innermost dml_nb frame.
 24 x 32 px (and 32 x 24: tiny, so that the time is the host's work, not the pixels') cropped and resized to
 `--jpeg-size` px, flipped and normalised: the per-image loop (torchvision's functions
 per image and view, the JPEG path's loop before batching) against the library's `JpegDecode` in one batched pass,
-the best of `--repeats`, one thread; `jpeg_crops_2_views` the same for two views per image (DiVA's).
+one thread, timed in alternation (`--repeats` pairs, the order swapped every pair, so that a shared machine's load
+falls on both alike): each one's median and best, and the speedup as the median of the pairs' ratios (with their
+range) and as the ratio of the bests;
+`jpeg_crops_2_views` the same for two views per image (DiVA's).
 
     python benchmarks/step_census.py [--tiny] [--json] [-v] [--batch 32 --size 32 --warmup 3 --steps 2]
 """
@@ -57,6 +60,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import cpu, paired  # noqa: E402  (process CPU time; shared with step.py)
+
 RECIPES = ("baseline", "diva", "dnc", "sharing", "bspml")
 FACTORIES = (
     "arange",
@@ -367,7 +374,7 @@ def recipe_config(recipe: str, root: Path, batch: int, size: int, steps: int):
 
 
 def recipe(census: Census, name: str, root: Path, batch: int, size: int, warmup: int, steps: int):
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
     from dml_nb.data.batches import JpegImages
 
     cfg = recipe_config(name, root, batch, size, warmup + steps + 1)
@@ -428,29 +435,21 @@ def jpeg_crops(images: int, out_size: int, repeats: int, views: int = 1) -> dict
             out.append(x.flip(-3) if s.bgr else x)
         return out
 
-    def best(fn):
-        fn()
-        b = float("inf")
-        for _ in range(repeats):
-            t = time.process_time()
-            fn()
-            b = min(b, time.process_time() - t)
-        return b
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    out = {"images": images, "views": views, "size": out_size, "repeats": repeats}
     try:
-        out = {"images": images, "views": views, "size": out_size, "per_image_s": best(per_image)}
         if getattr(JpegDecode, "batched", False):
-            out["batched_s"] = best(lambda: jd(ims, boxes, flips, "cpu"))
+            t = paired(per_image, lambda: jd(ims, boxes, flips, "cpu"), repeats)
+            out.update(per_image_s=t["a_s"], batched_s=t["b_s"], speedup=t["ratio"], speedup_range=t["ratio_range"])
+            out.update(per_image_best_s=t["a_best_s"], batched_best_s=t["b_best_s"])
+            out["speedup_of_bests"] = t["a_best_s"] / t["b_best_s"]
             ref, got = per_image(), jd(ims, boxes, flips, "cpu")
             out["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
-        else:
-            out["batched_s"] = None  # this version of the library crops image by image only
+        else:  # this version of the library crops image by image only
+            out.update(per_image_s=cpu(per_image, repeats, warm=True), batched_s=None)
     finally:
         torch.set_num_threads(threads)
-    if out["batched_s"]:
-        out["speedup"] = out["per_image_s"] / out["batched_s"]
     return out
 
 
@@ -477,7 +476,7 @@ def main(argv=None):
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--jpeg-images", type=int, default=112)
     ap.add_argument("--jpeg-size", type=int, default=16, help="output px of the jpeg_crops timing")
-    ap.add_argument("--repeats", type=int, default=10, help="timings of jpeg_crops; the best is kept")
+    ap.add_argument("--repeats", type=int, default=30, help="pairs of jpeg_crops timings (medians are kept)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every sync with its site, per step")
@@ -487,7 +486,8 @@ def main(argv=None):
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     steps = args.steps or 2
     recipes = [r for r in args.recipes.split(",") if r]
-    for name, v, lo in (("--batch", batch, 4), ("--size", size, 16), ("--steps", steps, 1), ("--warmup", warmup, 0)):
+    sizes = (("--batch", batch, 4), ("--size", size, 16), ("--steps", steps, 1), ("--warmup", warmup, 0))
+    for name, v, lo in (*sizes, ("--repeats", args.repeats, 1), ("--jpeg-images", args.jpeg_images, 1)):
         if v < lo:
             ap.error(f"{name} {v}: needs at least {lo}")
     if bad := [r for r in recipes if r not in RECIPES]:
@@ -555,7 +555,14 @@ def main(argv=None):
         lines.append(
             f"{key} ({j['images']} images x {j['views']} view(s) to {j['size']} px, host time): per image "
             f"{1e3 * j['per_image_s']:.1f} ms, batched {batched}"
-            + (f" ({j['speedup']:.1f}x)" if j.get("speedup") else "")
+            + (
+                f" (medians of {j['repeats']} alternated pairs; speedup {j['speedup']:.1f}x, the median of the pairs' "
+                f"ratios, range {j['speedup_range'][0]:.1f}-{j['speedup_range'][1]:.1f}x; bests "
+                f"{1e3 * j['per_image_best_s']:.1f} and {1e3 * j['batched_best_s']:.1f} ms: "
+                f"{j['speedup_of_bests']:.1f}x)"
+                if j.get("speedup")
+                else ""
+            )
         )
     log("\n".join(lines))
     if args.json:

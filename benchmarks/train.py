@@ -3,7 +3,7 @@ the same batch size; the ratio is the method's overhead (loss, mining, extra hea
 per-epoch work such as D&C re-clustering or BSPML's weight update).
 
 CPU (default): the recipes of params/train/shapes_<method>.yaml (small CNN, embedded `shapes`, batch 60), built by
-dml_nb.reproduction.experiment.build_learner, once with the per-item augmentation (PIL/v2 path) and once with the image cache
+dml_nb.training.build.build_learner, once with the per-item augmentation (PIL/v2 path) and once with the image cache
 (`data.cache: true`: augmentation in batches). GPU (`--variant resnet50 --device cuda`): the recipes of
 params/train/cub200_<method>.yaml (ResNet50 with frozen BN, batch 112, bf16, channels_last) on generated 256 x 256
 uint8 images through the cache path (real data are not needed); `--compile` adds torch.compile.
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import dml_nb.reproduction.experiment as X
+import dml_nb.experiments.experiment as X
 from dml_nb.core.config import load_config
 from dml_nb.data.datasets import ArrayDataset, make_transform
 from dml_nb.training.callbacks import Callback

@@ -26,6 +26,17 @@ def shapes8():
     return shapes_sets(8)
 
 
+@pytest.fixture(autouse=True)
+def _process_policy():
+    """A notebook's `setup` installs its run policy for the rest of its process (`use_policy`: the kernel is the
+    process); under pytest the process is a worker shared by many tests, so each test gets back the policy it found."""
+    from dml_nb.experiments import results
+
+    before = results.run_policy()
+    yield
+    results.use_policy(before)
+
+
 def _has_faiss() -> bool:
     try:
         import faiss  # noqa: F401

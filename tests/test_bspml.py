@@ -603,7 +603,7 @@ def test_labels_must_match_the_training_set(noisy):
 def test_terms_use_test_transforms_and_the_current_model(noisy):
     L = learner(noisy, epochs=1)
     L.prepare_fit()
-    L.method.on_fit_start(L.context)
+    L.method.before_fit(L.context)
     view = L.method.terms_dataset
     clean_view = load_dataset("shapes", split="train", images_per_class=4, augment=False)
     assert torch.equal(view[5][0], clean_view[5][0]) and view.labels is noisy.labels
@@ -613,7 +613,7 @@ def test_terms_use_test_transforms_and_the_current_model(noisy):
     torch.testing.assert_close((xp, xn), ref)
     Lb = learner(noisy, epochs=1, xi_scope="batch", xi_batch=(4, 3))  # the batch reading reaches the update
     Lb.prepare_fit()
-    Lb.method.on_fit_start(Lb.context)
+    Lb.method.before_fit(Lb.context)
     torch.testing.assert_close(
         Lb.method.per_sample_terms(Lb.context),
         sample_terms(Lb.embed(clean_view)[0]["embedding"], torch.as_tensor(noisy.labels), scope="batch", batch=(4, 3)),

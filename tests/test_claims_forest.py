@@ -16,7 +16,7 @@ import pytest
 
 from dml_nb.reproduction.claims import Claims, Verdict, all_hold, better, critical, difference, judge, resolvable, stat
 from dml_nb.reproduction.reproduce import claims_summary, resolution
-from dml_nb.reproduction.viz import hides_spread, plot_bars
+from dml_nb.experiments.viz import hides_spread, plot_bars
 
 
 def flagship_like():

@@ -92,7 +92,7 @@ for call in (lambda: knn(x, x, 3, exclude_self=True, backend="faiss"), lambda: k
     except FaissMissingError as e:
         assert "dml_nb[faiss-cpu]" in str(e) and "dml_nb[faiss-gpu]" in str(e) and "backend='torch'" in str(e), e
     else: raise AssertionError("a faiss back end ran without faiss")
-from dml_nb.reproduction.experiment import run
+from dml_nb.experiments.experiment import run
 import tempfile
 cfg = {"data": {"name": "shapes", "images_per_class": 4, "size": 32},
        "model": {"backbone": "small_cnn", "options": {"width": 4, "feature_dim": 16}},

@@ -3,6 +3,7 @@ exact resume, and one training run of every ablation / auxiliary task."""
 
 import math
 import tempfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -478,7 +479,7 @@ def test_golden_key_encoder_and_queue(reading):
     for step, ref in zip(inp["steps"], out["steps"]):
         _load(model, step["model"])  # the query model after an optimiser step
         task._pending = torch.tensor(arr(step["keys"]), dtype=torch.float32)
-        task.after_optimizer_step(stub, None)
+        task.after_optimizer_step(SimpleNamespace(method=stub))  # a task's hooks read the recipe from the context
         enc = task.key_encoder.encoder.state_dict()
         matches.append(
             all(
@@ -529,7 +530,7 @@ def test_queue_is_sized_in_batches_of_the_learner():
     m = diva(queue_size=None)  # default: 30 batches
     lrn = learner(m, steps=1)
     lrn.prepare_fit()
-    m.on_fit_start(lrn.context)
+    m.before_fit(lrn.context)
     assert m.tasks["dance"].queue.size == 30 * 16 and m.tasks["dance"].queue.is_full
     assert diva(queue_size=None, queue_batches=2).tasks["dance"].fill(m, [torch.randn(8, 3, 32, 32)] * 5) == 16
 

@@ -429,7 +429,7 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     learn = run(shapes, epochs=1, num_learners=4, embedding_dim=8, cluster_batches="uniform", finetune_epochs=0)
     learn.sampler = PhaseSampler(learn.sampler)
     m = learn.method
-    m.on_fit_start(learn.context)
+    m.before_fit(learn.context)
     rr = m._sampler
     # find an epoch in which the uniform draws skip a learner (few steps per epoch make it likely) and check the stop
     m.recluster(learn.context)
@@ -440,7 +440,7 @@ def test_uniform_schedule_missing_a_learner_is_an_error(shapes):
     learn.epoch = epochs[0]
     m.clustered_epoch.fill_(epochs[0])
     with pytest.raises(ClusterError, match="get no batch in epoch"):
-        m.on_epoch_start(learn.context)
+        m.before_epoch(learn.context)
 
 
 def test_every_learner_gets_the_same_updates_and_logs_its_tuples(shapes8):

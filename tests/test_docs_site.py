@@ -5,7 +5,8 @@ listed, never fetched, and no page loads a script, style sheet or image from out
 table and all its images, its screenshot is not blank, and the browser asked the server for nothing it lacks (the
 MathJax fonts and extensions included).
 
-Slow (a minute or more: the build), and skipped where chromium or the docs extra is missing:
+These are slow (a minute or more: the build), and skipped where chromium or the docs extra is missing; the staging
+checks at the end are fast and need neither:
 
     apt-get install -y chromium && pip install -c constraints.txt -e ".[docs]"
     DML_DOCS_SHOTS=/tmp/docs_shots pytest tests/test_docs_site.py -m slow -s   # keeps the screenshots there
@@ -64,7 +65,7 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
+browser = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")  # with slow: the build and Chromium
 
 # A page asked for with ?dom-probe gets this script: once the page and MathJax are done it writes on <html> how many
 # images the page has and how many of them loaded, which --dump-dom then shows.
@@ -157,6 +158,8 @@ def _get(url: str) -> tuple[int, bytes, str]:
         return e.code, b"", ""
 
 
+@pytest.mark.slow
+@browser
 def test_every_internal_link_resolves_and_nothing_loads_from_outside(site):
     base, _ = site
     host = urlsplit(base).netloc
@@ -227,6 +230,8 @@ def _text(html: str) -> str:
     return " ".join(re.sub(r"<[^>]+>", " ", html).split())
 
 
+@pytest.mark.slow
+@browser
 @pytest.mark.parametrize("stem", PAGES)
 def test_page_renders_in_chromium(site, stem, tmp_path):
     from PIL import Image, ImageStat
@@ -271,15 +276,57 @@ def test_page_renders_in_chromium(site, stem, tmp_path):
     loaded = int(re.search(r'data-probe-img-loaded="(\d+)"', html).group(1))
     assert total >= n_images, f"{stem}: {total} <img> on the page for the notebook's {n_images} saved images"
     assert loaded == total, f"{stem}: {total - loaded} of the page's {total} images did not load"
+    if stem.startswith("repro_"):  # its long defaults collapsed: the page opens on its claim, result and parameters
+        d = re.search(r'<div class="cell tag_defaults[^"]*">\s*<details([^>]*)>', html)
+        assert d and " open" not in d.group(1), f"{stem}: the defaults cell is not collapsed on the page"
     failed = [(p, s) for p, s in requests[before:] if s >= 400 and p != "/favicon.ico"]  # the browser's own ask
     assert not failed, f"{stem}: the browser asked for files the site lacks: {failed[:10]}"
 
     print(f"\n{stem}: title {title!r}, {n_mjx} equations, {n_tables} tables, {loaded}/{total} images; {png}")
 
 
+@pytest.mark.slow
+@browser
 def test_search_finds_a_page(site):
     base, _ = site
     dom = _chromium(["--dump-dom", f"{base}search.html?q=DaNCE"])
     assert dom.returncode == 0, dom.stderr[-2000:]
     hits = re.findall(r'<li[^>]*>\s*<a[^>]*href="([^"]+)"', dom.stdout.split('id="search-results"', 1)[-1])
     assert any("51_diva.html" in h for h in hits), f"searching 'DaNCE' does not list 51_diva: {hits[:10]}"
+
+
+# --- the staging (fast: no Sphinx, no browser) ----------------------------------------------------------------------
+
+
+@functools.cache
+def _build_docs():
+    spec = importlib.util.spec_from_file_location("build_docs", ROOT / "tools" / "build_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tagged(cells: list, tag: str) -> list[int]:
+    return [i for i, c in enumerate(cells) if tag in c.get("metadata", {}).get("tags", [])]
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in (ROOT / "nbs").glob("repro_*.ipynb")))
+def test_a_reproduction_page_opens_on_its_claim_result_and_parameters(stem):
+    """The long `defaults` cell that follows a reproduction's `parameters` cell is staged collapsed (myst-nb's
+    `hide-input`), its source whole, so the page shows the title, the claim, the result line and the parameters, then
+    a one-line toggle; no other code cell is collapsed."""
+    bd = _build_docs()
+    lib = "dml_nb"
+    nb_path = ROOT / "nbs" / f"{stem}.ipynb"
+    staged, _, _ = bd.stage(nb_path, bd.Api(lib), lib, ("https://github.com/o/r", "main"))
+    cells = staged["cells"]
+    (k,) = _tagged(cells, "parameters")
+    defaults = _tagged(cells, "defaults")
+    assert _tagged(cells, "hide-input") == defaults, f"{stem}: collapsed cells {_tagged(cells, 'hide-input')}"
+    if not defaults:
+        return
+    assert defaults == [k + 1], f"{stem}: its defaults cell does not follow the parameters cell"
+    source = next(c for c in json.loads(nb_path.read_text())["cells"] if "defaults" in c["metadata"].get("tags", []))
+    assert cells[k + 1]["source"] == "".join(source["source"]).rstrip("\n"), f"{stem}: the defaults cell's source"
+    intro = "\n".join(c["source"] for c in cells[:k] if c["cell_type"] == "markdown")
+    assert "**The result** of the committed default run" in intro, stem

@@ -6,7 +6,7 @@ import torch
 
 from dml_nb.blocks.models import build_backbone
 from dml_nb.data.samplers import ClassBalancedBatchSampler
-from dml_nb.methods.base import BaselineMethod
+from dml_nb.methods.base import BaselineMethod, Task
 from dml_nb.training.callbacks import EVENTS, Callback, EventList, Hook
 from dml_nb.training.learner import Learner
 
@@ -16,10 +16,10 @@ CALLS: list = []
 
 
 class Recipe(BaselineMethod):
-    "A baseline whose hooks record when they run: an older name (`on_epoch_start`) and an event name (`after_epoch`)."
+    "A baseline whose hooks record when they run (`before_epoch` extends the baseline's own, `after_epoch` is new)."
 
-    def on_epoch_start(self, ctx):
-        super().on_epoch_start(ctx)
+    def before_epoch(self, ctx):
+        super().before_epoch(ctx)
         CALLS.append(("method", "before_epoch", ctx.epoch))
 
     def after_epoch(self, ctx):
@@ -30,10 +30,10 @@ def recording_task(task):
     "Give `task` hooks that record their calls (a subclass of its own class: its loss and miner stay)."
 
     class Recording(type(task)):
-        def on_epoch_start(self, method, ctx):
+        def before_epoch(self, ctx):
             CALLS.append(("task", "before_epoch", ctx.epoch))
 
-        def after_optimizer_step(self, method, ctx):
+        def after_optimizer_step(self, ctx):
             CALLS.append(("task", "after_optimizer_step", ctx.global_step))
 
     task.__class__ = Recording
@@ -87,7 +87,7 @@ def test_a_recipe_hook_called_directly_still_runs_its_tasks(shapes4):
     CALLS.clear()
     learn = build(shapes4)
     learn.prepare_fit()
-    learn.method.on_epoch_start(learn.context)
+    learn.method.before_epoch(learn.context)
     assert CALLS == [("task", "before_epoch", 0), ("method", "before_epoch", 0)]
 
 
@@ -99,7 +99,7 @@ def test_show_loop_lists_every_event_in_loop_order_with_its_hooks(shapes4, capsy
     assert [ln for ln in lines if not ln.startswith(" ")] == list(EVENTS)
     before_epoch = lines[lines.index("before_epoch") + 1 : lines.index("after_optimizer_step")]
     assert [ln.split()[:2] for ln in before_epoch] == [["-30", "method"], ["-27", "callback"], ["-25", "task"]]
-    assert "Recipe.on_epoch_start" in before_epoch[0] and "Between.before_epoch" in before_epoch[1]
+    assert "Recipe.before_epoch" in before_epoch[0] and "Between.before_epoch" in before_epoch[1]
     after_epoch = lines[lines.index("after_epoch") + 1 : lines.index("after_fit")]
     names = [ln.split()[2] for ln in after_epoch]
     assert names[:2] == ["Recipe.after_epoch", "Learner:"] and names[2:] == [
@@ -109,7 +109,7 @@ def test_show_loop_lists_every_event_in_loop_order_with_its_hooks(shapes4, capsy
         "CheckpointCallback.after_epoch",
     ]
     # the baseline's own forwarding hooks are not listed: they do nothing when the tasks run as their own entries
-    assert "MultiTaskMethod.on_epoch_end" not in out and "MultiTaskMethod.on_fit_start" in out
+    assert "MultiTaskMethod.after_epoch" not in out and "MultiTaskMethod.before_fit" in out
 
 
 def test_an_unknown_event_is_refused_with_the_list():
@@ -164,3 +164,31 @@ def test_a_resumed_run_fires_the_same_events_as_an_uninterrupted_one(shapes4, tm
     learn = build(shapes4, epochs=2, steps=2, run_dir=tmp_path / "run", checkpoint_every_steps=1)
     learn.fit()
     assert learn.resumed and first + CALLS == ref
+
+
+@pytest.mark.parametrize(
+    "base, old, new", [(BaselineMethod, "on_epoch_end", "after_epoch"), (Task, "on_fit_start", "before_fit")]
+)
+def test_a_hook_under_an_old_name_is_refused_with_its_new_name(base, old, new):
+    "A recipe or a task whose hook has an older name (which the learner would never call) fails where it is defined."
+    with pytest.raises(TypeError) as e:
+        type("Mine", (base,), {old: lambda self, ctx: None})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"Mine.{old} is an old hook name that the learner never calls")
+    assert f"rename it to {new}(self, ctx)" in msg
+
+
+def test_a_task_hook_reads_the_recipe_from_the_context(shapes4):
+    "A task's hooks have the recipe's signature, `hook(self, ctx)`; `ctx.method` is the recipe being trained."
+    seen = []
+
+    class Probe(Task):
+        def before_fit(self, ctx):
+            seen.append(ctx.method)
+
+    learn = build(shapes4, epochs=1, steps=1)
+    learn.method.tasks["discriminative"].__class__ = type(
+        "Probing", (Probe, type(learn.method.tasks["discriminative"])), {}
+    )
+    learn.fit()
+    assert seen == [learn.method]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dml_nb.core.base import config_hash
-from dml_nb.reproduction.experiment import run
+from dml_nb.experiments.experiment import run
 from dml_nb.core.config import ConfigError, config_to_dict, make_config
 
 TINY = {
@@ -78,7 +78,7 @@ def test_on_unreadable_at_its_default_keeps_the_hash():
 
 def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
     "A default that changes what an unchanged config trains bumps RECIPES_VERSION: the run folder moves."
-    import dml_nb.reproduction.experiment as ex
+    import dml_nb.experiments.experiment as ex
 
     cfg = make_config(TINY)
     now = ex.run_dir_for(cfg, tmp_path)
@@ -89,7 +89,7 @@ def test_run_folders_of_older_recipes_are_not_reused(monkeypatch, tmp_path):
 
 def test_named_random_streams_move_run_folders_only_through_recipes_version(monkeypatch, tmp_path):
     "Named random streams (RECIPES_VERSION 3) change the draws, not the configs: the config hash is the one of before."
-    import dml_nb.reproduction.experiment as ex
+    import dml_nb.experiments.experiment as ex
 
     cfg = make_config(TINY)
     assert config_hash(config_to_dict(cfg)) == "56ad0a368312"  # unchanged since RECIPES_VERSION 2
@@ -156,7 +156,7 @@ def test_saved_embeddings_are_those_of_the_final_weights(tmp_path, method, monke
 
 def test_nmi_readings_reach_the_learner_and_keep_the_hash_at_their_defaults():
     "eval.nmi_kmeans / nmi_average: checked by the schema, passed to every evaluation, left out of the hash at the default."
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
 
     assert not {"nmi_kmeans", "nmi_average"} & set(config_to_dict(make_config(TINY))["eval"])
     for bad in ({"nmi_kmeans": "faiss20"}, {"nmi_average": "max"}):
@@ -223,7 +223,7 @@ def test_train_sampler_reaches_the_run_and_dnc_refuses_class_random(tmp_path, mo
     import typing
     import dml_nb.methods.dnc as dnc_module
     from dml_nb.core.config import TrainConfig
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
     from dml_nb.data.samplers import SAMPLER_DRAWS
     from dml_nb.training.learner import ZERO_GRADS
 
@@ -274,7 +274,7 @@ def test_a_run_records_its_thread_count_and_leaves_the_process_count_alone(tmp_p
 
 def test_a_resumed_run_keeps_the_thread_count_it_started_with(tmp_path, capsys):
     "An unfinished run (its checkpoint, no `done`) asked for 1 thread resumes on the 2 its checkpoint records."
-    from dml_nb.reproduction.experiment import recorded_threads
+    from dml_nb.experiments.experiment import recorded_threads
 
     r = run(TINY, runs_dir=tmp_path, progress=False, threads=2)
     for name in ("done", "metrics.json"):
@@ -293,7 +293,7 @@ def test_a_bad_thread_count_is_refused_before_anything_is_written(tmp_path, bad)
 
 def test_dml_train_threads(tmp_path, capsys):
     import yaml
-    from dml_nb.reproduction.cli import main
+    from dml_nb.experiments.cli import main
 
     (params := tmp_path / "p.yaml").write_text(yaml.safe_dump(TINY))
     with pytest.raises(SystemExit) as e:

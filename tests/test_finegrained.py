@@ -73,7 +73,7 @@ def test_load_dataset_and_config_know_the_name():
 def test_config_images_per_class_reaches_the_finegrained_set():
     "`data.images_per_class` in a config is passed to the embedded fine-grained set (it was once silently ignored)."
     from dml_nb.core.config import make_config
-    from dml_nb.reproduction.experiment import build_datasets
+    from dml_nb.data.build import build_datasets
 
     train, evals = build_datasets(make_config({"data": {"name": "finegrained", "images_per_class": 4}}), progress=False)
     assert len(train) == 100 * 4 and len(evals["test"]) == 100 * 4
@@ -99,7 +99,7 @@ def test_novel_family_is_never_shown_to_the_pretraining_pool():
 
 
 def test_finegrained_novel_loads_by_name_and_from_a_config():
-    from dml_nb.reproduction.experiment import build_datasets
+    from dml_nb.data.build import build_datasets
     from dml_nb.data.finegrained import novel_classes
 
     ds = load_dataset("finegrained_novel", split="test", images_per_class=2, num_classes=3)
@@ -123,7 +123,7 @@ def test_finegrained_novel_loads_by_name_and_from_a_config():
 
 def test_premise_layout_evaluates_heldout_images_and_its_own_test_count():
     "Regime v3's data path: the held-out split as the training-class evaluation, the test split's own image count."
-    from dml_nb.reproduction.experiment import build_data
+    from dml_nb.data.build import build_data
 
     cfg = make_config(
         {

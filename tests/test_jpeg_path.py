@@ -150,7 +150,7 @@ def test_a_run_trains_identically_on_both_paths(tmp_path, monkeypatch):
     2e-5 relative). Its evaluation metrics are not compared: the toy images of a class differ by a few levels of
     noise, so rounding moves a neighbour (measured: train recall@1 0.81 against 0.88)."""
     from dml_nb.data.checks import write_fake_dataset
-    from dml_nb.reproduction.experiment import run
+    from dml_nb.experiments.experiment import run
 
     root = write_fake_dataset("cub200", tmp_path / "cub", n_classes=8, per_class=4, size=40)
     cfg = {
@@ -279,7 +279,7 @@ def test_on_unreadable_holds_on_the_jpeg_path_for_an_image_that_breaks_mid_run(f
     import warnings
 
     from dml_nb.data.checks import UnreadableImagesError
-    from dml_nb.reproduction.experiment import tolerate_unreadable
+    from dml_nb.data.build import tolerate_unreadable
 
     paths = [shutil.copy(f, tmp_path / f"{k}.jpg") for k, f in enumerate(files[:6])]
     paths = [Path(p) for p in paths]

@@ -14,7 +14,7 @@ import torch
 from dml_nb.core.config import ConfigError, config_to_dict, make_config, method_options_class
 from dml_nb.core.registry import PRESETS
 from dml_nb.methods.options import BSPMLOptions, DiVAOptions, DnCOptions, MICOptions, SharingOptions
-from dml_nb.reproduction.results import run_key
+from dml_nb.experiments.results import run_key
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = {"diva": DiVAOptions, "sharing": SharingOptions, "mic": MICOptions, "dnc": DnCOptions, "bspml": BSPMLOptions}
@@ -69,14 +69,14 @@ def test_a_bad_option_is_refused_before_torch_loads():
 
 
 def test_a_bad_option_stops_build_learner_before_any_dataset(monkeypatch):
-    import dml_nb.reproduction.experiment as experiment
+    import dml_nb.training.build as build
 
     def no_data(*a, **k):
         raise AssertionError("the datasets were built before the options were checked")
 
-    monkeypatch.setattr(experiment, "build_data", no_data)
+    monkeypatch.setattr(build, "build_data", no_data)
     with pytest.raises(ConfigError, match="queue_size must be >= 1"):
-        experiment.build_learner({"method": {"name": "diva", "queue_size": 0}})
+        build.build_learner({"method": {"name": "diva", "queue_size": 0}})
 
 
 def test_the_constructor_takes_the_options_object_or_keywords():
@@ -179,7 +179,8 @@ def test_kmeans_seed_reaches_the_k_means_of_every_grouping(monkeypatch, kmeans_s
 
 
 def test_label_noise_is_declared_data_not_attributes_of_the_set():
-    from dml_nb.reproduction.experiment import LabelNoise, build_data, build_learner
+    from dml_nb.data.build import LabelNoise, build_data
+    from dml_nb.training.build import build_learner
 
     cfg = {
         "data": {"name": "shapes", "images_per_class": 6, "label_noise": 0.25, "eval_train": False},

@@ -418,7 +418,7 @@ def test_a_new_backbone_brings_its_preprocessing_everywhere(toy_backbone):
     from torchvision.transforms.v2 import functional as TF
     from dml_nb.data.cache import BatchAugment
     from dml_nb.data.datasets import ArrayDataset, make_transform
-    from dml_nb.reproduction.experiment import build_datasets
+    from dml_nb.data.build import build_datasets
     from dml_nb.core.config import make_config
     from dml_nb.training.learner import eval_view
 

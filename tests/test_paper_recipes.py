@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from dml_nb.data.checks import write_fake_dataset
-from dml_nb.reproduction.experiment import run
+from dml_nb.experiments.experiment import run
 from dml_nb.core.config import config_to_dict, make_config, merge_layers, read_yaml
 from dml_nb.reproduction.notebook import params_base
 from dml_nb.reproduction.repro import Row

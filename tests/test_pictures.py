@@ -27,6 +27,7 @@ NO_PICTURE = {  # notebook: why no picture helps
     "41_callbacks": "evaluation, history, progress and checkpoint hooks of the learner",
     "43_checkpoint": "what a checkpoint holds and the bit-identical resume",
     "44_distributed": "process groups, DDP and gathered passes",
+    "45a_build_learner": "a config composed into its learner: construction, nothing to plot",
     "46_training": "the training loop's public names only",
     "60_experiment": "config -> run directory, cache, lock and done marker",
     "60a_results": "the committed results folder and its records",
@@ -34,9 +35,9 @@ NO_PICTURE = {  # notebook: why no picture helps
     "61a_pretrain_cli": "the dml-pretrain command line",
     "64_repro": "the harness of the reproduction notebooks: rows, seeds, tables",
     "65_reproduce": "the dml-reproduce command and the verdict table of REPORT.md",
-    "66_sweep": "planning and launching sweeps",
+    "62a_sweep": "planning and launching sweeps",
     "68_notebook": "the setup call every reproduction notebook starts with",
-    "69_launch": "where a sweep's runs are launched (processes, GPUs, SLURM)",
+    "62b_launch": "where a sweep's runs are launched (processes, GPUs, SLURM)",
 }
 
 

@@ -32,9 +32,9 @@ def test_checks_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="width: 4, feature_dim: 8"):
         shipped_weights(32, 256, folder=tmp_path)
     pt.write_bytes(pt.read_bytes()[:-1] + b"x")
-    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.reproduction.pretrain"):
+    with pytest.raises(ValueError, match="does not match its checksum.*python -m dml_nb.experiments.pretrain"):
         shipped_weights(4, 8, folder=tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m dml_nb.reproduction.pretrain"):
+    with pytest.raises(FileNotFoundError, match="python -m dml_nb.experiments.pretrain"):
         shipped_weights(folder=tmp_path / "none")
 
 
@@ -59,7 +59,7 @@ def test_reproductions_see_the_shipped_weights():
 
 def test_the_shipped_weights_checksum_is_part_of_the_run_hash(monkeypatch):
     from dml_nb.core.config import make_config
-    from dml_nb.reproduction.experiment import run_dir_for
+    from dml_nb.experiments.experiment import run_dir_for
 
     raw = {
         "data": {"name": "finegrained", "images_per_class": 4},
@@ -90,7 +90,7 @@ def test_novelpool_ships_loads_offline_and_differs_from_fgpool():
 
 def test_each_shipped_file_has_its_own_run_hash():
     from dml_nb.core.config import make_config
-    from dml_nb.reproduction.experiment import run_dir_for
+    from dml_nb.experiments.experiment import run_dir_for
 
     raw = {
         "data": {"name": "finegrained_novel", "images_per_class": 4},
@@ -125,7 +125,7 @@ def test_the_dml_pretrain_command_is_where_pyproject_points(capsys):
     root = Path(__file__).resolve().parents[1]
     target = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["dml-pretrain"]
     module, _, name = target.partition(":")
-    assert module == "dml_nb.reproduction.pretrain"
+    assert module == "dml_nb.experiments.pretrain"
     main = getattr(importlib.import_module(module), name)
     with pytest.raises(SystemExit) as e:
         main(["--help"])

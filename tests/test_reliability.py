@@ -21,9 +21,9 @@ import yaml
 
 from dml_nb.core.base import RunLockedError
 from dml_nb.core.registry import LOSSES, METHODS, MINERS, BACKBONES, _static_registrations
-from dml_nb.reproduction.experiment import run, run_dir_for
+from dml_nb.experiments.experiment import run, run_dir_for
 from dml_nb.core.config import ConfigError, config_to_dict, load_config, make_config
-from dml_nb.reproduction.cli import main
+from dml_nb.experiments.cli import main
 from dml_nb.data.formats import (
     DatasetFormatError,
     DatasetSizeWarning,
@@ -440,11 +440,11 @@ def test_missing_dataset_and_bad_values_are_one_line_for_the_cli_and_leave_no_ru
 
 
 def test_help_and_config_errors_answer_without_importing_torch(tmp_path):
-    "`import dml_nb.reproduction.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
+    "`import dml_nb.experiments.experiment` took 21 s on the project's loaded machine, most of it torch, torchvision, sklearn."
     (tmp_path / "bad.yaml").write_text("train: {epochs: 3\nseed: 1\n")
     shapes = ROOT / "params/train/shapes_baseline.yaml"
     code = (
-        "import sys, time\nt = time.time()\nfrom dml_nb.reproduction.cli import main\n"
+        "import sys, time\nt = time.time()\nfrom dml_nb.experiments.cli import main\n"
         "try: rc = main(sys.argv[1:])\nexcept SystemExit as e: rc = e.code\n"
         "heavy = [m for m in ('torch', 'torchvision', 'sklearn', 'faiss', 'pandas') if m in sys.modules]\n"
         "print('RESULT', rc, heavy, file=sys.stderr)"

@@ -470,7 +470,7 @@ def test_an_empty_parameter_file_is_an_error_not_every_default(tmp_path, params,
 
 def test_samples_per_class_above_a_class_size_warns_naming_the_classes(tmp_path):
     from dml_nb.data.checks import write_fake_dataset
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
 
     root = write_fake_dataset("sop", tmp_path / "sop", n_classes=4, per_class=3)
     f = root / "Ebay_train.txt"

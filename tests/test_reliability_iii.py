@@ -22,11 +22,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from dml_nb.reproduction.cli import main as dml_train
-from dml_nb.reproduction.experiment import load_result, run, run_dir_for, run_key
-from dml_nb.reproduction.launch import launch
+from dml_nb.experiments.cli import main as dml_train
+from dml_nb.experiments.experiment import load_result, run, run_dir_for, run_key
+from dml_nb.sweeps.launch import launch
 from dml_nb.reproduction.reproduce import reproduce_main, results_folder
-from dml_nb.reproduction.results import (
+from dml_nb.experiments.results import (
     RESULTS_ENV,
     RunPolicy,
     RunStopped,
@@ -36,7 +36,7 @@ from dml_nb.reproduction.results import (
     results_dir,
     save_result,
 )
-from dml_nb.reproduction.sweep import Plan, SweepMode, plan_configs
+from dml_nb.sweeps.sweep import Plan, SweepMode, plan_configs
 from dml_nb.core.config import ConfigError, config_to_dict, load_config, make_config
 
 from test_reliability import TINY, snapshot
@@ -195,7 +195,7 @@ def test_a_restored_run_edited_in_the_cache_is_not_read_by_plan_or_collect(saved
 
 KILL_AT_HISTORY = """
 import os, signal, sys
-from dml_nb.reproduction.results import restore_results
+from dml_nb.experiments.results import restore_results
 results, runs = sys.argv[1], sys.argv[2]
 def hook(event, args):
     if event == "open" and str(args[0]).startswith(results) and str(args[0]).endswith("history.csv"):
@@ -600,7 +600,7 @@ def test_a_row_whose_seeds_did_not_all_finish_names_them_in_the_table_and_the_cl
 
 def test_a_relative_dml_results_or_dml_runs_is_taken_from_the_project_root(tmp_path, monkeypatch):
     from dml_nb.reproduction.reproduce import machine_paths
-    from dml_nb.reproduction.sweep import notebook_parameters
+    from dml_nb.sweeps.sweep import notebook_parameters
 
     root = tmp_path.resolve()
     (root / "settings.ini").write_text("[DEFAULT]\nlib_name = dml_nb\n")
@@ -702,7 +702,7 @@ def test_duplicate_seeds_in_a_notebooks_parameters_are_refused_in_setup(tmp_path
 
 def test_an_unwritable_run_cache_is_one_line_naming_dml_runs(tmp_path, monkeypatch):
     "The tests run as root, who writes anywhere: the unwritable folder is simulated (os.access says no for it)."
-    import dml_nb.reproduction.results as R
+    import dml_nb.experiments.results as R
 
     folder = tmp_path / "cache"
     folder.mkdir()
@@ -720,7 +720,7 @@ def test_on_unreadable_sets_the_declared_field_not_a_method_from_outside(tmp_pat
     from PIL import Image
 
     from dml_nb.data.datasets import ImageListDataset
-    from dml_nb.reproduction.experiment import tolerate_unreadable
+    from dml_nb.data.build import tolerate_unreadable
 
     paths = []
     for k in range(4):

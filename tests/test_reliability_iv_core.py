@@ -18,9 +18,9 @@ from PIL import Image
 from dml_nb.core.base import RunLockedError, atomic_write, lock_dir
 from dml_nb.core.config import ConfigError, load_config, make_config, read_yaml
 from dml_nb.core.params import parse_yaml
-from dml_nb.reproduction.cli import main as dml_train
-from dml_nb.reproduction.experiment import RunResult, recorded_threads, run, train_again
-from dml_nb.reproduction.results import RESULTS_ENV
+from dml_nb.experiments.cli import main as dml_train
+from dml_nb.experiments.experiment import RunResult, recorded_threads, run, train_again
+from dml_nb.experiments.results import RESULTS_ENV
 
 from test_reliability import TINY
 from tool_scripts import tool
@@ -187,7 +187,7 @@ def test_a_notebooks_thread_count_past_the_bound_is_refused_before_its_first_run
 def test_the_one_thread_bound_is_the_command_lines():
     "guard: dml-train --threads, dml-reproduce --threads and run(threads=...) share one bound."
     from dml_nb.core.base import MAX_THREADS
-    from dml_nb.reproduction.results import MAX_COUNT
+    from dml_nb.experiments.results import MAX_COUNT
 
     assert MAX_THREADS == MAX_COUNT == 512
 
@@ -296,7 +296,7 @@ def test_an_unknown_device_is_one_line_at_load(device):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_without_a_gpu_is_one_line_before_the_data_is_built(tmp_path, capsys, monkeypatch):
-    import dml_nb.reproduction.experiment as ex
+    import dml_nb.experiments.experiment as ex
 
     def no_data(cfg):
         raise AssertionError("the data was checked before the device")

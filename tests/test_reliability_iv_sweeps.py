@@ -19,11 +19,11 @@ import pytest
 import yaml
 
 from dml_nb.core.config import ConfigError, config_to_dict, make_config
-from dml_nb.reproduction.experiment import run_dir_for, run_key
+from dml_nb.experiments.experiment import run_dir_for, run_key
 from dml_nb.reproduction.repro import Row, collect_runs, job_config, output_dirs
 from dml_nb.reproduction.reproduce import reproduce, reproduce_main
-from dml_nb.reproduction.results import RESULTS_ENV, RunPolicy, result_checksum, result_problem, run_folder_name
-from dml_nb.reproduction.sweep import Plan, SweepMode, notebook_parameters, plan_configs
+from dml_nb.experiments.results import RESULTS_ENV, RunPolicy, result_checksum, result_problem, run_folder_name
+from dml_nb.sweeps.sweep import Plan, SweepMode, notebook_parameters, plan_configs
 
 from test_reliability import TINY, snapshot
 
@@ -435,7 +435,7 @@ def test_every_committed_results_entry_records_its_checksum():
 
 def test_dml_train_takes_a_relative_results_folder_from_the_folder_it_was_started_in(tmp_path, monkeypatch, capsys):
     "`dml-train` keeps the one rule of `dml-reproduce`: a relative `$DML_RESULTS` is taken from the shell's folder."
-    from dml_nb.reproduction.cli import main as dml_train
+    from dml_nb.experiments.cli import main as dml_train
 
     import shutil
     import tempfile

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import dml_nb
-from dml_nb.reproduction.results import POLICY_ENV, RunPolicy, run_policy
+from dml_nb.experiments.results import POLICY_ENV, RunPolicy, run_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(dml_nb.__file__).parent
@@ -22,12 +22,12 @@ PACKAGE = Path(dml_nb.__file__).parent
 # Where a `DML_*` variable may be read: the one translation into a run policy, and the dataset folder (`DML_DATA`, a
 # data location like TORCH_HOME, not a run policy). {(module path, function): names}
 ENTRY_READS = {
-    ("reproduction/results.py", "RunPolicy.from_env"): set(POLICY_ENV.values()),
+    ("experiments/results.py", "RunPolicy.from_env"): set(POLICY_ENV.values()),
     ("core/base.py", "data_root"): {"DML_DATA"},
-    ("reproduction/experiment.py", "config_data_root"): {"DML_DATA"},
+    ("data/build.py", "config_data_root"): {"DML_DATA"},
     ("reproduction/repro.py", "portable"): {"DML_DATA"},
 }
-RESTORES = {("reproduction/sweep.py", "env_vars")}  # reads a variable it sets only to put it back after its block
+RESTORES = {("sweeps/sweep.py", "env_vars")}  # reads a variable it sets only to put it back after its block
 
 
 def _string_constants(trees) -> dict:
@@ -134,8 +134,8 @@ def test_a_notebooks_policy_travels_as_environment_variables_and_back(tmp_path):
 
 
 def test_load_result_saves_nothing(tmp_path, monkeypatch):
-    from dml_nb.reproduction.experiment import load_result, run
-    from dml_nb.reproduction.results import save_result
+    from dml_nb.experiments.experiment import load_result, run
+    from dml_nb.experiments.results import save_result
 
     raw = {
         "data": {"images_per_class": 8},
@@ -158,7 +158,7 @@ def test_load_result_saves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bad", ["0", "-1", "x", "513"])
 def test_both_commands_refuse_a_bad_count_with_the_same_message(bad, tmp_path, capsys):
-    from dml_nb.reproduction.cli import main as dml_train
+    from dml_nb.experiments.cli import main as dml_train
     from dml_nb.reproduction.reproduce import reproduce_main
 
     (params := tmp_path / "p.yaml").write_text("seed: 0\n")
@@ -180,7 +180,7 @@ def test_both_commands_refuse_a_bad_count_with_the_same_message(bad, tmp_path, c
 
 
 def test_dml_train_takes_the_largest_count(tmp_path):
-    from dml_nb.reproduction.cli import _parser
+    from dml_nb.experiments.cli import _parser
 
     assert _parser().parse_args(["p.yaml", "--threads", "512"]).threads == 512
 
@@ -339,7 +339,7 @@ def test_a_papermill_notebook_reads_its_policy_in_setup(tmp_path):
     env.update(PYTHONPATH=str(ROOT), DML_COLLECT_ONLY="1", DML_RESULTS="none", IN_TEST="1")
     code = (
         "import json\nfrom dml_nb.reproduction.notebook import setup, notebook_defaults\n"
-        "from dml_nb.reproduction.results import run_policy\n"
+        "from dml_nb.experiments.results import run_policy\n"
         "p = {**notebook_defaults('repro_table3'), 'output': {'progress': False}}\n"
         "nb = setup('repro_table3', p)\n"
         "print(json.dumps([nb.policy.mode, run_policy().mode, str(nb.policy.results)]))\n"
@@ -353,9 +353,9 @@ def test_a_papermill_notebook_reads_its_policy_in_setup(tmp_path):
 
 def test_dml_reproduce_passes_its_policy_down_to_the_launcher(tmp_path, monkeypatch):
     "The command's policy (threads, results folder) reaches the launcher, which is handed it rather than reading it."
-    import dml_nb.reproduction.launch as L
+    import dml_nb.sweeps.launch as L
     from dml_nb.reproduction.reproduce import reproduce_main
-    from dml_nb.reproduction.sweep import plan_configs
+    from dml_nb.sweeps.sweep import plan_configs
 
     raw = {"method": {"name": "baseline", "embedding_dim": 8}, "seed": 0}
     plan_configs({"A": raw}, tmp_path / "plan", tmp_path / "runs")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dml_nb.core.config import config_to_dict, load_config, make_config
-from dml_nb.reproduction.experiment import run_dir_for, run_key
+from dml_nb.experiments.experiment import run_dir_for, run_key
 from dml_nb.reproduction.repro import smoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,8 @@ def test_committed_configs_keep_their_run_folders():
     (the notebook defaults' were recorded again when the reproductions moved to regime v2, `finegrained_novel`). A
     notebook switched to regime v3 keeps its v2 cases through `params/regime_v2/` (so its v2 runs keep their folders)
     and adds `<notebook>@v3` cases, recorded when it was switched."""
+    # train/cub200_*.yaml (the GPU paper files) were recorded again when they took `train.task_grad_every: 25`: the
+    # grad/<task> logs, a diagnostic that changes no parameter, every 25th step (no committed run trained them)
     want = json.loads(RUN_HASHES.read_text())
     got = run_hashes()
     assert sorted(got) == sorted(want), f"cases added or gone: {sorted(set(got) ^ set(want))[:5]}"
@@ -91,7 +93,7 @@ def test_learner_defaults_are_the_config_defaults(shapes4):
     from dml_nb.training.learner import Learner, build_sampler
     from dml_nb.methods.base import BaselineMethod
     from dml_nb.blocks.models import build_backbone
-    from dml_nb.reproduction.experiment import build_learner
+    from dml_nb.training.build import build_learner
 
     train = shapes4[0]
     method = BaselineMethod(build_backbone("small_cnn", width=8, feature_dim=32), train.num_classes, embedding_dim=8)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from dml_nb.reproduction.experiment import RUN_THREADS
-from dml_nb.reproduction.launch import LauncherUnavailable, launch
+from dml_nb.experiments.experiment import RUN_THREADS
+from dml_nb.sweeps.launch import LauncherUnavailable, launch
 from dml_nb.reproduction.repro import base_config, smoke
 from dml_nb.reproduction.reproduce import reproduce_main
-from dml_nb.reproduction.sweep import Plan, plan_configs
+from dml_nb.sweeps.sweep import Plan, plan_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 _ENTRY = Path(sys.executable).with_name("dml-reproduce")  # the installed entry point, else the same call

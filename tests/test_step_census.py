@@ -1,7 +1,8 @@
 """benchmarks/step_census.py, the census of one ordinary training step on the CPU: its counting rule on a toy step
 (what is a sync, which tensors are on the device), and at its smallest size on every recipe's paper config: the JSON
-shape, no host-device synchronisation in an ordinary step of any recipe, and the JPEG path's crops in one batched
-pass faster than the per-image loop."""
+shape, no host-device synchronisation in an ordinary step of any recipe, the baseline's kernels within 1.5x the bare
+loop's (an exact count: the load does not change it), and the JPEG path's crops in one batched pass faster than the
+per-image loop."""
 
 from __future__ import annotations
 import importlib.util
@@ -68,9 +69,13 @@ def test_no_recipe_synchronises_in_an_ordinary_step(capsys):
     assert isinstance(out["bare"]["kernels_per_step"], int) and out["bare"]["kernels_per_step"] > 100
     for r in RECIPES:
         assert isinstance(out[r]["syncs_per_step"], int) and out[r]["kernels_per_step"] > 100, r
+    bare = out["bare"]["kernels_per_step"]
+    assert out["baseline"]["kernels_per_step"] <= 1.5 * bare, (out["baseline"]["kernels_per_step"], bare)  # target
     j = out["jpeg_crops"]
     assert j["per_image_s"] > 0 and j["batched_s"] is not None and j["batched_s"] > 0
-    assert j["per_image_s"] > 2 * j["batched_s"], j  # the target is 5x (benchmarks/README.md has the measured one)
+    lo, hi = j["speedup_range"]  # the pairs' ratios, timed in alternation; `speedup` is their median
+    assert lo <= j["speedup"] <= hi and j["repeats"] == 30, j
+    assert j["speedup"] > 2, j  # the target is 5x (benchmarks/README.md has the measured one)
     assert j["max_abs_diff"] < 0.05, j  # normalised units: rounding of the two resamplers, not a different crop
     syncs = {r: out[r]["sync_sites"] for r in RECIPES if out[r]["syncs_per_step"]}
     assert not syncs, syncs

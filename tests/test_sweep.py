@@ -20,13 +20,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dml_nb.reproduction.experiment import RUN_THREADS, run
+from dml_nb.experiments.experiment import RUN_THREADS, run
 from dml_nb.reproduction.repro import base_config, output_dirs, smoke
 from dml_nb.reproduction.reproduce import reproduce_main
-from dml_nb.reproduction.launch import launch
-from dml_nb.reproduction.sweep import MissingRunsError, Plan, PlanStop, SweepMode, SweepResult, _add_jobs, plan_configs
-from dml_nb.reproduction.experiment import load_result
-from dml_nb.reproduction.results import RESULTS_ENV, RunPolicy, restore_results, restored, save_result
+from dml_nb.sweeps.launch import launch
+from dml_nb.sweeps.sweep import MissingRunsError, Plan, PlanStop, SweepMode, SweepResult, _add_jobs, plan_configs
+from dml_nb.experiments.experiment import load_result
+from dml_nb.experiments.results import RESULTS_ENV, RunPolicy, restore_results, restored, save_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_local_two_workers_match_the_sequential_path(tmp_path, sequential):
 
 
 def test_a_failed_run_is_named_with_its_log(tmp_path):
-    from dml_nb.reproduction.launch import SweepFailed
+    from dml_nb.sweeps.launch import SweepFailed
 
     plan = plan_configs(dict(list(_configs().items())[:1]), tmp_path / "plan", tmp_path / "runs")
     plan.jobs[0].config_file(plan.plan_dir).write_text("train: {epochs: -1}\n")  # dml-train refuses it
@@ -104,7 +104,7 @@ def test_killed_sweep_relaunched_gives_the_same_results(tmp_path):
     "Killed on 2 threads a run, relaunched on 1 (the default), resumes on its 2 and ends as an uninterrupted 2-thread run."
     configs = _configs(epochs=4, batches=6, seeds=(0,))
     plan = plan_configs(configs, tmp_path / "plan", tmp_path / "runs")
-    code = f"from dml_nb.reproduction.sweep import Plan; from dml_nb.reproduction.launch import launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, threads=2, progress=False)"
+    code = f"from dml_nb.sweeps.sweep import Plan; from dml_nb.sweeps.launch import launch; launch(Plan.load({str(plan.plan_dir / 'plan.json')!r}), 'local', workers=1, threads=2, progress=False)"
     sweep = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     first = Path(plan.jobs[0].run_dir)
     try:
@@ -207,9 +207,9 @@ def test_a_restored_run_a_figure_needs_is_planned_and_trained_again(tmp_path, se
 
 @pytest.mark.slow  # 45 s; tests/test_slurm_cli.py runs the README's command through submitit's SLURM path instead
 def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
-    "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/66_sweep.ipynb."
+    "The job array and its waiting, run by submitit's local executor (no SLURM here); the submission parameters are checked in nbs/62a_sweep.ipynb."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
-    from dml_nb.reproduction.launch import slurm_executor
+    from dml_nb.sweeps.launch import slurm_executor
 
     plan = plan_configs(_configs(), tmp_path / "plan", tmp_path / "runs")
     ex = slurm_executor(
@@ -222,7 +222,7 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, sequential):
 
 def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
     "No GPU here: the commands and environments the multi_gpu launcher starts are recorded by a stand-in for Popen."
-    import dml_nb.reproduction.launch as S
+    import dml_nb.sweeps.launch as S
 
     started, busy = [], set()
 
@@ -266,7 +266,7 @@ def test_multi_gpu_launches_one_process_per_gpu(tmp_path, monkeypatch):
 def test_slurm_submission_parameters_in_submitits_sbatch_file(tmp_path, monkeypatch):
     "The sbatch header submitit writes for the launcher's options (stand-ins of SLURM's commands on PATH: the launcher looks for them)."
     pytest.importorskip("submitit", reason="the optional extra: pip install 'dml_nb[slurm]'")
-    from dml_nb.reproduction.launch import slurm_executor
+    from dml_nb.sweeps.launch import slurm_executor
 
     for name in ("sbatch", "srun", "sacct"):
         (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
@@ -306,7 +306,7 @@ def test_dml_runs_is_the_default_run_cache(tmp_path, monkeypatch):
     assert output_dirs()[1] == tmp_path / "runs"
     monkeypatch.setenv("DML_RUNS", str(tmp_path / "shared"))
     assert output_dirs()[1] == tmp_path / "runs", "read at an entry point only"
-    monkeypatch.setattr("dml_nb.reproduction.results._POLICY", RunPolicy.from_env(tmp_path))
+    monkeypatch.setattr("dml_nb.experiments.results._POLICY", RunPolicy.from_env(tmp_path))
     assert output_dirs()[1] == tmp_path / "shared" and output_dirs(runs_dir=tmp_path / "mine")[1] == tmp_path / "mine"
 
 
@@ -314,8 +314,8 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
     """A run whose recipe cannot form its batches records why (`stopped`): run again it stops with the same reason
     without training, a plan and a launcher count it as settled, the results folder keeps it, and a notebook's row shows it."""
     from dml_nb.methods.dnc import ClusterError
-    from dml_nb.reproduction.experiment import run_dir_for
-    from dml_nb.reproduction.results import RunStopped, stopped_record
+    from dml_nb.experiments.experiment import run_dir_for
+    from dml_nb.experiments.results import RunStopped, stopped_record
     from dml_nb.reproduction.repro import Row, run_rows
     from dml_nb.core.config import make_config
     from dml_nb.training.learner import Learner
@@ -329,7 +329,7 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
 
     monkeypatch.setattr(Learner, "fit", fit)
     monkeypatch.setattr(  # the policy an entry point (dml-train, a notebook's setup) installs from $DML_RESULTS
-        "dml_nb.reproduction.results._POLICY", RunPolicy(results=tmp_path / "results")
+        "dml_nb.experiments.results._POLICY", RunPolicy(results=tmp_path / "results")
     )
     name, raw = next(iter(_configs().items()))
     run_dir = run_dir_for(make_config(raw), tmp_path / "runs")

@@ -113,7 +113,7 @@ _DATA: dict = {}
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_an_ordinary_step_of_every_paper_recipe_waits_for_the_device_nowhere(recipe, census, monkeypatch):
-    import dml_nb.reproduction.experiment as E
+    import dml_nb.training.build as E
 
     def build_data(cfg, progress=True):  # the sets once per label noise (BSPML's): they are what takes the time
         key = cfg.data.label_noise

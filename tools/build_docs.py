@@ -13,7 +13,9 @@ a cell that does not render), and so does a notebook without a `# Title` first c
 The notebooks are staged into build/docs/src with nbdev's directives applied (`#| hide`, `#| export`,
 `#| default_exp`, `#| exporti` and `#| include: false` cells left out; `#| echo: false`, `#| output: false` and
 `#| exports` honoured; directive lines dropped), Sphinx builds build/docs/html and the result replaces _docs/
-(settings.ini's doc_path, the folder nbdev_docs writes where Quarto is installed).
+(settings.ini's doc_path, the folder nbdev_docs writes where Quarto is installed). A reproduction notebook's
+`defaults` cell (the long defaults of its parameters, which must follow the `parameters` cell) is collapsed behind
+myst-nb's "Show code cell source" toggle, so that its page opens on its claim, its result and its parameters.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ _PACKAGES = {
     "evaluation": "Evaluation",
     "training": "Training",
     "methods": "Methods",
-    "reproduction": "Experiments and reproduction",
+    "experiments": "Experiments",
+    "sweeps": "sweeps",
+    "reproduction": "reproduction",
 }
 
 
@@ -350,6 +354,8 @@ def stage(nb_path: Path, api: Api, lib: str, repo: tuple[str, str]) -> tuple[dic
 
 def _code(cell: dict, body: str, d: dict) -> dict:
     tags = list(cell.get("metadata", {}).get("tags", []))
+    if "defaults" in tags:  # a reproduction's long defaults: collapsed, so its page opens on claim, result, parameters
+        tags.append("hide-input")
     if falsy(d.get("echo")) or not body.strip():
         tags.append("remove-input")
     if falsy(d.get("output")):
@@ -378,6 +384,12 @@ def caption(stems: list[str], modules: dict[str, str | None], lib: str) -> str:
         pkg = pkgs.most_common(1)[0][0]
         if pkg == "<top>":
             return f"Public API ({lib}.*)"
+        layers = [
+            p for p in _PACKAGES if p in pkgs
+        ]  # a decade may hold several layers (60-69: a run, sweeps, reproductions)
+        if len(layers) > 1:
+            names = [_PACKAGES[p] for p in layers]
+            return f"{', '.join(names[:-1])} and {names[-1]} ({', '.join(f'{lib}.{p}' for p in layers)})"
         if pkg in _PACKAGES:
             return f"{_PACKAGES[pkg]} ({lib}.{pkg})"
         return f"{lib}.{pkg}"
@@ -425,6 +437,8 @@ def main(argv=None) -> int:
     except ImportError as e:
         fail(f'{e.name} is not installed; install the docs extra: pip install -c constraints.txt -e ".[docs]"')
     lib = cfg.get("lib_name", "dml_nb")
+    # the re-exports are resolved by importing the package: this tree's, not one installed from another checkout
+    sys.path.insert(0, str(ROOT))
     files = notebook_order(nbs)
     if not files:
         fail(f"--nbs {cut(args.nbs)}: no notebooks in it")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dml_nb.reproduction.results import count_arg
+from dml_nb.experiments.results import count_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 DECIDED = ("holds", "fails")

@@ -56,7 +56,7 @@ def digest(run: Path) -> dict:
 
 def train(method: str, runs: Path) -> Path:
     "Train one tiny run of `method` into `runs`; its run folder (from `dml-train`'s headline line)."
-    cmd = [sys.executable, "-c", "import sys; from dml_nb.reproduction.cli import main; sys.exit(main())"]
+    cmd = [sys.executable, "-c", "import sys; from dml_nb.experiments.cli import main; sys.exit(main())"]
     cmd += [f"params/train/shapes_{method}.yaml", "--set", "data.images_per_class=8", "--set", "train.epochs=2"]
     cmd += ["--threads", "1", "--runs-dir", str(runs), "--no-progress"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dml_nb.reproduction.repro import base_config
-from dml_nb.reproduction.results import count_arg
+from dml_nb.experiments.results import count_arg
 from dml_nb.reproduction.transfer import stems_of, transferred_parameters
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ import pandas as pd
 import yaml
 from tqdm.auto import tqdm
 
-from dml_nb.reproduction.results import RUN_NAME, count_arg
+from dml_nb.experiments.results import RUN_NAME, count_arg
 
 
 def _uses(job) -> list:

@@ -28,8 +28,8 @@ def pairwise_distance(x: Tensor, y: Tensor | None = None, eps: float = 1e-8) -> 
     sq = (x * x).sum(1, keepdim=True) + (y * y).sum(1)[None] - 2 * x @ y.T
     keep = sq > eps
     if same:
-        keep = keep & ~torch.eye(len(x), dtype=torch.bool, device=x.device)
-    return torch.where(keep, sq, torch.ones_like(sq)).sqrt() * keep
+        keep.fill_diagonal_(False)  # in place: one kernel, where an eye, a not and an and were three
+    return torch.where(keep, sq, 1.0).sqrt() * keep  # a scalar 1: no tensor of ones to fill
 
 # %% ../../nbs/20_distances.ipynb #edfbb965
 class Distance:

@@ -129,7 +129,7 @@ def _sha256(path: Path) -> str:
 
 def _command(tag: str) -> str:
     "How to regenerate the weights of `tag`: the command of `61a_pretrain_cli` (`dml-pretrain`)."
-    return "python -m dml_nb.reproduction.pretrain" + ("" if tag == TAG else f" --tag {tag}")
+    return "python -m dml_nb.experiments.pretrain" + ("" if tag == TAG else f" --tag {tag}")
 
 
 def _files(folder, tag) -> tuple[Path, Path, Path]:

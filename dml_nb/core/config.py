@@ -8,10 +8,12 @@ import ast
 import copy
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 import re
 import typing
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
@@ -40,7 +42,7 @@ from dml_nb.core.registry import (
 # %% auto #0
 __all__ = ['HASH_RULES', 'METHOD_OPTIONS', 'MAX_EPOCHS', 'RANGES', 'MAX_WIDTH', 'MAX_DIM', 'SIZES', 'MAX_KEY_DEPTH', 'hashed',
            'added_later', 'choices', 'DataConfig', 'ModelConfig', 'MethodConfig', 'TrainConfig', 'EvalConfig', 'Config',
-           'make_config', 'make_section', 'config_to_dict', 'source_constant', 'method_options_class',
+           'make_config', 'as_config', 'make_section', 'config_to_dict', 'source_constant', 'method_options_class',
            'method_option_names', 'method_option_default', 'stored_options', 'deep_merge', 'merge_layers', 'read_yaml',
            'apply_override', 'load_config']
 
@@ -342,6 +344,13 @@ def make_config(raw: dict | Config | None = None) -> Config:
     _check_names(cfg)
     _check_method_options(cfg)
     return cfg
+
+
+def as_config(config: Config | Mapping | None) -> Config:
+    """`config` itself where it is a `Config` (built and checked once, by `make_config` or `load_config`, at an entry
+    point: `dml-train`, `run`, a notebook's `setup`, a launcher), else `make_config(config)`. What every function
+    below an entry point calls: a run's config is composed once and handed down, never rebuilt from a dict."""
+    return config if isinstance(config, Config) else make_config(config)
 
 
 def _check_options(kind: str, name: str, given: dict, valid: Sequence[str]) -> None:
@@ -662,8 +671,9 @@ RANGES.update(
 )
 
 
-def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
-    "{dotted key: int or float} of every numeric field of the schema."
+@functools.cache  # the schema is fixed: read once, not on every make_config (its type hints cost ~50 ms a call)
+def _numeric_fields(cls=None, prefix: str = "") -> MappingProxyType:
+    "{dotted key: int or float} of every numeric field of the schema (read-only: it is shared)."
     out = {}
     for f in dataclasses.fields(cls or Config):
         tp = typing.get_type_hints(cls or Config)[f.name]
@@ -673,7 +683,7 @@ def _numeric_fields(cls=None, prefix: str = "") -> dict[str, type]:
         num = [a for a in (typing.get_args(tp) or (tp,)) if a in (int, float)]
         if num:
             out[prefix + f.name] = num[0]
-    return out
+    return MappingProxyType(out)
 
 
 def _check_ranges(cfg: Config) -> None:

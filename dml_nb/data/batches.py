@@ -292,7 +292,8 @@ class JpegDecode(torch.nn.Module):
             on = device if device.type == "cuda" else "cpu"
             for i, x in zip(enc, _decode_jpeg([data[i] for i in enc], on)):
                 out[i] = x
-        return [x.to(device, non_blocking=True) for x in out]
+        # images already there are kept as they are: a `to` that does nothing still costs the host a call
+        return [x if x.device == device else x.to(device, non_blocking=True) for x in out]
 
     def view(self, image: torch.Tensor, box, flip: bool) -> torch.Tensor:
         "One uint8 (3, H, W) image's view before normalisation, with the PIL path's functions: float (3, size, size) in [0, 1]."
@@ -503,7 +504,7 @@ class JpegImages(torch.utils.data.Dataset):
 
     def pil_image(self, i: int) -> torch.Tensor:
         """Image `i` as the PIL path loads it, uint8 (3, H, W): through the source's `load`, which follows
-        `data.on_unreadable` (`dml_nb.reproduction.experiment.tolerate_unreadable`: an error naming the file, or a
+        `data.on_unreadable` (`dml_nb.data.build.tolerate_unreadable`: an error naming the file, or a
         readable image of the same class in its place)."""
         return TF.pil_to_tensor(self.source.load(i))
 

@@ -23,108 +23,134 @@ from ..core.registry import unknown_name_error
 __all__ = ['write_fake_dataset', 'UnreadableImagesError', 'image_check_cache_dir', 'image_fingerprint', 'check_images']
 
 # %% ../../nbs/13_checks.ipynb #c09150ad
-def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_class: int = 3, size: int = 24) -> Path:
-    "Write a small tree in the real on-disk format of `name` under `root` (for tests); returns the dataset root."
-    if name not in READERS:
-        raise unknown_name_error("real dataset", name, READERS)
+def _fake_jpg(path: Path, c: int, size: int, rng: np.random.Generator) -> None:
+    "A noisy (size, size + 4) JPEG of class `c`'s grey level at `path` (its folders made)."
     from PIL import Image
 
-    root = Path(root)
-    rng = np.random.default_rng(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    a = np.full((size, size + 4, 3), (37 * c) % 256, np.uint8) + rng.integers(
+        0, 20, (size, size + 4, 3), dtype=np.uint8
+    )
+    Image.fromarray(a).save(path, quality=90)
 
-    def jpg(path: Path, c: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        a = np.full((size, size + 4, 3), (37 * c) % 256, np.uint8) + rng.integers(
-            0, 20, (size, size + 4, 3), dtype=np.uint8
-        )
-        Image.fromarray(a).save(path, quality=90)
 
-    if name == "cub200":
-        base = root / "CUB_200_2011"
-        i = 0
-        lines, lab, cls = [], [], []
-        for c in range(1, n_classes + 1):
-            folder = f"{c:03d}.Bird_{c}"
-            cls.append(f"{c} {folder}")
-            for k in range(per_class):
-                i += 1
-                rel = f"{folder}/Bird_{c}_{k:04d}.jpg"
-                jpg(base / "images" / rel, c)
-                lines.append(f"{i} {rel}")
-                lab.append(f"{i} {c}")
-        (base / "images.txt").write_text("\n".join(lines) + "\n")
-        (base / "classes.txt").write_text("\n".join(cls) + "\n")
-        (base / "image_class_labels.txt").write_text("\n".join(lab) + "\n")
-        return root
-    if name == "cars196":
-        from scipy.io import savemat
+def _write_lines(path: Path, lines: Sequence[str]) -> None:
+    "Write `lines`, one a line, ending in a newline."
+    path.write_text("\n".join(lines) + "\n")
 
-        n = n_classes * per_class
-        ann = np.zeros(
-            (1, n),
-            dtype=[(f, "O") for f in ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")],
+
+def _fake_cub200(root: Path, n_classes: int, per_class: int, size: int, rng: np.random.Generator) -> None:
+    "`CUB_200_2011/` with `images.txt`, `classes.txt`, `image_class_labels.txt` and `images/NNN.Bird_c/`."
+    base = root / "CUB_200_2011"
+    i = 0
+    lines, lab, cls = [], [], []
+    for c in range(1, n_classes + 1):
+        folder = f"{c:03d}.Bird_{c}"
+        cls.append(f"{c} {folder}")
+        for k in range(per_class):
+            i += 1
+            rel = f"{folder}/Bird_{c}_{k:04d}.jpg"
+            _fake_jpg(base / "images" / rel, c, size, rng)
+            lines.append(f"{i} {rel}")
+            lab.append(f"{i} {c}")
+    _write_lines(base / "images.txt", lines)
+    _write_lines(base / "classes.txt", cls)
+    _write_lines(base / "image_class_labels.txt", lab)
+
+
+def _fake_cars196(root: Path, n_classes: int, per_class: int, size: int, rng: np.random.Generator) -> None:
+    "`cars_annos.mat` (annotations in a shuffled file order, class names) and `car_ims/`."
+    from scipy.io import savemat
+
+    n = n_classes * per_class
+    ann = np.zeros(
+        (1, n),
+        dtype=[(f, "O") for f in ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")],
+    )
+    order = rng.permutation(n)  # file order differs from class order, as in the real file
+    for j, o in enumerate(order):
+        c = o % n_classes + 1
+        rel = f"car_ims/{j + 1:06d}.jpg"
+        _fake_jpg(root / rel, c, size, rng)
+        ann[0, j] = (
+            rel,
+            *[np.array([[v]], np.uint8) for v in (1, 1, size, size)],
+            np.array([[c]], np.uint8),
+            np.array([[j % 2]], np.uint8),
         )
-        order = rng.permutation(n)  # file order differs from class order, as in the real file
-        for j, o in enumerate(order):
-            c = o % n_classes + 1
-            rel = f"car_ims/{j + 1:06d}.jpg"
-            jpg(root / rel, c)
-            ann[0, j] = (
-                rel,
-                *[np.array([[v]], np.uint8) for v in (1, 1, size, size)],
-                np.array([[c]], np.uint8),
-                np.array([[j % 2]], np.uint8),
-            )
-        names = np.empty((1, n_classes), dtype=object)
-        names[0] = [f"Car {c}" for c in range(1, n_classes + 1)]
-        savemat(root / "cars_annos.mat", {"annotations": ann, "class_names": names})
-        return root
-    if name == "sop":
-        header = "image_id class_id super_class_id path"
-        i = 0
-        rows = {"train": [header], "test": [header]}
-        for c in range(1, n_classes + 1):
-            split = "train" if c <= n_classes // 2 else "test"
-            for k in range(per_class):
-                i += 1
-                rel = f"bicycle_final/{100000 + c}_{k}.JPG"
-                jpg(root / rel, c)
-                rows[split].append(f"{i} {c} 1 {rel}")
-        for s in rows:
-            (root / f"Ebay_{s}.txt").write_text("\n".join(rows[s]) + "\n")
-        return root
-    if name == "inshop":
-        rows = []
-        for c in range(1, n_classes + 1):
-            item = f"id_{c:08d}"
-            for k in range(per_class):
-                rel = f"img/WOMEN/Dresses/{item}/{k:02d}_1_front.jpg"
-                jpg(root / rel, c)
-                status = "train" if c <= n_classes // 2 else ("query" if k == 0 else "gallery")
-                rows.append(f"{rel}  {item}  {status}")
-        (root / "Eval").mkdir(parents=True, exist_ok=True)
-        (root / "Eval/list_eval_partition.txt").write_text(
-            f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
-        )
-        return root
-    # vehicleid: a quarter of the classes in each test list, larger lists containing the smaller ones
+    names = np.empty((1, n_classes), dtype=object)
+    names[0] = [f"Car {c}" for c in range(1, n_classes + 1)]
+    savemat(root / "cars_annos.mat", {"annotations": ann, "class_names": names})
+
+
+def _fake_sop(root: Path, n_classes: int, per_class: int, size: int, rng: np.random.Generator) -> None:
+    "`Ebay_train.txt` (the first half of the classes), `Ebay_test.txt` and `bicycle_final/`."
+    header = "image_id class_id super_class_id path"
+    i = 0
+    rows = {"train": [header], "test": [header]}
+    for c in range(1, n_classes + 1):
+        split = "train" if c <= n_classes // 2 else "test"
+        for k in range(per_class):
+            i += 1
+            rel = f"bicycle_final/{100000 + c}_{k}.JPG"
+            _fake_jpg(root / rel, c, size, rng)
+            rows[split].append(f"{i} {c} 1 {rel}")
+    for s in rows:
+        _write_lines(root / f"Ebay_{s}.txt", rows[s])
+
+
+def _fake_inshop(root: Path, n_classes: int, per_class: int, size: int, rng: np.random.Generator) -> None:
+    "`Eval/list_eval_partition.txt` (train: the first half of the items; each other item's first image a query)."
+    rows = []
+    for c in range(1, n_classes + 1):
+        item = f"id_{c:08d}"
+        for k in range(per_class):
+            rel = f"img/WOMEN/Dresses/{item}/{k:02d}_1_front.jpg"
+            _fake_jpg(root / rel, c, size, rng)
+            status = "train" if c <= n_classes // 2 else ("query" if k == 0 else "gallery")
+            rows.append(f"{rel}  {item}  {status}")
+    (root / "Eval").mkdir(parents=True, exist_ok=True)
+    (root / "Eval/list_eval_partition.txt").write_text(
+        f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
+    )
+
+
+def _fake_vehicleid(root: Path, n_classes: int, per_class: int, size: int, rng: np.random.Generator) -> None:
+    "`image/` and `train_test_split/`: a quarter of the classes in each test list, larger lists containing the smaller."
     rows = {"train": [], "800": [], "1600": [], "2400": []}
     i = 0
     q = max(1, n_classes // 4)
     for c in range(1, n_classes + 1):
         for k in range(per_class):
             i += 1
-            name_ = f"{i:08d}"
-            jpg(root / "image" / f"{name_}.jpg", c)
+            name = f"{i:08d}"
+            _fake_jpg(root / "image" / f"{name}.jpg", c, size, rng)
             if c <= n_classes - 3 * q:
-                rows["train"].append(f"{name_} {c}")
+                rows["train"].append(f"{name} {c}")
             for j, s in enumerate(("800", "1600", "2400")):
                 if n_classes - 3 * q < c <= n_classes - 3 * q + (j + 1) * q:
-                    rows[s].append(f"{name_} {c}")
+                    rows[s].append(f"{name} {c}")
     (root / "train_test_split").mkdir(parents=True, exist_ok=True)
-    (root / "train_test_split/train_list.txt").write_text("\n".join(rows["train"]) + "\n")
+    _write_lines(root / "train_test_split/train_list.txt", rows["train"])
     for s in ("800", "1600", "2400"):
-        (root / f"train_test_split/test_list_{s}.txt").write_text("\n".join(rows[s]) + "\n")
+        _write_lines(root / f"train_test_split/test_list_{s}.txt", rows[s])
+
+
+_FAKE_WRITERS = {
+    "cub200": _fake_cub200,
+    "cars196": _fake_cars196,
+    "sop": _fake_sop,
+    "inshop": _fake_inshop,
+    "vehicleid": _fake_vehicleid,
+}
+
+
+def write_fake_dataset(name: str, root: str | Path, n_classes: int = 6, per_class: int = 3, size: int = 24) -> Path:
+    "Write a small tree in the real on-disk format of `name` under `root` (for tests); returns the dataset root."
+    if name not in READERS:
+        raise unknown_name_error("real dataset", name, READERS)
+    root = Path(root)
+    _FAKE_WRITERS[name](root, n_classes, per_class, size, np.random.default_rng(0))
     return root
 
 # %% ../../nbs/13_checks.ipynb #2eac9e67

@@ -86,7 +86,7 @@ class ImageListDataset(torch.utils.data.Dataset):
             self.labels = np.searchsorted(self.class_ids, raw_labels).astype(np.int64)
         self.num_classes = len(self.class_ids)
         # what `load` does when image i stops decoding: None raises the `OSError`; else `unreadable(i, error)` gives
-        # the image to use (`dml_nb.reproduction.experiment.tolerate_unreadable` sets it from `data.on_unreadable`)
+        # the image to use (`dml_nb.data.build.tolerate_unreadable` sets it from `data.on_unreadable`)
         self.unreadable: Callable[[int, OSError], Image.Image] | None = None
 
     def __len__(self):

@@ -199,63 +199,82 @@ def cub_root(root: Path) -> Path:
     )
 
 
+def _cub_same_ids(f_img: Path, img_line: dict, f_lab: Path, lab_line: dict) -> None:
+    "Check that `images.txt` and `image_class_labels.txt` ({image id: line} of each) list the same image ids."
+    only_img, only_lab = sorted(set(img_line) - set(lab_line)), sorted(set(lab_line) - set(img_line))
+    if not (only_img or only_lab):
+        return
+    parts = []
+    if only_img:
+        parts.append(
+            f"{len(only_img)} id(s) of images.txt have no line in image_class_labels.txt "
+            f"(first: image {only_img[0]}, images.txt line {img_line[only_img[0]]})"
+        )
+    if only_lab:
+        parts.append(
+            f"{len(only_lab)} id(s) of image_class_labels.txt are not in images.txt "
+            f"(first: image {only_lab[0]}, image_class_labels.txt line {lab_line[only_lab[0]]})"
+        )
+    raise DatasetFormatError(
+        f"{f_img} and {f_lab} must list the same image ids: {'; '.join(parts)}. One of "
+        "them was probably cut short or edited: restore both from the CUB_200_2011 archive"
+    )
+
+
+def _cub_classes_from_labels(root: Path, img_line: dict, name_of: dict, folder: dict) -> dict:
+    """{image id: class id} from `image_class_labels.txt`, which must list the ids of `images.txt` and give each image
+    the class of its folder (`folder`: {class id: folder name} of `classes.txt`)."""
+    f_img, f_cls, f_lab = root / "images.txt", root / "classes.txt", root / "image_class_labels.txt"
+    labels = _rows(f_lab, [("image_id", int), ("class_id", int)])
+    lab_line = _unique(f_lab, labels, 0, "image id")
+    _cub_same_ids(f_img, img_line, f_lab, lab_line)
+    cls = {i: c for _, (i, c) in labels}
+    for i, c in cls.items():
+        if c not in folder:
+            raise DatasetFormatError(
+                f"{f_lab}, line {lab_line[i]}: class {c} of image {i} is not in {f_cls} "
+                f"(which lists {len(folder)} classes)"
+            )
+        top = name_of[i].split("/")[0]
+        if top != folder[c]:
+            raise DatasetFormatError(
+                f"{f_img}, line {img_line[i]}: image {i} lies in folder {top!r}, but "
+                f"{f_lab.name} (line {lab_line[i]}) gives class {c}, whose folder in "
+                f"{f_cls.name} is {folder[c]!r}"
+            )
+    return cls
+
+
+def _cub_classes_from_folders(root: Path, img_line: dict, name_of: dict, folder: dict) -> dict:
+    "{image id: class id} without `image_class_labels.txt`: the class is the image's folder, listed in `classes.txt`."
+    f_img, f_cls = root / "images.txt", root / "classes.txt"
+    of_folder = {name: cid for cid, name in folder.items()}
+    cls = {}
+    for i, rel in name_of.items():
+        top = rel.split("/")[0]
+        if top not in of_folder:
+            raise DatasetFormatError(
+                f"{f_img}, line {img_line[i]}: folder {top!r} of image {i} is not a class of "
+                f"{f_cls} (expected '<NNN.Class_name>/<file>.jpg')"
+            )
+        cls[i] = of_folder[top]
+    return cls
+
+
 def read_cub200(root: Path, split: str):
     "CUB-200-2011 (`root`: the `CUB_200_2011` folder or its parent): (image paths, raw class ids) of `split`."
     root = cub_root(root)
     _expect(root, "cub200", ["images.txt", "classes.txt", "images/"])
-    f_img, f_cls, f_lab = root / "images.txt", root / "classes.txt", root / "image_class_labels.txt"
+    f_img, f_cls = root / "images.txt", root / "classes.txt"
     images = _rows(f_img, [("image_id", int), ("image_name", str)])
     img_line = _unique(f_img, images, 0, "image id")
     classes = _rows(f_cls, [("class_id", int), ("class_name", str)])
     _unique(f_cls, classes, 0, "class id")
     _unique(f_cls, classes, 1, "class name")
     folder = {cid: name for _, (cid, name) in classes}
-    of_folder = {name: cid for cid, name in folder.items()}
     name_of = {i: rel for _, (i, rel) in images}
-    if f_lab.exists():
-        labels = _rows(f_lab, [("image_id", int), ("class_id", int)])
-        lab_line = _unique(f_lab, labels, 0, "image id")
-        only_img, only_lab = sorted(set(img_line) - set(lab_line)), sorted(set(lab_line) - set(img_line))
-        if only_img or only_lab:
-            parts = []
-            if only_img:
-                parts.append(
-                    f"{len(only_img)} id(s) of images.txt have no line in image_class_labels.txt "
-                    f"(first: image {only_img[0]}, images.txt line {img_line[only_img[0]]})"
-                )
-            if only_lab:
-                parts.append(
-                    f"{len(only_lab)} id(s) of image_class_labels.txt are not in images.txt "
-                    f"(first: image {only_lab[0]}, image_class_labels.txt line {lab_line[only_lab[0]]})"
-                )
-            raise DatasetFormatError(
-                f"{f_img} and {f_lab} must list the same image ids: {'; '.join(parts)}. One of "
-                "them was probably cut short or edited: restore both from the CUB_200_2011 archive"
-            )
-        cls = {i: c for _, (i, c) in labels}
-        for i, c in cls.items():
-            if c not in folder:
-                raise DatasetFormatError(
-                    f"{f_lab}, line {lab_line[i]}: class {c} of image {i} is not in {f_cls} "
-                    f"(which lists {len(folder)} classes)"
-                )
-            top = name_of[i].split("/")[0]
-            if top != folder[c]:
-                raise DatasetFormatError(
-                    f"{f_img}, line {img_line[i]}: image {i} lies in folder {top!r}, but "
-                    f"{f_lab.name} (line {lab_line[i]}) gives class {c}, whose folder in "
-                    f"{f_cls.name} is {folder[c]!r}"
-                )
-    else:  # the class is the image's folder, listed in classes.txt
-        cls = {}
-        for i, rel in name_of.items():
-            top = rel.split("/")[0]
-            if top not in of_folder:
-                raise DatasetFormatError(
-                    f"{f_img}, line {img_line[i]}: folder {top!r} of image {i} is not a class of "
-                    f"{f_cls} (expected '<NNN.Class_name>/<file>.jpg')"
-                )
-            cls[i] = of_folder[top]
+    by_labels = (root / "image_class_labels.txt").exists()
+    cls = (_cub_classes_from_labels if by_labels else _cub_classes_from_folders)(root, img_line, name_of, folder)
     rel = RELEASES["cub200"]
     if len(folder) == rel["classes"]:
         _size_warning(

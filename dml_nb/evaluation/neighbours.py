@@ -396,14 +396,8 @@ def _exact_rows(q: torch.Tensor, r: torch.Tensor, k: int, self_index: torch.Tens
     return (q.pow(2).sum(1, keepdim=True) - val[:, :k]).clamp_min_(0), idx[:, :k]
 
 
-def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "torch"):
-    """Exact Euclidean `k` nearest neighbours of each `query` row among `reference` rows: (squared distances,
-    indices), both (n_query, k), nearest first, equal distances by the smaller index (the same for every k and
-    back end). `exclude_self=True` (reference is the query set) removes each query's own row by index."""
-    if backend not in KNN_BACKENDS:
-        raise unknown_name_error("knn backend", backend, KNN_BACKENDS)
-    q = as_embeddings(query, "query")
-    r = as_embeddings(reference, "reference", q.device)
+def _checked_k(q: torch.Tensor, r: torch.Tensor, k, exclude_self: bool) -> int:
+    "Check that `k` neighbours of each row of `q` can be found among the rows of `r` by `knn`; returns `k` as an int."
     if r.shape[1] != q.shape[1]:
         raise ValueError(f"query has dimension {q.shape[1]} but reference has {r.shape[1]}")
     if exclude_self and len(q) != len(r):
@@ -418,7 +412,59 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
             f"k={k} is larger than the reference set ({available} items"
             f"{', excluding the query itself' if exclude_self else ''}); use a smaller k"
         )
-    k, n = int(k), len(q)
+    return int(k)
+
+
+def _search_distinct(q: torch.Tensor, r: torch.Tensor, u, inv, K: int, exclude_self: bool, backend: str):
+    """The `K` nearest distinct rows `u` of `r` (`inv`: each row's distinct row) to each query: (squared distances,
+    positions in `u`), both (n_query, K), on the query's device."""
+    if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
+        # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
+        if backend in _SELF_LOWP:
+            du, iu = (_knn_self_lowp if _SELF_LOWP[backend] else _knn_self)(u, K)
+        else:
+            du, iu = KNN_BACKENDS[backend](u, u, K, False)
+        return du.to(q.device)[inv], iu.to(q.device)[inv]
+    du, iu = KNN_BACKENDS[backend](q, u, K, False)
+    return du.to(q.device), iu.to(q.device)
+
+
+def _expand_distinct(du, iu, counts, members, start, L: int):
+    """Each found distinct row (`du`, `iu`, nearest first) expanded into its rows in ascending index, the first `L`
+    kept: (distances, row indices, the position of the last distinct row used, (n_query, 1))."""
+    n = len(du)
+    if len(counts) == len(members):  # no duplicates: the distinct rows are the rows
+        return du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=du.device)
+    cnt = counts[iu]
+    cum = cnt.cumsum(1)
+    pos = torch.arange(L, device=du.device).expand(n, L)
+    g = torch.searchsorted(cum, pos.contiguous(), right=True)  # which found distinct row position p is in
+    idx = members[start[iu.gather(1, g)] + pos - (cum.gather(1, g) - cnt.gather(1, g))]
+    return du.gather(1, g), idx, g[:, -1:]
+
+
+def _order_ties(du, dist, idx, last):
+    """Equal distances of different distinct rows: among fully used ones, sort (`dist`, `idx`) by index (in place);
+    where the `last` one used (which may be cut) ties with another, rows outside the first L may belong in it: those
+    queries are returned, to be ranked exactly."""
+    same = du[:, 1:] == du[:, :-1]  # same[:, j]: distinct rows j and j + 1 tie
+    j = torch.arange(du.shape[1] - 1, device=du.device)
+    redo = (same & ((j == last) | (j == last - 1))).any(1)
+    tidy = ((same & (j < last)).any(1) & ~redo).nonzero().flatten()
+    if len(tidy):
+        dist[tidy], idx[tidy] = _by_distance_then_index(dist[tidy], idx[tidy])
+    return redo.nonzero().flatten()
+
+
+def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "torch"):
+    """Exact Euclidean `k` nearest neighbours of each `query` row among `reference` rows: (squared distances,
+    indices), both (n_query, k), nearest first, equal distances by the smaller index (the same for every k and
+    back end). `exclude_self=True` (reference is the query set) removes each query's own row by index."""
+    if backend not in KNN_BACKENDS:
+        raise unknown_name_error("knn backend", backend, KNN_BACKENDS)
+    q = as_embeddings(query, "query")
+    r = as_embeddings(reference, "reference", q.device)
+    k, n = _checked_k(q, r, k, exclude_self), len(q)
     L = k + int(exclude_self)  # rows to take before removing the query's own
     u, counts, members, start, inv = _distinct_rows(r)
     K = min(len(u), L + 1)  # distinct rows to search: each has >= 1 row; +1 shows ties at the cut
@@ -427,40 +473,14 @@ def knn(query, reference, k: int, exclude_self: bool = False, backend: str = "to
             f"faiss-gpu returns at most {FAISS_GPU_MAX_K} neighbours; k={k} needs {K} (+1 for the query "
             f"itself, +1 to see ties at the cut): use backend='torch'"
         )
-    if len(q) == len(r) and (q is r or ((exclude_self or q.data_ptr() == r.data_ptr()) and torch.equal(q, r))):
-        # self-retrieval: search the distinct rows among themselves (each block once), then read each query's row
-        if backend in _SELF_LOWP:
-            du, iu = (_knn_self_lowp if _SELF_LOWP[backend] else _knn_self)(u, K)
-        else:
-            du, iu = KNN_BACKENDS[backend](u, u, K, False)
-        du, iu = du.to(q.device)[inv], iu.to(q.device)[inv]
-    else:
-        du, iu = KNN_BACKENDS[backend](q, u, K, False)
-        du, iu = du.to(q.device), iu.to(q.device)
-    if len(u) == len(r):  # no duplicates: the distinct rows are the rows
-        dist, idx, last = du[:, :L], iu[:, :L], torch.full((n, 1), L - 1, device=q.device)
-    else:  # expand each distinct row into its rows, ascending index; keep L
-        cnt = counts[iu]
-        cum = cnt.cumsum(1)
-        pos = torch.arange(L, device=q.device).expand(n, L)
-        g = torch.searchsorted(cum, pos.contiguous(), right=True)  # which found distinct row position p is in
-        idx = members[start[iu.gather(1, g)] + pos - (cum.gather(1, g) - cnt.gather(1, g))]
-        dist, last = du.gather(1, g), g[:, -1:]
-    # equal distances of different distinct rows: among fully used ones, sort by index; where the last one used (which
-    # may be cut) ties with another, rows outside the first L may belong in it: rank those queries exactly
-    same = du[:, 1:] == du[:, :-1]  # same[:, j]: distinct rows j and j + 1 tie
-    j = torch.arange(K - 1, device=q.device)
-    redo = (same & ((j == last) | (j == last - 1))).any(1)
-    tidy = ((same & (j < last)).any(1) & ~redo).nonzero().flatten()
-    if len(tidy):
-        dist[tidy], idx[tidy] = _by_distance_then_index(dist[tidy], idx[tidy])
-    redo = redo.nonzero().flatten()
+    du, iu = _search_distinct(q, r, u, inv, K, exclude_self, backend)
+    dist, idx, last = _expand_distinct(du, iu, counts, members, start, L)
+    redo = _order_ties(du, dist, idx, last)
     if exclude_self:
         is_self = idx == torch.arange(n, device=q.device)[:, None]
         is_self[~is_self.any(1), -1] = True  # the query is not among them: drop the last
         dist, idx = dist[~is_self].view(n, k), idx[~is_self].view(n, k)
-    if len(redo):
-        for s in range(0, len(redo), max(1, 2**25 // len(r))):
-            rows = redo[s : s + max(1, 2**25 // len(r))]
-            dist[rows], idx[rows] = _exact_rows(q[rows], r, k, rows if exclude_self else None)
+    for s in range(0, len(redo), max(1, 2**25 // len(r))):
+        rows = redo[s : s + max(1, 2**25 // len(r))]
+        dist[rows], idx[rows] = _exact_rows(q[rows], r, k, rows if exclude_self else None)
     return dist, idx

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.registry import LOSSES, METHODS, MINERS, unknown_name_error
-from ..training.callbacks import TASK_ORDER
+from ..training.callbacks import TASK_ORDER, check_hook_names
 from ..training.context import Method, subscriptions
 from ..blocks.heads import EmbeddingModel, MultiHead
 from ..blocks.decorrelation import Decorrelation
@@ -68,6 +68,10 @@ def build_miner(miner: Any, options: Mapping | None, loss: nn.Module):
 # %% ../../nbs/50_methods.ipynb #bb7b21fa
 class Task(nn.Module):
     "One learning task: loss (+ miner) on head `head` with batch labels `batch[labels]`, weighted by `weight` (alpha)."
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_hook_names(cls)  # a hook under an older name would never run: refused with its new name
 
     def __init__(
         self,
@@ -129,16 +133,16 @@ class Task(nn.Module):
     def setup(self, method: "MultiTaskMethod") -> None:
         "Called once the recipe's model exists (end of its __init__)."
 
-    def on_fit_start(self, method, ctx) -> None:
-        "Called by the recipe's hook of the same name with its `MethodContext`."
+    def before_fit(self, ctx) -> None:
+        "Called at every `fit` with the run's `MethodContext` (`ctx.method`: the recipe), after the recipe's hook."
 
-    def on_epoch_start(self, method, ctx) -> None:
+    def before_epoch(self, ctx) -> None:
         pass
 
-    def after_optimizer_step(self, method, ctx) -> None:
+    def after_optimizer_step(self, ctx) -> None:
         pass
 
-    def on_epoch_end(self, method, ctx) -> None:
+    def after_epoch(self, ctx) -> None:
         pass
 
     def extra_repr(self) -> str:
@@ -177,6 +181,26 @@ class MultiTaskMethod(Method):
         decorrelation_weight_decay: float = 0.0,
     ):
         super().__init__()
+        self._check_regularisers(dropout, output_noise, input_noise)
+        dims = self._checked_heads(dims)
+        tasks = self._checked_tasks(tasks, dims)
+        self.dims, self.separate = dims, bool(separate)
+        self.dropout, self.output_noise, self.input_noise = float(dropout), float(output_noise), float(input_noise)
+        if self.separate:
+            backbone = TaskBackbones(backbone, list(dims))
+        self.model = EmbeddingModel(backbone, MultiHead(backbone.feature_dim, dims, dropout=self.dropout))
+        self.tasks = nn.ModuleDict({t.name: t for t in tasks})
+        self.decorrelations, self.pairs = nn.ModuleDict(), {}
+        for spec in decorrelations:
+            self._add_decorrelation(spec, decorrelation_hidden_dim, decorrelation_lr, decorrelation_weight_decay)
+        self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
+        self._steps = 0
+        for t in tasks:
+            t.setup(self)
+
+    @staticmethod
+    def _checked_heads(dims: Mapping[str, int]) -> dict[str, int]:
+        "The heads as a dict {name: dimension}, each name a string without '.', each dimension a positive int."
         dims = dict(dims)
         if not dims:
             raise ValueError("a multi-task recipe needs at least one head, e.g. dims={'discriminative': 128}")
@@ -185,12 +209,20 @@ class MultiTaskMethod(Method):
                 raise ValueError(f"head names must be strings without '.', got {h!r}")
             if not (isinstance(d, int) and d >= 1):
                 raise ValueError(f"head {h!r}: dimension must be a positive int, got {d!r}")
+        return dims
+
+    @staticmethod
+    def _check_regularisers(dropout: float, output_noise: float, input_noise: float) -> None:
         if not 0 <= dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if output_noise < 0 or input_noise < 0:
             raise ValueError(
                 f"output_noise and input_noise are standard deviations (>= 0), got {output_noise}, {input_noise}"
             )
+
+    @staticmethod
+    def _checked_tasks(tasks: Sequence[Task], dims: Mapping[str, int]) -> list[Task]:
+        "The tasks as a list: at least one, `Task`s with unique names, each on one of the heads `dims`."
         tasks = list(tasks)
         if not tasks:
             raise ValueError("a multi-task recipe needs at least one Task")
@@ -202,40 +234,27 @@ class MultiTaskMethod(Method):
                 raise TypeError(f"tasks must be dml_nb.methods.base.Task, got {type(t).__name__}")
             if t.head not in dims:
                 raise unknown_name_error(f"head (of task {t.name!r})", t.head, dims)
-        self.dims, self.separate = dims, bool(separate)
-        self.dropout, self.output_noise, self.input_noise = float(dropout), float(output_noise), float(input_noise)
-        if self.separate:
-            backbone = TaskBackbones(backbone, list(dims))
-        self.model = EmbeddingModel(backbone, MultiHead(backbone.feature_dim, dims, dropout=self.dropout))
-        self.tasks = nn.ModuleDict({t.name: t for t in tasks})
-        self.decorrelations, self.pairs = nn.ModuleDict(), {}
-        for spec in decorrelations:
-            if len(spec) != 3:
-                raise ValueError(f"a decorrelation pair is (source_head, target_head, weight), got {spec!r}")
-            s, g, w = spec
-            for h in (s, g):
-                if h not in dims:
-                    raise unknown_name_error("head (of a decorrelation pair)", h, dims)
-            if s == g:
-                raise ValueError(f"cannot decorrelate head {s!r} from itself")
-            if not w >= 0:
-                raise ValueError(f"decorrelation weight of {s!r} -> {g!r} must be >= 0, got {w}")
-            key = f"{s}_to_{g}"
-            if key in self.pairs:
-                raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
-            self.pairs[key] = (s, g)
-            self.decorrelations[key] = Decorrelation(
-                dims[s],
-                dims[g],
-                w,
-                decorrelation_hidden_dim,
-                param_lr=decorrelation_lr,
-                param_weight_decay=decorrelation_weight_decay,
-            )
-        self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
-        self._steps = 0
-        for t in tasks:
-            t.setup(self)
+        return tasks
+
+    def _add_decorrelation(self, spec, hidden_dim: int, lr: float, weight_decay: float) -> None:
+        "Decorrelate head pair `spec` = (source_head, target_head, weight): `decorrelations['<source>_to_<target>']`."
+        if len(spec) != 3:
+            raise ValueError(f"a decorrelation pair is (source_head, target_head, weight), got {spec!r}")
+        s, g, w = spec
+        for h in (s, g):
+            if h not in self.dims:
+                raise unknown_name_error("head (of a decorrelation pair)", h, self.dims)
+        if s == g:
+            raise ValueError(f"cannot decorrelate head {s!r} from itself")
+        if not w >= 0:
+            raise ValueError(f"decorrelation weight of {s!r} -> {g!r} must be >= 0, got {w}")
+        key = f"{s}_to_{g}"
+        if key in self.pairs:
+            raise ValueError(f"decorrelation pair {s!r} -> {g!r} given twice")
+        self.pairs[key] = (s, g)
+        self.decorrelations[key] = Decorrelation(
+            self.dims[s], self.dims[g], w, hidden_dim, param_lr=lr, param_weight_decay=weight_decay
+        )
 
     # ---------------------------------------------------------------- forward pieces
     def features(self, x: torch.Tensor, model: nn.Module | None = None):
@@ -333,8 +352,8 @@ class MultiTaskMethod(Method):
 
     def hooks(self, ctx) -> list:
         """The recipe's hooks (`Method.hooks`) and, as entries of their own at `TASK_ORDER` (in task order), each task's
-        (`Task` hooks, called with the recipe and the context). The recipe's hooks run without their forwarding."""
-        idle = {n for n in ("on_epoch_start", "on_epoch_end") if getattr(type(self), n) is getattr(MultiTaskMethod, n)}
+        (`Task` hooks, called with the context). The recipe's hooks run without their forwarding."""
+        idle = {n for n in ("before_epoch", "after_epoch") if getattr(type(self), n) is getattr(MultiTaskMethod, n)}
         own = [
             dataclasses.replace(h, fn=functools.partial(self._apart, h.fn))
             for h in super().hooks(ctx)
@@ -343,7 +362,7 @@ class MultiTaskMethod(Method):
         return own + [h for t in self.tasks.values() for h in self._task_hooks(t, ctx)]
 
     def _task_hooks(self, task: Task, ctx) -> list:
-        return subscriptions(task, Task, TASK_ORDER, "task", f"{task.name}: ", self, ctx)
+        return subscriptions(task, Task, TASK_ORDER, "task", f"{task.name}: ", ctx)
 
     def _apart(self, fn) -> None:
         self._tasks_apart = True
@@ -360,7 +379,7 @@ class MultiTaskMethod(Method):
                     if h.event == event:
                         h.fn()
 
-    def on_fit_start(self, ctx) -> None:
+    def before_fit(self, ctx) -> None:
         self._steps = int(self.steps_done)
         labels = getattr(ctx.train_dataset, "labels", None)
         if labels is not None:  # the class labels of every step: checked once, here
@@ -369,7 +388,7 @@ class MultiTaskMethod(Method):
                     t.labels_known(labels)
         self._forward("before_fit", ctx)
 
-    def on_epoch_start(self, ctx) -> None:
+    def before_epoch(self, ctx) -> None:
         self._forward("before_epoch", ctx)
 
     def after_optimizer_step(self, ctx) -> None:
@@ -377,7 +396,7 @@ class MultiTaskMethod(Method):
         self.steps_done.fill_(self._steps)
         self._forward("after_optimizer_step", ctx)
 
-    def on_epoch_end(self, ctx) -> None:
+    def after_epoch(self, ctx) -> None:
         self._forward("after_epoch", ctx)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

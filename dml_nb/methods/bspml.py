@@ -55,10 +55,25 @@ class BSPML(Method):
                 "(the training set's possibly noisy labels, e.g. ds.labels)"
             )
         self.options = o
-        xi_batch = tuple(int(v) for v in o.xi_batch)
         self.model = EmbeddingModel(backbone, EmbeddingHead(backbone.feature_dim, o.embedding_dim))
-        self.num_classes, self.spl, self.balance = int(num_classes), bool(o.spl), bool(o.balance)
-        self.xi_scope, self.xi_batch, self.lambda_unit = o.xi_scope, xi_batch, o.lambda_unit
+        self.num_classes = int(num_classes)
+        self._keep_settings(o)
+        self.miner = MINERS.build("multi_similarity", epsilon=o.epsilon)
+        self.loss = LOSSES.build("weighted_multi_similarity", alpha=o.alpha, beta=o.beta, base=o.rho, epsilon=o.epsilon)
+        labels = self._checked_labels(train_labels)
+        self._scale_ages(o, labels)
+        self.register_buffer("labels", labels, persistent=False)
+        self.register_buffer("weights", None if labels is None else torch.ones(len(labels)))
+        self.register_buffer("age", torch.tensor(self.lambda_init, dtype=torch.float64))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+        self._flipped = None if flipped is None else self._check_flipped(flipped, "the flipped option")
+        self.terms_dataset = None  # the training set with test transforms (set in before_fit, or by the user)
+        self.last_update: dict = {}
+
+    def _keep_settings(self, o: BSPMLOptions) -> None:
+        "The options the loss, the weight updates and the solver read, as attributes."
+        self.spl, self.balance = bool(o.spl), bool(o.balance)
+        self.xi_scope, self.xi_batch, self.lambda_unit = o.xi_scope, tuple(int(v) for v in o.xi_batch), o.lambda_unit
         self.alpha, self.beta, self.rho, self.epsilon = float(o.alpha), float(o.beta), float(o.rho), float(o.epsilon)
         self.update_every, self.mine_terms, self.terms_transform = (
             int(o.update_every),
@@ -75,8 +90,9 @@ class BSPML(Method):
             P=o.solver_P,
             K=o.solver_K,
         )
-        self.miner = MINERS.build("multi_similarity", epsilon=o.epsilon)
-        self.loss = LOSSES.build("weighted_multi_similarity", alpha=o.alpha, beta=o.beta, base=o.rho, epsilon=o.epsilon)
+
+    def _checked_labels(self, train_labels) -> Tensor | None:
+        "The training labels as a tensor (None: none given), checked: 1-d, two classes or more, within `num_classes`."
         labels = None if train_labels is None else torch.as_tensor(np.asarray(train_labels), dtype=torch.long)
         if labels is not None:
             if labels.dim() != 1 or len(labels) == 0:
@@ -88,22 +104,18 @@ class BSPML(Method):
                     f"train_labels must lie in 0..num_classes-1 = {self.num_classes - 1}, "
                     f"got {int(labels.min())}..{int(labels.max())}"
                 )
-        # the age scale: lambda_unit='floor' reads lambda_init / lambda_inf in units of the mean pair-loss floor
+        return labels
+
+    def _scale_ages(self, o: BSPMLOptions, labels: Tensor | None) -> None:
+        "The age scale: lambda_unit='floor' reads lambda_init / lambda_inf in units of the mean pair-loss floor."
         self.floor = (
-            float(pair_loss_floor(labels, self.alpha, self.rho, o.xi_scope, xi_batch[1]).mean())
+            float(pair_loss_floor(labels, self.alpha, self.rho, o.xi_scope, self.xi_batch[1]).mean())
             if labels is not None
             else float("nan")
         )
         unit = self.floor if o.lambda_unit == "floor" and labels is not None else 1.0
         self.lambda_init, self.c, self.lambda_inf = float(o.lambda_init) * unit, float(o.c), float(o.lambda_inf) * unit
         self.mu = (self.lambda_inf if o.mu is None else float(o.mu)) if o.balance else 0.0
-        self.register_buffer("labels", labels, persistent=False)
-        self.register_buffer("weights", None if labels is None else torch.ones(len(labels)))
-        self.register_buffer("age", torch.tensor(self.lambda_init, dtype=torch.float64))
-        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
-        self._flipped = None if flipped is None else self._check_flipped(flipped, "the flipped option")
-        self.terms_dataset = None  # the training set with test transforms (set in on_fit_start, or by the user)
-        self.last_update: dict = {}
 
     def _check_flipped(self, flipped, where: str) -> Tensor:
         f = torch.as_tensor(np.asarray(flipped), dtype=torch.bool)
@@ -134,7 +146,7 @@ class BSPML(Method):
         "The SPL weight statistics (`weight_stats`) as history columns."
         return self.weight_stats()
 
-    def on_fit_start(self, ctx) -> None:
+    def before_fit(self, ctx) -> None:
         ds = ctx.train_dataset
         if self.labels is None:
             return
@@ -154,10 +166,10 @@ class BSPML(Method):
         if self.spl and self.terms_dataset is None:
             self.terms_dataset = ctx.train_eval_set if self.terms_transform == "test" else ds
 
-    def on_epoch_start(self, ctx) -> None:
+    def before_epoch(self, ctx) -> None:
         self.last_update = {}
 
-    def on_epoch_end(self, ctx) -> None:
+    def after_epoch(self, ctx) -> None:
         if self.spl and (ctx.epoch + 1) % self.update_every == 0:
             self.update_weights(ctx)
 

@@ -155,7 +155,7 @@ class QueueTask(Task):
             )
         if len(self.queue) == 0:
             raise ValueError(
-                f"the queue of task {self.name!r} is empty: it is filled in on_fit_start (Learner.fit) "
+                f"the queue of task {self.name!r} is empty: it is filled in before_fit (Learner.fit) "
                 "or by task.fill(method, batches) before the first step"
             )
         k = self.keys(method, views[0])
@@ -169,14 +169,14 @@ class QueueTask(Task):
             out["nonzero_weights"] = stats["nonzero_weight_fraction"]
         return out
 
-    def on_fit_start(self, method, ctx):
+    def before_fit(self, ctx):
         if not self.queue.is_full or not self.sized:
-            self.fill_from_learner(method, ctx)
+            self.fill_from_learner(ctx.method, ctx)
 
     @torch.no_grad()
-    def after_optimizer_step(self, method, ctx):
+    def after_optimizer_step(self, ctx):
         # key_buffers 'initial': the key encoder keeps its first buffers, so the update leaves them alone
-        self.key_encoder.update(method.model, with_buffers=self.key_buffers != "initial")
+        self.key_encoder.update(ctx.method.model, with_buffers=self.key_buffers != "initial")
         if self._pending is not None:
             self.queue.enqueue(self._pending)
             self._pending = None
@@ -224,10 +224,10 @@ class DeepClusterTask(Task):
         self.classifier.reset_parameters()
         return self.assignments
 
-    def on_epoch_start(self, method, ctx):
+    def before_epoch(self, ctx):
         if ctx.epoch % self.every and int(self.clustered_epoch) >= 0:
             return
-        out, _ = ctx.embed(ctx.train_eval_set, lambda x: {"features": _head_features(method, x, self.head)})
+        out, _ = ctx.embed(ctx.train_eval_set, lambda x: {"features": _head_features(ctx.method, x, self.head)})
         self.recluster(out["features"], seed=ctx.seed("diva/deepcluster", ctx.epoch) % 2**31)
         self.clustered_epoch.fill_(ctx.epoch)
 
@@ -235,7 +235,7 @@ class DeepClusterTask(Task):
         y = self.assignments[batch["index"].to(self.assignments.device)]
         if bool((y < 0).any()):  # a check that reads the device (DeepCluster is not a paper config's task)
             raise ValueError(
-                f"task {self.name!r} has no pseudo-labels yet: they are computed in on_epoch_start "
+                f"task {self.name!r} has no pseudo-labels yet: they are computed in before_epoch "
                 "(Learner.fit) or by task.recluster(features)"
             )
         logits = self.classifier(embeddings.float())

@@ -25,7 +25,7 @@ from .options import DnCOptions
 # %% auto #0
 __all__ = ['GROUPINGS', 'CLUSTER_ON', 'FINETUNE_PROXIES', 'OFFICIAL_MARGIN', 'DNC_AUTHORS_CODE', 'DNC_PAPER_TEXT',
            'random_partition', 'label_grouping', 'ClusterError', 'cluster_batch_sampler', 'PhaseSampler',
-           'FeatureDropoutModel', 'DivideAndConquer']
+           'FeatureDropoutModel', 'dnc_labels', 'DivideAndConquer']
 
 # %% ../../nbs/55_dnc.ipynb #fe0fabde
 def random_partition(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -183,6 +183,23 @@ FINETUNE_PROXIES = ("concat", "fresh")
 OFFICIAL_MARGIN = {"class_specific_beta": False, "learn_beta": False}  # lib/loss/margin_loss.py, train.py:114-127
 
 
+def dnc_labels(train_labels, num_classes: int, o: DnCOptions) -> np.ndarray:
+    "D&C's training labels as an array, checked against its options: the learners need classes to tell apart."
+    if train_labels is None:
+        raise ValueError("dnc needs train_labels (the training set's labels): the clusters are per-sample state")
+    labels = np.asarray(train_labels, dtype=np.int64)
+    K = o.num_learners
+    if K > 1 and K > num_classes:
+        raise ValueError(
+            f"num_learners={K} learners need as many clusters with classes to tell apart, but "
+            f"the training set has {num_classes} classes: use num_learners <= {num_classes // 2} (each "
+            "cluster needs two classes with two images), or a data set with more classes"
+        )
+    if o.grouping == "labels":
+        label_grouping(labels, K, o.class_groups)  # validate now
+    return labels
+
+
 @METHODS.register("dnc")
 class DivideAndConquer(Method):
     "Divide and Conquer: K learners = K slices of one embedding layer, each trained on its own data cluster."
@@ -201,21 +218,17 @@ class DivideAndConquer(Method):
         when built; what needs the data (the training labels, learners against classes) is checked here."""
         super().__init__()
         o = DnCOptions.of(options, **kwargs)
-        if train_labels is None:
-            raise ValueError("dnc needs train_labels (the training set's labels): the clusters are per-sample state")
-        self.train_labels = np.asarray(train_labels, dtype=np.int64)
-        K = o.num_learners
-        if K > 1 and K > num_classes:
-            raise ValueError(
-                f"num_learners={K} learners need as many clusters with classes to tell apart, but "
-                f"the training set has {num_classes} classes: use num_learners <= {num_classes // 2} (each "
-                "cluster needs two classes with two images), or a data set with more classes"
-            )
-        if o.grouping == "labels":
-            label_grouping(self.train_labels, K, o.class_groups)  # validate now
+        self.train_labels = dnc_labels(train_labels, num_classes, o)
         self.options = o
+        self._keep_settings(o, num_classes)
+        head = self._build_model(backbone, o)
+        self._build_losses(o, head, num_classes)
+        self._init_state(len(self.train_labels), o)
+
+    def _keep_settings(self, o: DnCOptions, num_classes: int) -> None:
+        "The options the phases, the clustering and the losses read, as attributes."
         self.num_learners, self.recluster_every, self.grouping, self.cluster_on = (
-            K,
+            o.num_learners,
             o.recluster_every,
             o.grouping,
             o.cluster_on,
@@ -235,10 +248,13 @@ class DivideAndConquer(Method):
         )
         self.class_groups = None if o.class_groups is None else list(o.class_groups)
         self.kmeans_iterations, self.kmeans_redo, self.num_classes = o.kmeans_iterations, o.kmeans_redo, num_classes
+
+    def _build_model(self, backbone: nn.Module, o: DnCOptions) -> SlicedHead:
+        "The backbone and the sliced embedding layer (a slice per learner), feature dropout if set; returns the head."
         head = SlicedHead(
             backbone.feature_dim,
             o.embedding_dim,
-            K,
+            o.num_learners,
             full_embedding=o.full_embedding,
             init=o.init,
             train_split=o.train_split,
@@ -249,8 +265,10 @@ class DivideAndConquer(Method):
             if o.feature_dropout > 0
             else EmbeddingModel(backbone, head)
         )
-        self._build_losses(o, head, num_classes)
-        n = len(self.train_labels)
+        return head
+
+    def _init_state(self, n: int, o: DnCOptions) -> None:
+        "The clustering state of `n` training samples (checkpointed buffers) and the phases' bookkeeping."
         self.register_buffer("assignments", torch.full((n,), -1, dtype=torch.long))  # -1: not clustered yet
         self.register_buffer("clustered_epoch", torch.tensor(-1))  # epoch of the last clustering
         self.register_buffer("kept_fraction", torch.tensor(float("nan")))  # share that kept its cluster
@@ -416,7 +434,7 @@ class DivideAndConquer(Method):
         return True
 
     # ------------------------------------------------------------------ learner hooks
-    def on_fit_start(self, ctx) -> None:
+    def before_fit(self, ctx) -> None:
         if len(ctx.train_dataset) != len(self.train_labels):
             raise ValueError(
                 f"dnc was built with {len(self.train_labels)} train_labels but the training set has "
@@ -438,7 +456,7 @@ class DivideAndConquer(Method):
         else:
             self._sampler.use_base()
 
-    def on_epoch_start(self, ctx) -> None:
+    def before_epoch(self, ctx) -> None:
         e = ctx.epoch
         if self.finetune_proxies == "concat" and (self.full(e) or not self.dividing(e)):
             self.merge_proxies()

@@ -291,8 +291,8 @@ class SharingMatters(MultiTaskMethod):
             workers=self.group_batch_workers,
         )
 
-    def on_fit_start(self, ctx) -> None:
-        super().on_fit_start(ctx)
+    def before_fit(self, ctx) -> None:
+        super().before_fit(ctx)
         if self.grouping and len(ctx.train_dataset) != len(self.train_labels):
             raise ValueError(
                 f"sharing was built with {len(self.train_labels)} train_labels but the training set has "
@@ -332,8 +332,8 @@ class SharingMatters(MultiTaskMethod):
         if self.shared_batches == "groups" and bool((self.groups >= 0).all()) and len(self.groups):
             self._sampler.use_shared(self._group_batches(ctx))  # a resumed run: the groups of its checkpoint
 
-    def on_epoch_start(self, ctx) -> None:
-        super().on_epoch_start(ctx)
+    def before_epoch(self, ctx) -> None:
+        super().before_epoch(ctx)
         if self.grouping and (int(self.grouped_epoch) < 0 or ctx.epoch - int(self.grouped_epoch) >= self.regroup_every):
             self.regroup(ctx)
             if self.shared_batches == "groups" and self._sampler is not None:

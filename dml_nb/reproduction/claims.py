@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.base import atomic_write
-from .viz import markdown_table, plot_forest, save_figure
+from ..experiments.viz import markdown_table, plot_forest, save_figure
 
 # %% auto #0
 __all__ = ['Z', 'LEVEL', 'RULE', 'CLAIMS_SCHEMA', 'CLAIMS_VERSION', 'SETTING_FIELDS', 'RULES', 'FOREST_COLUMNS', 'Verdict',

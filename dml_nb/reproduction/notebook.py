@@ -17,8 +17,8 @@ import pandas as pd
 
 from ..core.base import in_test, project_root
 from .claims import Claims
-from .results import RunPolicy, restore_results, save_result, use_policy
-from .experiment import RUN_THREADS, check_seeds, load_result, run_dir_for
+from ..experiments.results import RunPolicy, restore_results, save_result, use_policy
+from ..experiments.experiment import RUN_THREADS, check_seeds, load_result, run_dir_for
 from ..methods.base import task_health
 from dml_nb.reproduction.repro import (
     EMBEDDED,
@@ -36,7 +36,7 @@ from dml_nb.reproduction.repro import (
     write_table,
 )
 from ..core.config import make_config
-from .viz import save_figure, set_style
+from ..experiments.viz import save_figure, set_style
 
 # %% auto #0
 __all__ = ['CONFIG_SECTIONS', 'OUTPUT_KEYS', 'Reproduction', 'params_base', 'setup', 'notebook_defaults', 'cell_values',
@@ -475,7 +475,7 @@ def _check_parameters(stem: str, params: Mapping, defaults: Mapping | None) -> N
 
 def _check_data(base: Mapping) -> None:
     "The data of a paper-scale `base` is on disk (root and index files), as `dml-train` checks it: else its error."
-    from dml_nb.reproduction.experiment import check_data
+    from dml_nb.data.build import check_data
 
     if paper_variant(base) is not None:
         try:

@@ -20,14 +20,15 @@ import yaml
 from .claims import metric_label
 from ..core.base import source_hash, atomic_write, data_root, in_test, project_root
 from ..core.registry import BACKBONES, FINEGRAINED_SETS, METHODS
-from .experiment import RUN_THREADS, RunResult, build_learner, load_result, run, run_dir_for
-from .experiment import check_seeds, foreign_run
-from .results import RunPolicy, RunStopped, one_line, restored, run_key, runs_folder, stopped_record
-from .results import restore_run, run_policy
+from ..experiments.experiment import RUN_THREADS, RunResult, load_result, run, run_dir_for
+from ..training.build import build_learner
+from ..experiments.experiment import check_seeds, foreign_run
+from ..experiments.results import RunPolicy, RunStopped, one_line, restored, run_key, runs_folder, stopped_record
+from ..experiments.results import restore_run, run_policy
 from ..training.learner import NoTuplesError
 from ..training.context import BatchFormationError
 from ..core.config import ConfigError, config_to_dict, make_config, merge_layers, method_options_class
-from .viz import markdown_table
+from ..experiments.viz import markdown_table
 
 # %% auto #0
 __all__ = ['EMBEDDED', 'SHAPES_BASE', 'FINEGRAINED_BASE', 'NOVEL_BASE', 'PREMISE_BASE', 'SECTIONS', 'paper_variant',
@@ -328,11 +329,11 @@ def run_rows(
     policy: RunPolicy | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
-    reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.reproduction.sweep`:
+    reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.sweeps.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained. A seed given twice
     is an error (`check_seeds`). `policy` (train, plan or collect-only; default: the one in force, `run_policy`) is
     what the notebook's `setup` read at its start: `Reproduction.run` passes its own."""
-    from dml_nb.reproduction.sweep import sweep_mode
+    from dml_nb.sweeps.sweep import sweep_mode
 
     seeds = check_seeds(seeds)  # a seed given twice: refused before anything runs
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)

@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 
 from ..core.base import atomic_write
 from .claims import RULES, load_claims, resolved_text
-from .experiment import RECIPES_VERSION
-from .results import RESULTS_ENV, RunPolicy, results_path
-from .results import check_runs_folder, folder_problem, runs_folder
+from ..experiments.experiment import RECIPES_VERSION
+from ..experiments.results import RESULTS_ENV, RunPolicy, results_path
+from ..experiments.results import check_runs_folder, folder_problem, runs_folder
 from ..core.base import in_test
 from ..core.base import source_hash, project_root
 
@@ -323,7 +323,7 @@ def _output_parameters(root: Path, write_committed: bool) -> dict:
 def _parser():
     "The command line of `dml-reproduce`: its own arguments and the sweeps' (`launch.add_sweep_arguments`)."
     import argparse
-    from dml_nb.reproduction.launch import add_sweep_arguments
+    from dml_nb.sweeps.launch import add_sweep_arguments
 
     ap = argparse.ArgumentParser(
         prog="dml-reproduce",
@@ -361,13 +361,13 @@ def _parser():
 
 
 def reproduce_main(argv: Sequence[str] | None = None) -> int:
-    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.reproduction.launch`)."
+    "Entry point of `dml-reproduce [NOTEBOOK ...] [--force]`, and of its sweeps (`--plan`, `--launch`, `--collect-only`: `dml_nb.sweeps.launch`)."
     import functools
-    from dml_nb.reproduction.launch import sweep_command
+    from dml_nb.sweeps.launch import sweep_command
 
     ap = _parser()
     args = ap.parse_args(argv)
-    from .sweep import PlanError, env_vars
+    from dml_nb.sweeps.sweep import PlanError, env_vars
 
     if args.write_notebooks and not args.write_committed:
         ap.error("--write-notebooks writes the committed notebooks (nbs/<name>.ipynb): give --write-committed too")

@@ -21,7 +21,7 @@ from ..core.config import make_config, method_options_class
 from ..core.registry import LOSSES, MINERS, unknown_name_error
 from ..methods import options as _options  # noqa: F401  registers every recipe's options class (METHOD_OPTIONS)
 from .notebook import notebook_defaults, params_base
-from .experiment import run_dir_for
+from ..experiments.experiment import run_dir_for
 from .repro import SECTIONS, Row, base_config
 
 # %% auto #0

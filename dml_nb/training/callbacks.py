@@ -16,7 +16,8 @@ from ..core.base import atomic_write
 
 # %% auto #0
 __all__ = ['EVENTS', 'METHOD_ORDER', 'TASK_ORDER', 'Callback', 'EvalCallback', 'CSVLogger', 'history_csv', 'ProgressCallback',
-           'EmptyTuplesStop', 'CheckpointCallback', 'Hook', 'overrides', 'EventList', 'callback_hooks']
+           'EmptyTuplesStop', 'CheckpointCallback', 'Hook', 'overrides', 'renamed_hook', 'check_hook_names',
+           'EventList', 'callback_hooks']
 
 # %% ../../nbs/41_callbacks.ipynb #2481e8e1
 class Callback:
@@ -208,6 +209,26 @@ class Hook:
 def overrides(obj, base: type, name: str) -> bool:
     "Whether `obj`'s class defines hook `name` other than `base`'s (a hook left as the base's no-op does not subscribe)."
     return callable(getattr(type(obj), name, None)) and getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+def renamed_hook(name: str) -> str | None:
+    """The event a hook name of the older scheme stands for: `on_<phase>_start` -> `before_<phase>`,
+    `on_<phase>_end` -> `after_<phase>`, where that is one of `EVENTS`; None for any other name."""
+    prefix, _, rest = name.partition("_")
+    phase, _, edge = rest.rpartition("_")
+    event = {"start": "before_", "end": "after_"}.get(edge, "") + phase
+    return event if prefix == "on" and event in EVENTS else None
+
+
+def check_hook_names(cls: type) -> None:
+    "Refuse a class (a recipe, a task) that defines a hook under an older name: the learner would never call it."
+    for name, value in vars(cls).items():
+        event = renamed_hook(name)
+        if event is not None and callable(value):
+            raise TypeError(
+                f"{cls.__qualname__}.{name} is an old hook name that the learner never calls: rename it to "
+                f"{event}(self, ctx) (the events: {', '.join(EVENTS)})"
+            )
 
 
 class EventList:

@@ -12,10 +12,10 @@ import torch.nn as nn
 
 from ..core.base import stream_seed
 from ..data.batches import BatchSource
-from .callbacks import EVENTS, METHOD_ORDER, Hook, overrides
+from .callbacks import EVENTS, METHOD_ORDER, Hook, check_hook_names, overrides
 
 # %% auto #0
-__all__ = ['HOOK_NAMES', 'MethodContext', 'BatchFormationError', 'Method', 'subscriptions']
+__all__ = ['MethodContext', 'BatchFormationError', 'Method', 'subscriptions']
 
 # %% ../../nbs/40_context.ipynb #8bd07bdf
 class MethodContext:
@@ -37,6 +37,7 @@ class MethodContext:
     world_size = property(lambda self: self._learner.world_size, doc="Number of training processes.")
     eval_batch_size = property(lambda self: self._learner.eval_batch_size, doc="Batch size of feature passes.")
     sampler = property(lambda self: self._learner.sampler, doc="The batch sampler in use (see `use_sampler`).")
+    method = property(lambda self: self._learner.method, doc="The recipe being trained (what a task's hooks read).")
     row = property(lambda self: self._learner.row, doc="The epoch's history row (a dict a hook may add entries to).")
 
     run_sampler = property(
@@ -117,6 +118,10 @@ class Method(nn.Module):
     # every forward (`find_unused_parameters`); a recipe that uses all its parameters in every step may set False
     unused_parameters: bool = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_hook_names(cls)  # a hook under an older name would never run: refused with its new name
+
     def training_step(self, batch: dict) -> dict:
         "`batch`: x, y, index (+ extra_views, group, epoch, step) on the device; return {'loss': scalar, other logs}."
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch)")
@@ -156,23 +161,23 @@ class Method(nn.Module):
 
     def records(self, ctx: MethodContext) -> dict:
         """Columns this recipe adds to the epoch's history row (cluster statistics, SPL weights, ...); called once per
-        epoch after `on_epoch_end`, before evaluation, the CSV and the checkpoint. A key the row already has is an error."""
+        epoch after `after_epoch`, before evaluation, the CSV and the checkpoint. A key the row already has is an error."""
         return {}
 
     def no_tuples_hint(self) -> str:
         "What in this recipe's settings can leave a task without tuples (ends the learner's `NoTuplesError` message)."
         return ""
 
-    def on_fit_start(self, ctx: MethodContext) -> None:
+    def before_fit(self, ctx: MethodContext) -> None:
         "Called at every `fit`, after a checkpoint is restored: rebuild what is derived from state."
 
-    def on_epoch_start(self, ctx: MethodContext) -> None:
+    def before_epoch(self, ctx: MethodContext) -> None:
         "Called once per epoch before its first step (not again when a run resumes mid-epoch)."
 
     def after_optimizer_step(self, ctx: MethodContext) -> None:
         "Called after every optimiser step (momentum-encoder update, queue)."
 
-    def on_epoch_end(self, ctx: MethodContext) -> None:
+    def after_epoch(self, ctx: MethodContext) -> None:
         "Called once per epoch after its last step, before evaluation and the checkpoint."
 
     def hooks(self, ctx: MethodContext) -> list[Hook]:
@@ -180,17 +185,12 @@ class Method(nn.Module):
         return subscriptions(self, Method, METHOD_ORDER, "method", "", ctx)
 
 
-# the older names of the learner events a recipe's (and a task's) hook methods may use
-HOOK_NAMES = {"before_fit": "on_fit_start", "before_epoch": "on_epoch_start", "after_epoch": "on_epoch_end"}
-
-
 def subscriptions(obj, base: type, order: float, kind: str, label: str, *args) -> list[Hook]:
-    """The hooks `obj` subscribes to: per event (in loop order), its method named after the event and the one of the
-    older name (`HOOK_NAMES`), where its class defines them beyond `base`; each called with `args`."""
+    """The hooks `obj` subscribes to: per event (in loop order), its method named after the event, where its class
+    defines one beyond `base`; each called with `args`."""
     out = []
     for event in EVENTS:
-        for name in dict.fromkeys((event, HOOK_NAMES.get(event, event))):
-            if overrides(obj, base, name):
-                fn = functools.partial(getattr(obj, name), *args)
-                out.append(Hook(event, order, kind, label + getattr(type(obj), name).__qualname__, fn))
+        if overrides(obj, base, event):
+            fn = functools.partial(getattr(obj, event), *args)
+            out.append(Hook(event, order, kind, label + getattr(type(obj), event).__qualname__, fn))
     return out

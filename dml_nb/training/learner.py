@@ -320,7 +320,7 @@ def restore_sampler(sampler, state):
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"the checkpoint's sampler state {state} does not fit the sampler {type(sampler).__name__} ({e}); a "
-            "recipe that replaces the sampler must rebuild the same kind in on_fit_start"
+            "recipe that replaces the sampler must rebuild the same kind in before_fit"
         ) from e
     return None
 
@@ -501,7 +501,7 @@ class Learner:
     `callbacks`, `progress`, `seed`. It is built of parts: `state` (a `RunState`), `evaluation` (an `EvalLoop`),
     `checkpointer` (a `Checkpointer`) and one event list (`loop_hooks`, `show_loop`)."""
 
-    run_key: str | None = None  # the run's config key (set by `reproduction.experiment.run`; in every checkpoint)
+    run_key: str | None = None  # the run's config key (set by `experiments.experiment.run`; in every checkpoint)
     threads: int | None = None  # the CPU threads the run trains on (set there too; a resume keeps them)
 
     def __init__(

@@ -16,7 +16,8 @@ from ..data.checks import UnreadableImagesError
 from ..core.registry import PRESETS
 from ..core.config import Config, ConfigError, load_config
 from .results import RunPolicy, RunStopped, count_arg, save_result
-from .experiment import config_data_root, process_rank, check_data, run, run_dir_for
+from ..data.build import config_data_root, check_data
+from .experiment import process_rank, run, run_dir_for
 
 # %% auto #0
 __all__ = ['USER_ERRORS', 'main', 'headline']

@@ -5,17 +5,15 @@
 # %% ../../nbs/60_experiment.ipynb #5022df0e
 from __future__ import annotations
 import datetime
-import functools
 import json
 import os
 import platform
 import re
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Sequence
 
 import yaml
 
@@ -26,20 +24,16 @@ from dml_nb.core.base import (
     atomic_torch_save,
     atomic_write,
     check_threads,
-    data_root,
     describe_holder,
     disk_write_error,
     lock_dir,
     remove_temp_files,
 )
-from ..core.registry import FINEGRAINED_SETS, METHODS, METRICS, REAL_DATASETS, parse_metric
-from ..data.formats import DatasetNotFoundError, read_index
-from ..data.checks import UnreadableImagesError, check_images
-from ..core.config import Config, ConfigError, config_to_dict, make_config
+from ..core.config import Config, ConfigError, as_config, config_to_dict, make_config
+from ..data.build import check_data
+from ..training.build import build_learner
 
-if TYPE_CHECKING:
-    from dml_nb.training.learner import Learner  # annotations only: the learner (torch) is imported when a run is built
-from dml_nb.reproduction.results import (
+from dml_nb.experiments.results import (
     RECIPES_VERSION,
     check_stopped,
     clear_restored,
@@ -52,292 +46,8 @@ from dml_nb.reproduction.results import (
 )
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RUN_THREADS', 'config_data_root', 'check_data', 'LabelNoise', 'build_datasets', 'eval_dataset',
-           'build_data', 'tolerate_unreadable', 'check_metric_sizes', 'build_learner', 'RunResult', 'run_dir_for',
-           'cpu_info', 'load_result', 'recorded_threads', 'process_rank', 'run', 'train_again', 'foreign_run',
-           'check_seeds', 'run_seeds']
-
-# %% ../../nbs/60_experiment.ipynb #49a5662f
-def _splits_read(cfg: Config) -> list[str]:
-    d = cfg.data
-    test = ["query", "gallery"] if d.name == "inshop" and d.test_split in ("query", "test") else [d.test_split]
-    return ["train", *test]
-
-
-def config_data_root(cfg: Config) -> Path:
-    "The dataset root of a real dataset, or a `ConfigError` saying how to give it."
-    d = cfg.data
-    if d.root is None and not os.environ.get("DML_DATA"):
-        raise ConfigError(
-            f"data.name is {d.name!r}, a dataset on disk, but neither data.root nor $DML_DATA is set: "
-            f"--set data.root=/path/to/{d.name} (data.root: in a parameter file), or export "
-            f"DML_DATA=/path/to/datasets to read $DML_DATA/{d.name}"
-        )
-    return data_root(d.name, d.root)
-
-
-def check_data(cfg: Config | dict, images: bool = False, progress: bool = True) -> dict:
-    """Check the data of `cfg` without torch: the root, every index file of the splits the run reads, and with
-    `images=True` every image (decoded once, cached). Returns {split: (images, classes)} and, with `images`, the
-    unreadable ones under 'unreadable'. Errors name the file and are worded for the config."""
-    cfg = make_config(cfg)
-    d = cfg.data
-    if d.name not in REAL_DATASETS:
-        return {}
-    root = config_data_root(cfg)
-    how = f"point data.root at it: --set data.root=/path/to/{d.name}, or put it in $DML_DATA/{d.name}"
-    out, paths = {}, []
-    try:
-        for split in _splits_read(cfg):
-            p, y = read_index(d.name, root, split)
-            out[split] = (len(p), len(set(y.tolist())))
-            paths += p
-    except DatasetNotFoundError as e:
-        raise DatasetNotFoundError(e.name, e.root, e.missing, how=how) from None
-    if images:
-        seen, unique = set(), []
-        for p in paths:
-            if p not in seen:
-                seen.add(p)
-                unique.append(p)
-        out["unreadable"] = check_images(unique, f"{d.name} at {root}", progress=progress)
-    return out
-
-
-@dataclass
-class LabelNoise:
-    """The label noise of a training set (`data.label_noise`, BSPML's protocol): its true labels and which samples were
-    relabelled (all False without noise). `build_data` returns it beside the sets; a recipe that declares a
-    `flipped` argument (BSPML) gets the mask from `build_learner`."""
-
-    clean_labels: Any  # (N,) the labels before the noise
-    flipped: Any  # (N,) bool: relabelled
-
-
-def build_datasets(cfg: Config, progress: bool = True) -> tuple[Any, dict]:
-    "The training set (noisy labels applied) and the evaluation sets of `cfg`; with `data.cache`, from the image cache."
-    train, evals, _ = build_data(cfg, progress)
-    return train, evals
-
-
-def eval_dataset(config: Mapping, split: str = "test", progress: bool = False):
-    """The evaluation set whose embeddings a run saved under `split` ('test'; 'train': the training classes' images
-    that `eval_train` measures, held-out ones under `data.train_eval_split: heldout`), in their order, from the run's
-    own config (`RunResult.config`). Read without the image cache, so that a figure can show its images and a
-    rendered set's factors (`shape_ids`, ...); In-Shop's test split is its (query, gallery) pair."""
-    data = {**config["data"], "cache": False}
-    evals = build_datasets(make_config({**config, "data": data}), progress)[1]
-    if split not in evals:
-        raise KeyError(f"the run evaluates no {split!r} split (it evaluates: {', '.join(evals)}); set data.eval_train")
-    return evals[split]
-
-
-def _label_noise_argument(method: str, noise: LabelNoise) -> dict:
-    "{'flipped': the relabelled samples} for a recipe whose constructor declares `flipped` (BSPML's statistics), else {}."
-    import inspect
-
-    return {"flipped": noise.flipped} if "flipped" in inspect.signature(METHODS.get(method)).parameters else {}
-
-
-def _eval_sets(d, load) -> dict:
-    """{'test': the test split (In-Shop: its query and gallery), 'train': the training classes' images that
-    `eval_train` measures (the trained ones, or `data.train_eval_split: heldout`)}, each read by `load(split, **extra)`."""
-    evals = {}
-    if d.name == "inshop" and d.test_split in ("query", "test"):
-        evals["test"] = (load("query"), load("gallery"))
-    else:
-        test_extra = {"images_per_class": d.test_images_per_class} if d.test_images_per_class else {}
-        evals["test"] = load(d.test_split, **test_extra)
-    if d.eval_train:
-        evals["train"] = load(d.train_eval_split, augment=False)
-    return evals
-
-
-def build_data(cfg: Config, progress: bool = True) -> tuple[Any, dict, LabelNoise]:
-    """As `build_datasets`, and the training set's `LabelNoise` (its true labels and relabelled samples, declared
-    data rather than attributes attached to the set)."""
-    import numpy as np
-    from dml_nb.data.datasets import add_label_noise, load_dataset
-
-    d = cfg.data
-    opts = {"preset": d.preset or cfg.model.backbone, "size": d.size}  # the backbone's own preprocessing
-    if d.name in ("shapes", *FINEGRAINED_SETS) and d.images_per_class:
-        opts["images_per_class"] = d.images_per_class
-    if d.name in ("shapes", *FINEGRAINED_SETS):
-        opts["seed"] = 0  # the data set itself does not change with the run's seed
-    kw = (
-        {"root": config_data_root(cfg), "on_unreadable": d.on_unreadable, "progress": progress}
-        if d.name in REAL_DATASETS
-        else {}
-    )
-
-    def load(split, **extra):
-        try:
-            ds = load_dataset(d.name, split=split, **kw, **{**opts, **extra})
-        except UnreadableImagesError as e:
-            raise UnreadableImagesError(
-                e.bad,
-                e.total,
-                f"{d.name} {split}",
-                how=(
-                    "Replace or remove them, or leave them out with --set data.on_unreadable=skip (data.on_unreadable: "
-                    "skip); dml-train --check-data lists them all"
-                ),
-            ) from None
-        if d.name in REAL_DATASETS:  # an image that stops decoding later follows on_unreadable too
-            tolerate_unreadable(ds, d.on_unreadable, f"{d.name} {split}")
-        return ds
-
-    train = load("train")
-    noise = LabelNoise(train.labels.copy(), np.zeros(len(train), dtype=bool))
-    if d.label_noise > 0:
-        train.labels, noise.flipped = add_label_noise(train.labels, d.label_noise, seed=cfg.seed)
-    evals = _eval_sets(d, load)
-    if d.cache:
-        from dml_nb.data.cache import cache_images
-
-        cached = lambda ds: cache_images(
-            ds, cache_dir=d.cache_dir, num_workers=cfg.train.num_workers, progress=progress
-        )
-        train = cached(train)
-        evals = {k: tuple(map(cached, v)) if isinstance(v, tuple) else cached(v) for k, v in evals.items()}
-    if d.decode == "jpeg_batch":  # JPEG batches decoded on the device, the PIL path's crops
-        from dml_nb.data.batches import JpegImages
-
-        train = JpegImages(train)
-        evals = {k: tuple(map(JpegImages, v)) if isinstance(v, tuple) else JpegImages(v) for k, v in evals.items()}
-    return train, evals, noise
-
-
-def _stand_in(ds, mode: str, what: str, labels, i: int, e: OSError):
-    """For image `i` of `ds`, which no longer decodes (`e`): an `UnreadableImagesError` naming it, or with 'skip' the
-    next readable image of its class (`labels`: the true classes, read before any label noise)."""
-    import numpy as np
-
-    why = " ".join(str(e.__cause__ or e).split())
-    if mode != "skip":
-        raise UnreadableImagesError(
-            [(ds.paths[i], why)],
-            len(ds),
-            what,
-            how=(
-                "It became unreadable after the check at the start. Replace or remove it, or leave such images out "
-                "with --set data.on_unreadable=skip (data.on_unreadable: skip); dml-train --check-data lists them all"
-            ),
-        ) from None
-    same = np.flatnonzero(labels == labels[i])
-    for j in np.roll(same, -int(np.searchsorted(same, i)))[1:]:
-        try:
-            img = ds.read(int(j))
-        except OSError:
-            continue
-        if ds.paths[i] not in _STOOD_IN:
-            _STOOD_IN.add(ds.paths[i])
-            warnings.warn(
-                f"{what}: {ds.paths[i]} cannot be read ({why}); left out (data.on_unreadable: skip): "
-                f"{ds.paths[int(j)].name}, of the same class, stands in for it"
-            )
-        return img
-    raise UnreadableImagesError(
-        [(ds.paths[i], why)], len(ds), what, how="and no image of its class can be read"
-    ) from None
-
-
-_STOOD_IN: set = set()  # images already warned about (once per process)
-
-
-def tolerate_unreadable(ds, mode: str, what: str) -> None:
-    """Make an image list `ds` follow `data.on_unreadable` for an image that stops decoding after the check at the
-    start (rewritten meanwhile): 'error' stops with an `UnreadableImagesError` naming the file (one line in the CLI),
-    'skip' warns once and loads the next readable image of the same class instead (the batch keeps its shape)."""
-    ds.unreadable = functools.partial(_stand_in, ds, mode, what, ds.labels)  # labels: before any noise
-
-
-def _warn_small_classes(train, k: int) -> None:
-    "A warning naming the training classes with fewer than `k` (train.samples_per_class) images: their images repeat in a batch."
-    import numpy as np
-
-    counts = np.bincount(np.asarray(train.labels), minlength=train.num_classes)
-    small = np.flatnonzero(counts < k)
-    if not len(small):
-        return
-    ids = getattr(train, "class_ids", None)
-    name = lambda c: f"{ids[c]} ({counts[c]})" if ids is not None else f"{c} ({counts[c]})"
-    shown = ", ".join(name(c) for c in small[:8]) + (", ..." if len(small) > 8 else "")
-    warnings.warn(
-        f"train.samples_per_class is {k}, but {len(small)} of {train.num_classes} training classes have fewer "
-        f"images: {shown} (class id (images)); a batch repeats their images. Lower train.samples_per_class "
-        "or leave those classes out"
-    )
-
-
-def _built(what: str, build):
-    "`build()`; a ValueError / TypeError / KeyError (a value only the constructor checks) becomes a `ConfigError`."
-    try:
-        return build()
-    except (ValueError, TypeError, KeyError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        raise ConfigError(f"{what}: {msg}") from e
-
-
-def check_metric_sizes(cfg: Config, evals: dict) -> None:
-    """Every `recall@k` of `eval.metrics` against the evaluation sets `evals` of `build_datasets` (a dataset, or a
-    (query, gallery) pair): each query needs k neighbours (the other images of a set, the gallery of a pair). Else a
-    one-line `ConfigError` naming the metric, the set and the valid metrics, raised as the sets are built: before
-    the first training step, not after the first epoch."""
-    ks = {m: k for m in cfg.eval.metrics if isinstance(k := parse_metric(m), int)}
-    for name, ds in evals.items():
-        pair = isinstance(ds, (tuple, list))
-        n = len(ds[1]) if pair else len(ds) - 1  # the neighbours each query has
-        for m, k in ks.items():
-            if k > n:
-                has = f"its gallery has {n} images" if pair else f"{n + 1} images: {n} neighbours for each query"
-                raise ConfigError(
-                    f"eval.metrics: {m} needs {k} neighbours of each query, but the {name} set of {cfg.data.name} "
-                    f"is too small ({has}); use k <= {n}. Valid metrics here: recall@1 to recall@{n}, "
-                    + ", ".join(METRICS[1:])
-                )
-
-
-def build_learner(cfg: Config, run_dir: str | Path | None = None, progress: bool = True) -> "Learner":
-    "Datasets, sampler, backbone, recipe and `Learner` for `cfg`."
-    from dml_nb.core.base import seed_everything
-    from dml_nb.training.learner import Learner, build_sampler
-    from dml_nb.blocks.models import build_backbone
-
-    cfg = make_config(cfg)
-    seed_everything(cfg.seed)
-    train, evals, noise = build_data(cfg, progress=progress)
-    check_metric_sizes(cfg, evals)  # a recall@k the sets cannot give: before anything trains
-    backbone = _built(
-        f"model.backbone {cfg.model.backbone!r}",
-        lambda: build_backbone(cfg.model.backbone, pretrained=cfg.model.pretrained, **cfg.model.options),
-    )
-    method = _built(
-        f"method {cfg.method.name!r}",
-        lambda: METHODS.build(
-            cfg.method.name,
-            backbone=backbone,
-            num_classes=train.num_classes,
-            train_labels=train.labels,
-            **_label_noise_argument(cfg.method.name, noise),
-            **cfg.method.options,
-        ),
-    )
-    _warn_small_classes(train, cfg.train.samples_per_class)
-    sampler = _built("train", lambda: build_sampler(cfg.train, train.labels, cfg.seed))
-    return Learner.from_config(
-        cfg,
-        method,
-        train,
-        sampler,
-        eval_sets=evals,
-        train_eval_ds=evals.get("train"),
-        run_dir=run_dir,
-        progress=progress,
-    )
+__all__ = ['RUN_FILES', 'RUN_THREADS', 'RunResult', 'run_dir_for', 'cpu_info', 'load_result', 'recorded_threads', 'process_rank',
+           'run', 'train_again', 'foreign_run', 'check_seeds', 'run_seeds']
 
 # %% ../../nbs/60_experiment.ipynb #1ded757c
 @dataclass
@@ -626,7 +336,7 @@ def run(
     on `threads` CPU threads (None: this process's `torch.get_num_threads()`), recorded in `metrics.json` and the
     checkpoint; a resumed run keeps the count it started with, so that it ends as an uninterrupted run would."""
     _check_threads(threads)
-    cfg = make_config(config)
+    cfg = as_config(config)  # a Config is used as it is: composed once, by the caller
     cdict = config_to_dict(cfg)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg, runs_dir)
     key = run_key(cdict)
@@ -809,7 +519,7 @@ def run_seeds(
     import pandas as pd
 
     seeds = check_seeds(seeds)
-    base = config_to_dict(make_config(config))
+    base = config_to_dict(as_config(config))
     rows = []
     for s in seeds:
         r = run({**base, "seed": int(s)}, runs_dir=runs_dir, progress=progress)
