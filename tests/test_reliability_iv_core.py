@@ -184,6 +184,35 @@ def test_a_notebooks_thread_count_past_the_bound_is_refused_before_its_first_run
     assert not (tmp_path / "runs").exists() and all(n <= 512 for n in set_threads)
 
 
+@pytest.mark.parametrize("threads", [100000, 0])
+def test_a_notebooks_thread_count_past_the_bound_is_refused_when_its_parameters_are_read(tmp_path, threads):
+    "`output.threads` is checked by `setup`, with the parameters, before a run or a restore (it was at the first run)."
+    from dml_nb.reproduction.notebook import notebook_defaults, setup
+
+    params = dict(notebook_defaults("repro_dnc_fig1"), output={"threads": threads, "runs_dir": str(tmp_path / "runs")})
+    with pytest.raises(ValueError) as e:
+        setup("repro_dnc_fig1", params)
+    msg = str(e.value)
+    assert "\n" not in msg and "output.threads" in msg and "512" in msg and str(threads) in msg, msg
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_folder_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
+    "A run folder that is itself a symbolic link (to another user's folder) is refused before its lock is opened."
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("kept\n")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "r").symlink_to(victim)
+    with pytest.raises(RunLockedError) as e:
+        with lock_dir(runs / "r"):
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "symbolic link" in msg and "remove" in msg, msg
+    assert sorted(p.name for p in victim.iterdir()) == ["notes.txt"]  # no .lock written through the link
+
+
 def test_the_one_thread_bound_is_the_command_lines():
     "guard: dml-train --threads, dml-reproduce --threads and run(threads=...) share one bound."
     from dml_nb.core.base import MAX_THREADS

@@ -42,6 +42,9 @@ def test_committed_configs_keep_their_run_folders():
     and adds `<notebook>@v3` cases, recorded when it was switched."""
     # train/cub200_*.yaml (the GPU paper files) were recorded again when they took `train.task_grad_every: 25`: the
     # grad/<task> logs, a diagnostic that changes no parameter, every 25th step (no committed run trained them)
+    # the DiVA rows with DaNCE or MoCo of regime v3 (six notebooks' `@v3` cases) were recorded again when the transfer
+    # rule kept their queue at the paper file's 30 batches (a count of negatives; it had scaled it as epochs to 1 or 2):
+    # their runs were trained again under it (nbs/67b_transfer.ipynb, rule 2)
     want = json.loads(RUN_HASHES.read_text())
     got = run_hashes()
     assert sorted(got) == sorted(want), f"cases added or gone: {sorted(set(got) ^ set(want))[:5]}"

@@ -392,6 +392,11 @@ class lock_dir:
                 if e.errno in _DISK_ERRNOS:
                     raise disk_write_error(self.path, e) from e
                 raise
+            if self.folder.is_symlink():  # the run folder itself planted as a link: its files would land elsewhere
+                raise UnsafeLockError(
+                    f"{self.folder}: the run folder is a symbolic link (to {os.readlink(self.folder)[:200]}); dml_nb "
+                    "never writes a run through a link (someone may have planted it): remove the link and run again"
+                )
             fd, own = _open_lock(self.folder, self.path)
             try:
                 try:

@@ -177,7 +177,7 @@ class MultiTaskMethod(Method):
         output_noise: float = 0.0,
         input_noise: float = 0.0,
         decorrelation_hidden_dim: int = 512,
-        decorrelation_lr: float = 1e-5,
+        decorrelation_lr: float | None = 1e-5,
         decorrelation_weight_decay: float = 0.0,
     ):
         super().__init__()
@@ -191,8 +191,10 @@ class MultiTaskMethod(Method):
         self.model = EmbeddingModel(backbone, MultiHead(backbone.feature_dim, dims, dropout=self.dropout))
         self.tasks = nn.ModuleDict({t.name: t for t in tasks})
         self.decorrelations, self.pairs = nn.ModuleDict(), {}
+        self.decorrelation_lr = decorrelation_lr  # None: the regressors learn at the run's lr (`param_groups`)
+        placeholder = 1e-5 if decorrelation_lr is None else decorrelation_lr  # replaced by the run's lr, for None
         for spec in decorrelations:
-            self._add_decorrelation(spec, decorrelation_hidden_dim, decorrelation_lr, decorrelation_weight_decay)
+            self._add_decorrelation(spec, decorrelation_hidden_dim, placeholder, decorrelation_weight_decay)
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
         self._steps = 0
         for t in tasks:
@@ -257,6 +259,17 @@ class MultiTaskMethod(Method):
         )
 
     # ---------------------------------------------------------------- forward pieces
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        """As `Method.param_groups`; with `decorrelation_lr=None` the regressors' groups run at the run's `lr`, tied to
+        the network's rate as MIC's code ties its regressor (DiVA's code gives its regressor a rate of its own, 1e-5:
+        None is then the alternative reading that keeps the regressor's ratio to the network's)."""
+        groups = super().param_groups(lr, weight_decay)
+        if self.decorrelation_lr is None:
+            for g in groups:
+                if g["name"].startswith("decorrelations."):
+                    g["lr"] = lr
+        return groups
+
     def features(self, x: torch.Tensor, model: nn.Module | None = None):
         "Backbone features of `x` (a dict per head with `separate=True`)."
         return (self.model if model is None else model).backbone(x)

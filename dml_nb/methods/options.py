@@ -249,11 +249,13 @@ class DiVADecorrelation:
     decorrelation: bool = True  # eq. 8's pairs (False: none)
     decorrelation_weight: float = 1500.0  # rho (former name `rho`)
     decorrelation_hidden_dim: int = 512  # the regressor's hidden layer
-    decorrelation_lr: float = 1e-5  # the regressor's learning rate
+    decorrelation_lr: Optional[float] = 1e-5  # the regressor's rate (DiVA's code: its own); None: the run's
 
     def check(self):
         if not self.decorrelation_weight >= 0:
             raise ValueError(f"decorrelation_weight (rho) must be >= 0, got {self.decorrelation_weight}")
+        if self.decorrelation_lr is not None and not self.decorrelation_lr > 0:
+            raise ValueError(f"decorrelation_lr must be > 0 or None (the run's lr), got {self.decorrelation_lr}")
 
 
 @dataclass(kw_only=True)

@@ -103,7 +103,7 @@ class SharingMatters(MultiTaskMethod):
             tasks,
             pairs,
             decorrelation_hidden_dim=o.decorrelation_hidden_dim,
-            decorrelation_lr=1e-5 if o.decorrelation_lr is None else o.decorrelation_lr,  # None: set in param_groups
+            decorrelation_lr=o.decorrelation_lr,  # None: the run's lr (MultiTaskMethod.param_groups)
             decorrelation_weight_decay=o.decorrelation_weight_decay,
         )
         self.options = o
@@ -193,15 +193,6 @@ class SharingMatters(MultiTaskMethod):
                 "at fit start) or set batch['group']"
             )
         return [self.tasks["discriminative" if tag == DISCRIMINATIVE else "shared"]]
-
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        "As `Method.param_groups`; the regressor's group runs at the run's lr when `decorrelation_lr` is None (MIC code)."
-        groups = super().param_groups(lr, weight_decay)
-        if self.decorrelation_lr is None:
-            for g in groups:
-                if g["name"].startswith("decorrelations."):
-                    g["lr"] = lr
-        return groups
 
     def flips(self, group) -> bool:
         "Horizontal flips for every batch, except the shared updates' batches with `shared_flip=False` (MIC's code)."

@@ -22,7 +22,8 @@ __all__ = ['Z', 'LEVEL', 'RULE', 'CLAIMS_SCHEMA', 'CLAIMS_VERSION', 'SETTING_FIE
            'Stat', 'critical', 'welch_df', 'Difference', 'difference', 'judge', 'all_hold', 'negate', 'stat', 'ran',
            'better', 'fmt', 'resolvable', 'metric_label', 'metric_key', 'paired_difference', 'source_table',
            'paper_difference', 'comparison', 'resolved_text', 'resolution_sentence', 'cost_sentence',
-           'render_claims_markdown', 'paper_sentence', 'write_claims', 'load_claims', 'forest_frame', 'Claims']
+           'render_claims_markdown', 'sensitivity_sentence', 'paper_sentence', 'write_claims', 'load_claims',
+           'forest_frame', 'Claims']
 
 # %% ../../nbs/63_claims.ipynb #a778fdfe
 Z = 2.0  # the rule's level: a difference must clear what Z standard errors clear under a normal law...
@@ -365,8 +366,9 @@ def cost_sentence(cost: Mapping | None) -> str:
 
 def render_claims_markdown(data: Mapping) -> str:
     "A claims file's Markdown, rendered from its JSON `data`: the table of claims, then its sentences and rule."
-    cols = ["claim", "verdict", "numbers"]
-    table = markdown_table(pd.DataFrame([[c[k] for k in cols] for c in data["claims"]], columns=cols), index=False)
+    cols = ["claim", "verdict", "numbers"] + (["hinges on"] if any("sensitivity" in c for c in data["claims"]) else [])
+    rows = [[c.get("sensitivity", "") if k == "hinges on" else c[k] for k in cols] for c in data["claims"]]
+    table = markdown_table(pd.DataFrame(rows, columns=cols), index=False)
     setting, tasks = data.get("setting") or {}, data.get("tasks") or ""
     parts = [
         resolution_sentence(data.get("resolution"), data.get("rule")),
@@ -374,10 +376,23 @@ def render_claims_markdown(data: Mapping) -> str:
         f"**Setting.** {setting['text']}" if setting.get("text") else "",
         f"**Tasks.** {tasks}" if tasks else "",
         paper_sentence(data["claims"]),
+        sensitivity_sentence(data.get("sensitivity")),
         data.get("rule_text") or "",
     ]
     parts = [p for p in parts if p]
     return table + ("\n" + "\n\n".join(parts) + "\n" if parts else "")
+
+
+def sensitivity_sentence(sensitivity: Mapping | None) -> str:
+    "The **Sensitivity.** sentence of a claims file: the columns its verdicts were judged again on, or ''."
+    if not sensitivity:
+        return ""
+    cols = "; ".join(f"{k}: {v}" for k, v in sensitivity["columns"].items())
+    return (
+        f"**Sensitivity.** Each decided verdict was judged again, {sensitivity['seeds']} seeds a column, with one "
+        f"thing changed for every row it applies to ({cols}); 'hinges on' names the columns that gave another verdict "
+        f"(sensitive to) and those that gave the same (robust to). Table: {sensitivity['table']}."
+    )
 
 
 def paper_sentence(claims: Iterable[Mapping]) -> str:
@@ -443,8 +458,11 @@ def _numbers(item: Mapping) -> dict:
 
 
 def _record(item: Mapping) -> dict:
-    "One claim of `Claims.items` as the JSON writes it, with its parts where it has them (`Claims.beats_all`)."
+    """One claim of `Claims.items` as the JSON writes it, with its parts where it has them (`Claims.beats_all`) and
+    what its verdict hinges on where a sensitivity table labelled it (`Claims.label`)."""
     out = {k: item[k] for k in ("claim", "verdict", "numbers", "metric")} | _numbers(item)
+    if "sensitivity" in item:
+        out["sensitivity"] = item["sensitivity"]
     if item.get("parts"):
         out["parts"] = [{k: p[k] for k in ("part", "a", "b", "metric", "verdict")} | _numbers(p) for p in item["parts"]]
     return out
@@ -711,7 +729,17 @@ class Claims:
             "cost": self.cost_data(),
             "setting": setting if self.setting or self.setting_fields else None,
             "tasks": self.tasks,
-        }
+        } | ({"sensitivity": self.sensitivity} if getattr(self, "sensitivity", None) else {})
+
+    def label(self, sensitivity, table: str = "") -> None:
+        """Record what each claim's verdict hinges on: `sensitivity.labels()` (a `Sensitivity` of
+        `dml_nb.reproduction.sensitivity`) on each claim, its columns and seeds in the claims file, and `table` (the file
+        of the sensitivity table, for the sentence)."""
+        labels = sensitivity.labels()
+        for item in self.items:
+            item["sensitivity"] = labels.get(item["claim"], "")
+        seeds = sensitivity.frame.attrs.get("seeds")
+        self.sensitivity = {"columns": dict(sensitivity.columns), "seeds": seeds, "table": table}
 
     def save(self) -> pd.DataFrame:
         """Write the claims file: `<figures_dir>/<stem>_claims.json` (`data`) and the Markdown rendered from it,

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from ..core.base import in_test, project_root
+from ..core.base import check_threads, in_test, project_root
 from .claims import Claims
 from ..experiments.results import RunPolicy, restore_results, save_result, use_policy
 from ..experiments.experiment import RUN_THREADS, check_seeds, load_result, run_dir_for
@@ -307,10 +307,7 @@ def setup(stem: str, params: dict, shrink: Mapping | None = None, defaults: Mapp
     try:
         base = params_base(params, defaults, stem)  # first: a wrong parameter stops before anything is shrunk
         output = _parameter_dict(params.get("output"), "output", OUTPUT_KEYS, stem)
-        if isinstance(threads := output.get("threads", RUN_THREADS), bool) or threads < 1:
-            raise ValueError(
-                f"output.threads must be a whole number of at least 1 (CPU threads per run); got {threads!r}"
-            )
+        threads = check_threads(output.get("threads", RUN_THREADS), "output.threads")  # 1..MAX_THREADS, here
         if isinstance(given := output.get("results"), (str, Path)) and not Path(given).is_dir():
             raise ValueError(
                 f"output.results: {given} is not a folder (a results folder to restore finished runs from; false: none)"

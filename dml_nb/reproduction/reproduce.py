@@ -28,8 +28,8 @@ from ..core.base import source_hash, project_root
 
 # %% auto #0
 __all__ = ['VERDICTS', 'WIDGET', 'notebook_hash', 'claims_files', 'judged_by', 'resolution', 'claims_summary',
-           'totals_by_setting', 'update_readme_claims', 'reproduce', 'results_folder', 'notebook_problem',
-           'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
+           'totals_by_setting', 'sensitivity_counts', 'update_readme_claims', 'reproduce', 'results_folder',
+           'notebook_problem', 'reproduce_main', 'machine_paths', 'scrub_output', 'scrub_notebook', 'write_executed']
 
 # %% ../../nbs/65_reproduce.ipynb #60c58678
 def notebook_hash(nb: Path) -> str:
@@ -148,6 +148,23 @@ def _before_what(figures_dir: str | Path) -> str:
     return (json.loads(f.read_text()).get("short") if f.exists() else None) or "the verdicts of the previous regime"
 
 
+def sensitivity_counts(figures_dir: str | Path) -> str:
+    """The sentence on the decided verdicts that sensitivity columns judged again (a claims file's 'hinges on',
+    `Claims.label`): how many notebooks, how many robust to every column that changes their rows, how many sensitive
+    to one or more; '' where no claims file has them."""
+    files = [d for d in claims_files(Path(figures_dir)).values() if d.get("sensitivity")]
+    labels = [c.get("sensitivity", "") for d in files for c in d["claims"] if c["verdict"] in ("holds", "fails")]
+    if not files:
+        return ""
+    sensitive = sum("sensitive to" in x for x in labels)
+    robust = sum(x.startswith("robust to") for x in labels)
+    return (
+        f"Sensitivity: {len(labels)} decided verdict(s) of {len(files)} notebook(s) were judged again on sensitivity "
+        f"columns: {robust} robust to every column that changes their rows, {sensitive} sensitive to at least one "
+        f"(the claims files' 'hinges on'). "
+    )
+
+
 def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
     "Replace the text between `<!-- claims -->` and `<!-- /claims -->` in `readme` by the computed claim table."
     readme = Path(readme)
@@ -171,7 +188,7 @@ def update_readme_claims(readme: str | Path, figures_dir: str | Path) -> dict:
         else " (" + "; ".join(f"{n} notebook(s) {on(k)}: {count(t)}" for k, (n, t) in by.items()) + ")"
     )
     lead = (
-        f"Total: {count(total)}{split}. Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
+        f"Total: {count(total)}{split}. {sensitivity_counts(figures_dir)}Recipes: `RECIPES_VERSION` of the code that produced a notebook's "
         f"figures (now {RECIPES_VERSION}); `dml-reproduce` re-runs those made with older recipes. Training minutes: the wall "
         f"time of the notebook's runs, summed (each run one process). 'regime v2': for a notebook whose default run "
         "is regime v3 (`finegrained_premise`), its verdicts in regime v2, the premise-absent control "

@@ -25,12 +25,12 @@ from ..experiments.experiment import run_dir_for
 from .repro import SECTIONS, Row, base_config
 
 # %% auto #0
-__all__ = ['EPOCH_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS', 'MERGED_PARAMETERS', 'TRANSFER_COLUMNS',
-           'KEPT_TRAIN', 'NOT_KEPT', 'REGIME', 'REASONS', 'NOTES', 'KEPT_COLUMNS', 'method_specs', 'setup_defaults',
-           'paper_files', 'RowSetting', 'merged_specs', 'row_settings', 'regime_v2_file', 'regime_of',
-           'regime_v2_parameters', 'notebook_rows', 'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest',
-           'rule_value', 'share', 'stems_of', 'transfer_table', 'kept_table', 'transferred_parameters',
-           'baselines_table']
+__all__ = ['EPOCH_SETTINGS', 'COUNT_SETTINGS', 'RATE_SETTINGS', 'RECIPE_PARAMS', 'SKIPPED_PARAMS', 'GRID_PARAMETERS',
+           'MERGED_PARAMETERS', 'TRANSFER_COLUMNS', 'KEPT_TRAIN', 'NOT_KEPT', 'REGIME', 'REASONS', 'NOTES',
+           'KEPT_COLUMNS', 'count_changes', 'method_specs', 'setup_defaults', 'paper_files', 'RowSetting',
+           'merged_specs', 'row_settings', 'regime_v2_file', 'regime_of', 'regime_v2_parameters', 'notebook_rows',
+           'file_rows', 'settings_of', 'growth_epochs', 'in_effect', 'nearest', 'rule_value', 'share', 'stems_of',
+           'transfer_table', 'kept_table', 'transferred_parameters', 'baselines_table']
 
 # %% ../../nbs/67b_transfer.ipynb #4a1a8f23
 EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to every recipe
@@ -42,11 +42,6 @@ EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to e
     },
     "baseline": {},  # the plain recipe: only the schedule above
     "diva": {
-        "queue_batches": (
-            "batches",
-            "DaNCE's (and MoCo's) key queue in batches of keys: the keys of the last `queue_batches` iterations "
-            "(None: 30, the paper's CUB / CARS value); in effect with the 'dance' or 'moco' task",
-        ),
         "cluster_every": (
             "epochs",
             "epochs between DeepCluster's re-clusterings (Fig. 4 right); in effect with the 'deepcluster' task",
@@ -84,6 +79,58 @@ EPOCH_SETTINGS = {  # recipe -> {setting: (unit, meaning)}; "train" applies to e
         "update_every": ("epochs", "epochs between two weight updates (each one age step); in effect with spl"),
     },
 }
+
+# %% ../../nbs/67b_transfer.ipynb #7b49b5a5
+COUNT_SETTINGS = {  # recipe -> {setting: what it counts}; kept at the paper file's value (rule 2)
+    "diva": {
+        "queue_batches": "DaNCE's (and MoCo's) key queue: negatives for every query, the keys of the last batches "
+        "(None: 30, the paper's CUB / CARS value; 70 on SOP)",
+        "queue_size": "the same queue in keys",
+        "num_clusters": "DeepCluster's pseudo-classes (Fig. 4 right)",
+    },
+    "dnc": {"num_learners": "K: learners, each a slice of the embedding and a k-means cluster of the data"},
+    "sharing": {"num_groups": "the k-means groups of T^G (shared characteristics)"},
+    "mic": {"num_groups": "MIC's groups (its code: 30 on CUB200, 150 on CARS196, 50 on SOP)"},
+    "bspml": {"class_groups": "the groups of classes the sample weights are balanced over"},
+}
+RATE_SETTINGS = {  # (recipe or loss, setting) -> (own | tied, where the authors' code sets it); kept as written (rule 3)
+    ("diva", "decorrelation_lr"): (
+        "own",
+        "DiVA's code: --diva_decorrnet_lr 1e-5, an argument of its own (parameters.py:64)",
+    ),
+    ("sharing", "decorrelation_lr"): (
+        "tied",
+        "None: the network's rate (MIC's code: the regressor in its optimiser group)",
+    ),
+    ("mic", "decorrelation_lr"): ("tied", "None: the network's rate (MIC's code)"),
+    ("margin", "param_lr"): ("own", "beta's rate, 5e-4 (Wu et al.'s and the DiVA code's --beta_lr)"),
+    ("proxy_nca", "param_lr"): ("own", "the proxies' rate (the Revisiting-DML code's --proxy_lr)"),
+    ("proxy_anchor", "param_lr"): ("own", "the proxies' rate (Proxy-Anchor's code: 100x the network's in its paper)"),
+}
+
+
+def count_changes(stems: Sequence[str] | None = None, epochs: int = 12) -> pd.DataFrame:
+    """The rows rule 2 changed: one line per notebook row whose paper file uses a count the earlier rule scaled as
+    epochs (DiVA's queue), with the paper value, the value the earlier rule gave at `epochs` and the value now."""
+    lines = []
+    for stem in stems_of(stems):
+        for f in paper_files(stem):
+            for path, row in file_rows(f, stem).items():
+                if row.recipe != "diva" or (value := in_effect(row, "queue_batches")) is None:
+                    continue
+                before, _ = rule_value(value, "batches", row.epochs, epochs)
+                lines.append(
+                    {
+                        "notebook": stem,
+                        "row": path,
+                        "setting": "queue_batches",
+                        "paper_value": value,
+                        "paper_epochs": row.epochs,
+                        "before": before,
+                        "now": value,
+                    }
+                )
+    return pd.DataFrame(lines, columns=["notebook", "row", "setting", "paper_value", "paper_epochs", "before", "now"])
 
 # %% ../../nbs/67b_transfer.ipynb #d4e66f5b
 RECIPE_PARAMS = ("diva", "dnc", "sharing", "mic", "bspml")  # a parameter of these names without `name`: that recipe
@@ -204,10 +251,15 @@ def regime_v2_parameters(stem: str) -> dict:
     return {**params, **v2}
 
 
-def notebook_rows(stem: str) -> dict[str, RowSetting]:
-    """The rows of notebook `stem`'s miniature run of regime v2 (`regime_v2_parameters`): the values the transfer
-    tables compare with the paper files' (regime v3's are the rule's by construction)."""
-    return row_settings(regime_v2_parameters(stem), stem)
+def notebook_rows(stem: str, regime: str = "v3") -> dict[str, RowSetting]:
+    """The rows of notebook `stem`'s default run (`regime="v3"`: the rows its committed verdicts come from), or of its
+    regime v2 run (`"v2"`, `regime_v2_parameters`): the values the transfer tables compare with the paper files'."""
+    if regime not in ("v2", "v3"):
+        raise ValueError(f"regime must be 'v3' (the default run's rows) or 'v2' (the rows before them), got {regime!r}")
+    params = regime_v2_parameters(stem) if regime == "v2" else notebook_defaults(stem)
+    if params is None:
+        raise FileNotFoundError(f"no notebook nbs/{stem}.ipynb with a parameters cell (stems: nbs/repro_*.ipynb)")
+    return row_settings(params, stem)
 
 
 def file_rows(path: Path, stem: str) -> dict[str, RowSetting]:
@@ -315,10 +367,10 @@ def stems_of(stems: Sequence[str] | None) -> list[str]:
     return stems
 
 
-def _pairs(stems, every):
+def _pairs(stems, every, regime="v3"):
     "(stem, paper file name, row path, miniature row, paper row) of every row both sides hold."
     for stem in stems_of(stems):
-        mini = notebook_rows(stem)
+        mini = notebook_rows(stem, regime)
         for f in paper_files(stem, every):
             paper = file_rows(f, stem)
             for path in [p for p in mini if p in paper]:
@@ -337,15 +389,15 @@ def _shown(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def transfer_table(stems: Sequence[str] | None = None, every_file: bool = False) -> pd.DataFrame:
+def transfer_table(stems: Sequence[str] | None = None, every_file: bool = False, regime: str = "v3") -> pd.DataFrame:
     """One line per (notebook, paper file, row, epoch-based setting) that the paper file's row uses: the paper value
-    and epochs, the miniature's current value and epochs (its default run: `NOVEL_BASE` under the notebook's config
-    and rows), the rule's value (`rule_value`; `exact`: before rounding), each as a share of its run, and whether the
+    and epochs, the miniature's value and epochs (`regime`: 'v3', the notebook's default run, whose rows the committed
+    verdicts come from; 'v2', the rows before them), the rule's value (`rule_value`; `exact`: before rounding), each as a share of its run, and whether the
     current value is the rule's (`agrees`). Rows are paired by their parameter path; the paper file is the one of the
     notebook's `paper_dataset` (`every_file`: all). A setting the miniature's row does not use reads 'not used' (for
     the milestones: the schedule it runs instead)."""
     lines = []
-    for stem, fname, path, mini, paper in _pairs(stems, every_file):
+    for stem, fname, path, mini, paper in _pairs(stems, every_file, regime):
         for setting, (unit, _) in settings_of(paper.recipe).items():
             if setting not in settings_of(mini.recipe) or (pv := in_effect(paper, setting)) is None:
                 continue
@@ -367,7 +419,8 @@ def transfer_table(stems: Sequence[str] | None = None, every_file: bool = False)
                     "exact": _shown(exact),
                     "paper_share": share(pv, unit, paper.epochs, paper),
                     "mini_share": share(mv, unit, mini.epochs, mini),
-                    "agrees": mv is not None and _shown(mv) == _shown(rv),
+                    "agrees": mv is not None
+                    and (_shown(mv) == _shown(rv) or (rv == "never" and mv >= mini.epochs)),  # never: after the last
                 }
             )
     return pd.DataFrame(lines, columns=TRANSFER_COLUMNS)
@@ -429,15 +482,17 @@ def _differences(mini: RowSetting, paper: RowSetting) -> list[tuple[str, str, ob
     return out
 
 
-def kept_table(stems: Sequence[str] | None = None, every_file: bool = False, train: bool = False) -> pd.DataFrame:
+def kept_table(
+    stems: Sequence[str] | None = None, every_file: bool = False, train: bool = False, regime: str = "v3"
+) -> pd.DataFrame:
     """One line per (notebook, paper file, row, setting) that is not epoch-based and differs between the paper file
     and the miniature: the row's method options (typed, defaults filled in), its recipe where the two differ, the
     schedule's kind and the optimisation settings `KEPT_TRAIN`; with the reason the notebooks or the history state
     for the miniature's value (`REASONS`), else 'no recorded reason', and where the value comes from (`NOTES`). Data and
     model are the regime's stand-ins for the paper's and not listed; the train section's (the regime's too) only with
-    `train`, on every row."""
+    `train`, on every row. `regime`: whose rows, as in `transfer_table`."""
     lines = []
-    for stem, fname, path, mini, paper in _pairs(stems, every_file):
+    for stem, fname, path, mini, paper in _pairs(stems, every_file, regime):
         for section, k, pv, mv in [d for d in _differences(mini, paper) if train or d[0] == "method"]:
             owner = "train" if section == "train" else mini.recipe
             lines.append(
