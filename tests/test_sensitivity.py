@@ -3,7 +3,7 @@ sensitivity table gives the claims, their place in the claims file and REPORT.md
 
 import pandas as pd
 
-from dml_nb.reproduction.claims import Claims, load_claims
+from dml_nb.reproduction.claims import Claims, Verdict, load_claims
 from dml_nb.reproduction.reproduce import sensitivity_counts
 from dml_nb.reproduction.sensitivity import Sensitivity, rates_tied, sensitivity_label
 
@@ -53,3 +53,33 @@ def test_rates_tied_leaves_a_fixed_beta_and_a_tied_regressor_alone():
     assert rates_tied({"name": "dnc", "loss": "margin", "loss_options": {"learn_beta": False}}, 100.0) is None
     mic = rates_tied({"name": "mic", "gamma": 2500.0}, 100.0)
     assert "decorrelation_lr" not in mic and abs(mic["loss_options"]["param_lr"] - 5e-2) < 1e-12
+
+
+def test_a_claim_names_the_rows_it_compares_and_the_column_reads_them():
+    "The rows a column touches come from the claim's own record, not from a row name found in its numbers' text."
+    from dml_nb.reproduction.sensitivity import _rows_of
+
+    table = pd.DataFrame(
+        {"R@1": [40.0, 30.0, 35.0], "R@1 std": [0.5] * 3, "seeds": [5] * 3}, index=["Margin-128", "Margin-1280", "A"]
+    )
+    c = Claims("repro_demo", "unused")
+    c.beats("A above Margin-1280", table, "A", "Margin-1280")
+    c.beats_all("A above both", table, [("A", "Margin-128"), ("A", "Margin-1280")])
+    c.check("judged another way", Verdict.HOLDS, "A 35.0 against Margin-1280 30.0")
+    first, both, other = c.items
+    assert first["rows"] == ["A", "Margin-1280"] and _rows_of(first, table) == {"A", "Margin-1280"}
+    assert _rows_of(both, table) == {"A", "Margin-128", "Margin-1280"}
+    assert _rows_of(other, table) == {"A", "Margin-1280"}  # whole names only: Margin-128 is not in "Margin-1280"
+
+
+def test_the_other_reading_leaves_a_row_that_reads_as_the_text_alone():
+    "A DiVA row that already weights its heads equally (Table 2's file, the text) gets no column: it would train the same run."
+    from dml_nb.reproduction.sensitivity import other_reading
+
+    tasks = ["discriminative", "dance"]
+    assert other_reading({"name": "diva", "tasks": tasks}) is None
+    assert (
+        other_reading({"name": "diva", "tasks": tasks, "embed_weights": {"discriminative": 1.0, "dance": 1.0}}) is None
+    )
+    code = {"name": "diva", "tasks": tasks, "embed_weights": {"discriminative": 0.75, "dance": 1.25}}
+    assert other_reading(code)["embed_weights"] == {"discriminative": 1.0, "dance": 1.0}

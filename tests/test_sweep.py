@@ -145,6 +145,7 @@ def test_readme_cluster_workflow_on_the_local_launcher(tmp_path, monkeypatch):
     )
     plan = Plan.load(plan_json)
     assert plan.jobs and all(j.status == "pending" for j in plan.jobs)
+    assert plan.stopped == [nb]  # its planning stopped at its runs: a launch plans it again (`launch_later`)
     assert not runs.exists() or not any(runs.iterdir()), "planning trains nothing"
     assert (
         reproduce_main([nb, "--launch", "local", "--workers", "2", "--from-plan", str(plan_json), "--no-collect"]) == 0
@@ -360,3 +361,37 @@ def test_a_run_that_stops_by_design_is_settled_everywhere(tmp_path, monkeypatch)
         progress=False,
     )
     assert results == {} and per_seed["status"].tolist() == [f"stopped: {why}"]
+
+
+def test_a_launch_plans_again_for_the_runs_later_cells_need(tmp_path, monkeypatch):
+    """The flagship's sensitivity columns are planned only once its headline runs are trained (its planning stops at
+    them): after a launch, `launch_later` plans the stopped notebooks again and launches what they list, until a plan
+    stops nowhere. Before, `dml-reproduce repro_table3 --launch local` trained the headline and then collect-only
+    stopped at the sensitivity cell's missing runs."""
+    import argparse
+
+    import dml_nb.sweeps.launch as L
+    from dml_nb.sweeps.sweep import Job
+
+    def job(name, done=False):
+        return Job(name, str(tmp_path / "runs" / f"baseline-shapes-{name}"), {}, [f"nb: {name}"], done)
+
+    first = Plan(tmp_path / "plan", [job("a" * 12)], ["nb", "other"], stopped=["nb"])
+    rounds = [  # what planning `nb` again lists: its later cell's run, then nothing new and no stop
+        Plan(tmp_path / "later-1", [job("a" * 12, True), job("b" * 12)], ["nb"], stopped=["nb"]),
+        Plan(tmp_path / "later-2", [job("a" * 12, True), job("b" * 12, True)], ["nb"]),
+    ]
+    planned, launched = [], []
+
+    def fake_plan(notebooks, plan_dir, **pp):
+        planned.append((list(notebooks), Path(plan_dir).name))
+        return rounds.pop(0)
+
+    monkeypatch.setattr(L, "plan_notebook", fake_plan)
+    monkeypatch.setattr(L, "_launch_args", lambda args, plan, gpus, threads: launched.append(plan.plan_dir.name))
+    monkeypatch.setattr(Job, "status", property(lambda j: "done" if j.done else "pending"))
+    assert L.launch_later(argparse.Namespace(), first, {}, None) is None
+    assert planned == [(["nb"], "later-1"), (["nb"], "later-2")]  # only the notebook that stopped
+    assert launched == ["later-1"] and rounds == []
+    assert L.launch_later(argparse.Namespace(), Plan(tmp_path / "p", [], ["nb"]), {}, None) is None
+    assert len(planned) == 2, "a plan that stopped nowhere is not planned again"

@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +19,9 @@ import torch
 from ..core.base import disk_cause, tmp_prefix, atomic_write, disk_write_error, remove_temp_files
 
 # %% auto #0
-__all__ = ['CACHE_FORMAT', 'resample_weights', 'crop_resize', 'random_resized_crop_boxes', 'center_crop_boxes', 'BatchAugment',
-           'pad_collate', 'RawItems', 'CachedImages', 'shrink', 'default_cache_dir', 'cache_images']
+__all__ = ['JITTER_OPS', 'CACHE_FORMAT', 'resample_weights', 'crop_resize', 'random_resized_crop_boxes', 'center_crop_boxes',
+           'BatchAugment', 'jitter_factors', 'apply_jitter', 'colour_jitter', 'pad_collate', 'RawItems', 'CachedImages',
+           'shrink', 'default_cache_dir', 'cache_images']
 
 # %% ../../nbs/15_cache.ipynb #731fe25b
 def resample_weights(start, length, out_size: int, n_in: int, limit=None, flip=None) -> torch.Tensor:
@@ -269,6 +270,97 @@ class BatchAugment(torch.nn.Module):
             else f"test, resize={self.resize}"
         )
         return f"size={self.size}, {mode}, mean={self.mean}, std={self.std}" + (", bgr" if self.bgr else "")
+
+# %% ../../nbs/15_cache.ipynb #d06facae
+JITTER_OPS = ("brightness", "contrast", "saturation", "hue")  # ColorJitter's four, in its numbering
+
+
+def _grey(x: torch.Tensor) -> torch.Tensor:
+    "(N, 1, H, W) luma of an RGB batch, with torchvision's rgb_to_grayscale weights for float images."
+    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)
+
+
+def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
+    r, g, b = x.unbind(1)
+    maxc, minc = x.amax(1), x.amin(1)
+    delta = maxc - minc
+    s = delta / torch.where(maxc == 0, torch.ones_like(maxc), maxc)
+    d = torch.where(delta == 0, torch.ones_like(delta), delta)
+    rc, gc, bc = (maxc - r) / d, (maxc - g) / d, (maxc - b) / d
+    h = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2.0 + rc - bc, 4.0 + gc - rc))
+    h = torch.where(delta == 0, torch.zeros_like(h), h)
+    return torch.stack(((h / 6.0 + 1.0) % 1.0, s, maxc), 1)
+
+
+def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
+    h, s, v = x.unbind(1)
+    i = torch.floor(h * 6.0)
+    f = h * 6.0 - i
+    i = i.long() % 6
+    p, q, t = (v * (1 - s)).clamp(0, 1), (v * (1 - s * f)).clamp(0, 1), (v * (1 - s * (1 - f))).clamp(0, 1)
+    table = {0: (v, t, p), 1: (q, v, p), 2: (p, v, t), 3: (p, q, v), 4: (t, p, v), 5: (v, p, q)}
+    out = torch.zeros_like(x)
+    for k, rgb in table.items():
+        out = torch.where((i == k).unsqueeze(1), torch.stack(rgb, 1), out)
+    return out
+
+
+def jitter_factors(
+    n: int,
+    device=None,
+    brightness: float = 0.4,
+    contrast: float = 0.4,
+    saturation: float = 0.4,
+    hue: float = 0.4,
+    grayscale: float = 0.2,
+    generator=None,
+) -> dict:
+    """Per-image draws of `colour_jitter` for `n` images, on `device`: 'grey' (N,) bool, the factors of `JITTER_OPS`
+    (N,) each, and 'order' (N, 4), the order each image's four operations run in."""
+    u = lambda: torch.rand(n, device=device, generator=generator)
+    span = lambda w: (max(0.0, 1 - w), 1 + w)
+    out = {"grey": u() < grayscale}
+    for name, w in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
+        lo, hi = span(w)
+        out[name] = lo + (hi - lo) * u()
+    out["hue"] = hue * (2 * u() - 1)
+    out["order"] = torch.rand(n, 4, device=device, generator=generator).argsort(1)
+    return out
+
+
+def _adjust(x: torch.Tensor, op: int, f: torch.Tensor) -> torch.Tensor:
+    "One of `JITTER_OPS` on a float RGB batch in [0, 1], each image by its factor in `f` (N,)."
+    f4 = f.view(-1, 1, 1, 1)
+    if op == 0:
+        return (x * f4).clamp(0, 1)
+    if op == 1:
+        mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
+        return (f4 * x + (1 - f4) * mean).clamp(0, 1)
+    if op == 2:
+        return (f4 * x + (1 - f4) * _grey(x)).clamp(0, 1)
+    hsv = _rgb_to_hsv(x)
+    hsv = torch.stack(((hsv[:, 0] + f.view(-1, 1, 1)) % 1.0, hsv[:, 1], hsv[:, 2]), 1)
+    return _hsv_to_rgb(hsv)
+
+
+def apply_jitter(x: torch.Tensor, factors: Mapping) -> torch.Tensor:
+    """`factors` (`jitter_factors`) applied to the float RGB batch `x` (N, 3, H, W) in [0, 1]: greyscale first, then
+    the four operations, each image in its own order."""
+    if x.dim() != 4 or x.shape[1] != 3:
+        raise ValueError(f"colour jitter needs an RGB batch (N, 3, H, W); got shape {tuple(x.shape)}")
+    x = torch.where(factors["grey"].view(-1, 1, 1, 1), _grey(x).expand_as(x), x.clamp(0, 1))
+    order = factors["order"]
+    for k in range(4):
+        out = x
+        for op, name in enumerate(JITTER_OPS):
+            out = torch.where((order[:, k] == op).view(-1, 1, 1, 1), _adjust(x, op, factors[name]), out)
+        x = out
+    return x
+
+
+def colour_jitter(x: torch.Tensor, generator=None, **strength) -> torch.Tensor:
+    "`apply_jitter` of fresh `jitter_factors` (`strength`: brightness, contrast, saturation, hue, grayscale)."
+    return apply_jitter(x, jitter_factors(len(x), x.device, generator=generator, **strength))
 
 # %% ../../nbs/15_cache.ipynb #efb9b8f5
 CACHE_FORMAT = 1

@@ -35,9 +35,12 @@ from ..training.build import build_learner
 
 from dml_nb.experiments.results import (
     RECIPES_VERSION,
+    RESTORED_RECORD,
+    TRAINED_AGAIN,
     check_stopped,
     clear_restored,
     one_line,
+    put_back_record,
     record_stopped,
     restored,
     restored_problem,
@@ -163,6 +166,8 @@ RUN_FILES = (
     "config.yaml",
     *_PROGRESS,
     "stopped",
+    TRAINED_AGAIN,
+    *RESTORED_RECORD.values(),
     ".lock",
 )  # everything `run` writes into a run folder (and its temporaries)
 
@@ -452,7 +457,10 @@ def _train(
             if cfg.eval.save_embeddings:  # the last evaluation's feature pass, reused when the weights did not change
                 atomic_torch_save(learner.eval_embeddings(), run_dir / "embeddings.pt")
             atomic_json(info, run_dir / "metrics.json")
-            atomic_write(run_dir / "done", info["finished"] + "\n")
+            if (back := put_back_record(run_dir)) is not None:  # a restored run trained again: its saved numbers back
+                print(back, file=sys.stderr)
+            else:
+                atomic_write(run_dir / "done", info["finished"] + "\n")
     except Exception as e:
         if learner.is_main:
             record_stopped(run_dir, e, run_key(cdict))  # by design: the next call reads the reason
@@ -465,13 +473,15 @@ def _train(
 
 def train_again(result: RunResult, progress: bool = False) -> RunResult:
     """The restored run `result` trained again in its folder, for what a results folder does not keep (embeddings,
-    weights), on the thread count it records (`RUN_THREADS` for results saved before runs recorded one)."""
+    weights), on the thread count it records (`RUN_THREADS` for results saved before runs recorded one). Its numbers
+    stay the saved ones: `metrics.json` and `history.csv` are put back when it finishes, what this machine measured is
+    in `trained_again.json`, and a line on stderr compares the two (`results.put_back_record`)."""
     print(
         f"{Path(result.run_dir).name}: restored from a results folder, without the embeddings or weights asked for; training it again",
         file=sys.stderr,
     )
     threads = result.info.get("threads") or RUN_THREADS
-    clear_restored(result.run_dir)
+    clear_restored(result.run_dir, keep=True)  # its saved results come back when the run finishes (`put_back_record`)
     return run(result.config, run_dir=result.run_dir, progress=progress, wait=True, threads=threads)
 
 # %% ../../nbs/60_experiment.ipynb #f0e1gn00run1

@@ -28,11 +28,12 @@ from ..core.registry import BACKBONES
 from ..core.config import Config, ConfigError, config_to_dict, make_config
 
 # %% auto #0
-__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'POLICY_ENV', 'MODES',
-           'MAX_COUNT', 'run_key', 'run_folder_name', 'one_line', 'RunStopped', 'stopped_record', 'record_stopped',
-           'check_stopped', 'results_path', 'results_dir', 'runs_folder', 'folder_problem', 'check_runs_folder',
-           'save_result', 'restore_results', 'restore_run', 'restored', 'restored_problem', 'clear_restored',
-           'RunPolicy', 'run_policy', 'use_policy', 'is_count', 'count_arg', 'result_checksum', 'result_problem']
+__all__ = ['RECIPES_VERSION', 'RUN_NAME', 'RESULTS_ENV', 'RESULT_FILES', 'RUNS_ENV', 'RESTORE_STALE_S', 'RESTORED_RECORD',
+           'TRAINED_AGAIN', 'POLICY_ENV', 'MODES', 'MAX_COUNT', 'run_key', 'run_folder_name', 'one_line', 'RunStopped',
+           'stopped_record', 'record_stopped', 'check_stopped', 'results_path', 'results_dir', 'runs_folder',
+           'folder_problem', 'check_runs_folder', 'save_result', 'restore_results', 'restore_run', 'restored',
+           'restored_problem', 'clear_restored', 'put_back_record', 'RunPolicy', 'run_policy', 'use_policy', 'is_count',
+           'count_arg', 'result_checksum', 'result_problem']
 
 # %% ../../nbs/60a_results.ipynb #a3c1e7d1
 # Bumped whenever a library default changes what an unchanged config trains (a config names only the options it
@@ -350,10 +351,22 @@ def restored_problem(run_dir: str | Path, key: str) -> str | None:
     return result_problem(run_dir, key=key) if restored(run_dir) else None
 
 
-def clear_restored(run_dir: str | Path, key: str | None = None) -> bool:
+RESTORED_RECORD = {
+    "metrics.json": "restored-metrics.json",
+    "history.csv": "restored-history.csv",
+    "done": "restored-done",
+}  # a restored run trained again for its embeddings or weights keeps its saved results here meanwhile (`put_back_record`)
+TRAINED_AGAIN = "trained_again.json"  # what that training measured on this machine, beside the record put back
+
+
+def clear_restored(run_dir: str | Path, key: str | None = None, keep: bool = False) -> bool:
     """Under the run's lock, remove a restored run's results from the cache (its `config.yaml` stays), so that `run`
     trains it; whether it did. With `key` (`run_key` of the config to be trained there), only a restored run of that
-    config: the keys its `metrics.json` and `config.yaml` record are that one."""
+    config: the keys its `metrics.json` and `config.yaml` record are that one. With `keep` (a run trained again only for
+    its embeddings or weights), the saved results are copied aside first (`RESTORED_RECORD`, `restored-done` last, the
+    mark of a whole copy), and the run puts them back when it finishes (`put_back_record`): the cache keeps the numbers
+    the results folder holds, whatever this machine's training gives. Without it (a restored run that fails its checks)
+    they are deleted."""
     run_dir = Path(run_dir)
     if run_dir.is_symlink():
         return False
@@ -362,9 +375,51 @@ def clear_restored(run_dir: str | Path, key: str | None = None) -> bool:
             return False
         if key is not None and _recorded_keys(run_dir) != {key}:
             return False
+        if keep:
+            for name, aside in RESTORED_RECORD.items():  # `done` last: a whole copy is marked by restored-done
+                if (data := _read(run_dir / name)) is not None:
+                    atomic_write(run_dir / aside, data)
         for name in ("done", "metrics.json", "history.csv"):
             (run_dir / name).unlink(missing_ok=True)
     return True
+
+
+def put_back_record(run_dir: str | Path) -> str | None:
+    """For a run `clear_restored(keep=True)` cleared, called by `run` under the run's lock once it has written its own
+    `metrics.json`, before its `done`: that `metrics.json` moves to `trained_again.json`, the saved results come back
+    (`done` last), and the copies aside are removed. Returns one line comparing the two runs' test metrics, or None
+    where there is no whole record aside (an ordinary run). The embeddings and weights are this machine's: on another
+    kind of CPU or thread count they differ from the saved run's in the last bits, and so may the figures made from them."""
+    run_dir = Path(run_dir)
+    aside = {name: run_dir / a for name, a in RESTORED_RECORD.items()}
+    if not aside["done"].is_file() or not aside["metrics.json"].is_file():
+        return None
+    mine = _parsed(_read(run_dir / "metrics.json"), json.loads)
+    saved = _parsed(_read(aside["metrics.json"]), json.loads)
+    atomic_write(run_dir / TRAINED_AGAIN, _read(run_dir / "metrics.json"))
+    for name in ("metrics.json", "history.csv", "done"):  # `done` last: the whole record is back
+        if (data := _read(aside[name])) is not None:
+            atomic_write(run_dir / name, data)
+    for path in aside.values():
+        path.unlink(missing_ok=True)
+    return _compare_runs(run_dir.name, saved, mine)
+
+
+def _compare_runs(name: str, saved, mine) -> str:
+    "One line: how the metrics of the run trained again (`mine`) differ from the saved run's (`saved`)."
+    get = lambda info: info.get("metrics", {}) if isinstance(info, dict) else {}
+    a, b = get(saved), get(mine)
+    common = [k for k in a if k in b and all(isinstance(v, (int, float)) for v in (a[k], b[k]))]
+    head = f"{name}: trained again here for its embeddings and weights; its numbers stay the results folder's"
+    if not common:
+        return f"{head} (the two runs share no metric to compare)"
+    worst = max(common, key=lambda k: abs(a[k] - b[k]))
+    if a[worst] == b[worst]:
+        return f"{head}, and this machine's run gives the same {len(common)} metrics"
+    return (
+        f"{head} ({worst} {a[worst]:.4g}); this machine's run gives {b[worst]:.4g} (in {TRAINED_AGAIN}), so the "
+        "embeddings and weights used from here on are those of that run, not of the saved one"
+    )
 
 
 def _recorded_keys(folder: Path) -> set:

@@ -258,7 +258,7 @@ class MultiTaskMethod(Method):
             self.dims[s], self.dims[g], w, hidden_dim, param_lr=lr, param_weight_decay=weight_decay
         )
 
-    # ---------------------------------------------------------------- forward pieces
+    # ---------------------------------------------------------------- the optimiser's groups
     def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
         """As `Method.param_groups`; with `decorrelation_lr=None` the regressors' groups run at the run's `lr`, tied to
         the network's rate as MIC's code ties its regressor (DiVA's code gives its regressor a rate of its own, 1e-5:
@@ -270,6 +270,7 @@ class MultiTaskMethod(Method):
                     g["lr"] = lr
         return groups
 
+    # ---------------------------------------------------------------- forward pieces
     def features(self, x: torch.Tensor, model: nn.Module | None = None):
         "Backbone features of `x` (a dict per head with `separate=True`)."
         return (self.model if model is None else model).backbone(x)

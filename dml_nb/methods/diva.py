@@ -15,17 +15,21 @@ from ..core.registry import LOSSES, METHODS, PRESETS, unknown_name_error
 from .base import MultiTaskMethod, Task
 from ..evaluation.clustering import kmeans
 from ..blocks.momentum import MemoryQueue, MomentumEncoder
+from ..data.cache import colour_jitter
 from ..data.samplers import ClassBalancedBatchSampler
 from .options import DiVAOptions
 
 # %% auto #0
-__all__ = ['KEY_BUFFERS', 'QUEUE_FILLS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES', 'DIVA_AUTHORS_CODE',
-           'DIVA_PAPER_TEXT', 'class_random_fill', 'QueueTask', 'DeepClusterTask', 'RotNetTask', 'DiVA',
-           'embed_weight_list', 'combine_heads']
+__all__ = ['KEY_BUFFERS', 'QUEUE_FILLS', 'KEY_VIEWS', 'DIVA_TASKS', 'AUXILIARY_TASKS', 'SHARING', 'POSITIVES',
+           'DIVA_AUTHORS_CODE', 'DIVA_PAPER_TEXT', 'class_random_fill', 'realistic_view', 'QueueTask',
+           'DeepClusterTask', 'RotNetTask', 'DiVA', 'embed_weight_list', 'combine_heads']
 
 # %% ../../nbs/51_diva.ipynb #07ebd27c
 KEY_BUFFERS = ("initial", "ema")
 QUEUE_FILLS = ("distinct", "class_random")
+# the key view: 'standard', the query's augmentation (crop and flip; the authors' sample runs); 'realistic', the authors'
+# `--realistic_augmentation`: greyscale with probability 0.2, then ColorJitter(0.4, 0.4, 0.4, 0.4) (`data.cache.colour_jitter`)
+KEY_VIEWS = ("standard", "realistic")
 
 
 def class_random_fill(labels, n_keys: int, batch_size: int, samples_per_class: int, seed: int) -> list[int]:
@@ -35,6 +39,21 @@ def class_random_fill(labels, n_keys: int, batch_size: int, samples_per_class: i
         np.asarray(labels), batch_size, samples_per_class, seed=seed, draw="class_random"
     )
     return [i for b in sampler.batches(0, num_batches=-(-n_keys // batch_size)) for i in b][:n_keys]
+
+
+def realistic_view(x: torch.Tensor, preprocessing) -> torch.Tensor:
+    """The normalised batch `x` with the colour part of the authors' `--realistic_augmentation` (greyscale p 0.2, then
+    `ColorJitter(0.4, 0.4, 0.4, 0.4)`, per image: `data.cache.colour_jitter`), normalised again as the backbone
+    expects (`preprocessing`: its mean, std and channel order). Its draws come from torch's generator on `x`'s device."""
+    if preprocessing is None:
+        raise ValueError(
+            "key_view='realistic' needs the backbone's preprocessing (its mean, std and channel order) to undo the "
+            "normalisation; this backbone states none: use key_view='standard'"
+        )
+    mean = torch.as_tensor(preprocessing.mean, dtype=x.dtype, device=x.device)[:, None, None]
+    std = torch.as_tensor(preprocessing.std, dtype=x.dtype, device=x.device)[:, None, None]
+    rgb = x.flip(-3) if preprocessing.channel_order == "BGR" else x
+    return preprocessing.normalize(colour_jitter((rgb * std + mean).float()).to(x.dtype))
 
 
 class QueueTask(Task):
@@ -54,6 +73,7 @@ class QueueTask(Task):
         momentum: float = 0.9,
         key_buffers: str = "initial",
         queue_fill: str = "distinct",
+        key_view: str = "standard",
     ):
         if loss not in ("dance", "nce_queue"):
             raise unknown_name_error(f"loss of queue task {name!r}", loss, ("dance", "nce_queue"))
@@ -71,7 +91,9 @@ class QueueTask(Task):
             raise unknown_name_error("key_buffers", key_buffers, KEY_BUFFERS)
         if queue_fill not in QUEUE_FILLS:
             raise unknown_name_error("queue_fill", queue_fill, QUEUE_FILLS)
-        self.queue_fill = queue_fill
+        if key_view not in KEY_VIEWS:
+            raise unknown_name_error("key_view", key_view, KEY_VIEWS)
+        self.queue_fill, self.key_view = queue_fill, key_view
         self.queue_batches = None if queue_size is not None else int(queue_batches or 30)
         self.momentum, self.key_buffers, self.embedding_dim = float(momentum), key_buffers, embedding_dim
         self.queue = MemoryQueue(int(queue_size) if queue_size is not None else 1, embedding_dim)
@@ -99,7 +121,9 @@ class QueueTask(Task):
 
     @torch.no_grad()
     def keys(self, method, x: torch.Tensor) -> torch.Tensor:
-        "The key encoder's embedding of `x` for this task's head."
+        "The key encoder's embedding of `x` (with `key_view='realistic'`, of `x` colour-jittered) for this task's head."
+        if self.key_view == "realistic":
+            x = realistic_view(x, getattr(method.model.backbone, "preprocessing", None))
         enc = self.key_encoder.encoder
         f = method.features(x, model=enc)
         return method.head_embeddings(f, [self.head], model=enc, regularise=False)[self.head].float()
@@ -329,6 +353,7 @@ class DiVA(MultiTaskMethod):
             "momentum": o.momentum,
             "key_buffers": o.key_buffers,
             "queue_fill": o.queue_fill,
+            "key_view": o.key_view,
         }
         if kind in miners:
             miner, miner_options = miners[kind]

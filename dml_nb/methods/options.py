@@ -227,6 +227,7 @@ class DiVAQueue:
     momentum: float = 0.9  # mu of the key encoder's EMA
     key_buffers: str = "initial"  # the key encoder's BatchNorm statistics: 'initial' (the code) or 'ema'
     queue_fill: str = "distinct"  # the first filling: 'distinct' images (dml_nb) or 'class_random' batches (the code)
+    key_view: str = "standard"  # the key's view: 'standard' (as the query's, the sample runs) or 'realistic' (+ colour)
 
     def check(self):
         if self.queue_size is not None and self.queue_batches is not None:
@@ -240,6 +241,7 @@ class DiVAQueue:
             raise ValueError(f"queue_batches must be >= 1, got {self.queue_batches}")
         check_one_of("key_buffers", self.key_buffers, _DIVA, "KEY_BUFFERS")
         check_one_of("queue_fill", self.queue_fill, _DIVA, "QUEUE_FILLS")
+        check_one_of("key_view", self.key_view, _DIVA, "KEY_VIEWS")
 
 
 @dataclass(kw_only=True)

@@ -112,7 +112,7 @@ class SharingMatters(MultiTaskMethod):
         self.shared_flip = o.shared_flip
         self.embed_name, self.grouping = o.embed, grouping
         self.shared_head = "phi" if o.architecture == "one_head" else "phi_star"
-        self.decorrelation_lr, self.decorrelation_weight_decay = o.decorrelation_lr, float(o.decorrelation_weight_decay)
+        self.decorrelation_weight_decay = float(o.decorrelation_weight_decay)  # decorrelation_lr: MultiTaskMethod's
         self.num_groups, self.regroup_every = o.num_groups, o.regroup_every
         self.kmeans_iterations, self.kmeans_redo, self.kmeans_seed = o.kmeans_iterations, o.kmeans_redo, o.kmeans_seed
         self.kmeans_max_points_per_centroid, self.group_batch_workers = (

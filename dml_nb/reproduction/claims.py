@@ -562,10 +562,12 @@ class Claims:
         detail: str = "",
         difference: tuple[float, float] | None = None,
         metric: str = "",
+        rows: Iterable[str] | None = None,
     ) -> Verdict:
         """Record and print `verdict` (None: its rows did not run, 'not tested') of `claim`; `difference`
         (`difference(a, b)`, or a plain (difference, SE) pair, judged at `Z`) puts it in the forest plot (`plot`) and
-        adds its margin, the difference over the rule's threshold, to `detail`."""
+        adds its margin, the difference over the rule's threshold, to `detail`. `rows`: the table's rows the claim
+        compares (`beats` and `beats_all` give theirs), read by the sensitivity table to know which columns touch it."""
         if verdict is None:
             verdict = Verdict.NOT_TESTED
         if not isinstance(verdict, Verdict):
@@ -589,6 +591,7 @@ class Claims:
                 "df": df,
                 "threshold": thr,
                 "paper": math.nan,
+                **({"rows": list(dict.fromkeys(rows))} if rows is not None else {}),
             }
         )
         print(f"[{verdict.value.upper()}] {claim}" + (f"  ({detail})" if detail else ""))
@@ -603,6 +606,7 @@ class Claims:
             fmt(table, a, b, metric=metric),
             difference(stat(table, a, metric), stat(table, b, metric)) if both else None,
             metric,
+            rows=(a, b),
         )
         self.items[-1]["paper"], self.items[-1]["paper_omitted"] = paper_difference(self.paper, a, b, metric)
         self.spread.setdefault(metric, {}).update({r: stat(table, r, metric) for r in (a, b) if r in table.index})
@@ -634,7 +638,13 @@ class Claims:
         if detail is None:
             rows = list(dict.fromkeys(r for a, b, _ in pairs for r in (a, b)))
             detail = "; ".join(fmt(table, *rows, metric=m) for m in metrics)
-        v = self.check(claim, all_hold(Verdict(p["verdict"]) for p in parts), detail, metric=" / ".join(metrics))
+        v = self.check(
+            claim,
+            all_hold(Verdict(p["verdict"]) for p in parts),
+            detail,
+            metric=" / ".join(metrics),
+            rows=[r for a, b, _ in pairs for r in (a, b)],
+        )
         self.items[-1]["parts"] = parts
         return v
 

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import io
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -90,8 +91,13 @@ def other_reading(method: Mapping) -> dict | None:
     None where the two agree for it: DiVA's test embedding with every head weighted 1 (the text's plain
     concatenation; the code weights 0.75 and 1.25), MIC's gamma `TEXT_GAMMA`."""
     name = method.get("name", "baseline")
-    if name == "diva" and len(method.get("tasks", ["discriminative"])) > 1:
-        return {**method, "embed_weights": {t: 1.0 for t in method["tasks"]}}
+    tasks = method.get("tasks", ["discriminative"])
+    if name == "diva" and len(tasks) > 1:
+        equal = {t: 1.0 for t in tasks}
+        weights = method.get("embed_weights")
+        if weights is None or weights == equal or weights == [equal]:  # the text's reading already (Table 2's file)
+            return None  # the code's weightings there depend on the number of tasks: not offered as a column yet
+        return {**method, "embed_weights": equal}
     if name == "mic":
         key = "gamma" if "gamma" in method else "decorrelation_weight"
         return {**method, key: TEXT_GAMMA}
@@ -209,10 +215,14 @@ def _cell(item: Mapping) -> str:
 
 
 def _rows_of(item: Mapping, table: pd.DataFrame) -> set[str]:
-    "The rows a claim compares: its parts' rows, else every row its numbers name."
+    """The rows a claim compares: those it records (`Claims.beats`, `beats_all`, `check(rows=...)`), else, for a claim
+    judged another way, every row its numbers name as a whole word (so "Margin-128" is not found in "Margin-1280")."""
+    if item.get("rows"):
+        return set(item["rows"])
     if item.get("parts"):
         return {r for p in item["parts"] for r in (p["a"], p["b"])}
-    return {r for r in table.index if str(r) in item.get("numbers", "")}
+    text = item.get("numbers", "")
+    return {r for r in table.index if re.search(rf"(?<![\w@&-]){re.escape(str(r))}(?![\w@&-])", text)}
 
 
 def sensitivity(
@@ -231,16 +241,19 @@ def sensitivity(
         if c not in COLUMNS:
             raise unknown_name_error("sensitivity column", c, list(COLUMNS))
     specs = {c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base).items() if columns is None or c in columns}
-    runs = {c: [Row(n, s) for n, s in v.items()] for c, v in specs.items()}
-    runs |= {c: [Row(n, rows[n], head=h) for n, h in v.items()] for c, v in diagnostic_rows(rows).items()}
+    runs = {c: [Row(n, s, group=c) for n, s in v.items()] for c, v in specs.items()}
+    runs |= {c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items()}
+    every = [r for rs in runs.values() for r in rs]  # one call: a plan lists every column's runs at once
+    with nb.policy.applied():
+        per_seed, _ = run_rows(
+            every, nb.base, nb.seeds, runs_dir=nb.runs, progress=nb.progress, threads=nb.threads, policy=nb.policy
+        )
+    nb.keep(every)
     tables, verdicts, changed = {}, {}, {}
     for column, rs in runs.items():
-        with nb.policy.applied():
-            per_seed, _ = run_rows(
-                rs, nb.base, nb.seeds, runs_dir=nb.runs, progress=nb.progress, threads=nb.threads, policy=nb.policy
-            )
-        nb.keep(rs)
-        tables[column] = column_table(headline, per_seed, metrics)
+        mine = per_seed[per_seed["group"] == column] if "group" in per_seed else per_seed.iloc[:0]
+        groups = dict(zip(headline["row"], headline["group"])) if "group" in headline else {}
+        tables[column] = column_table(headline, mine.assign(group=mine["row"].map(groups).fillna("")), metrics)
         verdicts[column] = judged(judge, nb.claims(), tables[column])
         changed[column] = [r.name for r in rs]
     lines = []

@@ -36,8 +36,9 @@ from dml_nb.sweeps.sweep import (
 )
 
 # %% auto #0
-__all__ = ['SLURM_TOOLS', 'LAUNCHERS', 'Failure', 'LauncherUnavailable', 'SweepFailed', 'local_slots', 'gpu_slots', 'run_pool',
-           'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect', 'add_sweep_arguments', 'sweep_command']
+__all__ = ['SLURM_TOOLS', 'LAUNCHERS', 'LAUNCH_ROUNDS', 'Failure', 'LauncherUnavailable', 'SweepFailed', 'local_slots',
+           'gpu_slots', 'run_pool', 'check_slurm', 'slurm_executor', 'submit_slurm', 'launch', 'collect',
+           'add_sweep_arguments', 'launch_later', 'sweep_command']
 
 # %% ../../nbs/62b_launch.ipynb #7da3e642
 def _reproduction_notebooks(root: Path) -> list[Path]:
@@ -304,7 +305,9 @@ def launch(
             j.run_dir
         ):  # on the thread count its results record (`RUN_THREADS` for older results)
             j.threads = recorded_threads(j.run_dir) or RUN_THREADS
-            if not clear_restored(j.run_dir, _job_key(j, plan.plan_dir)):  # only a restored run of the config it trains
+            if not clear_restored(
+                j.run_dir, _job_key(j, plan.plan_dir), keep=True
+            ):  # only a restored run of the config it trains; its saved results come back when it finishes
                 print(
                     f"{j.run_dir} is not cleared to be trained again: it is not a restored run of the config its job "
                     "trains (its results stay; the job fails)",
@@ -445,6 +448,11 @@ def _print_plan(plan: Plan, json_out=None) -> None:
             f"* not here: {why} ({sum(j.unavailable == why for j in plan.pending())} runs; a launcher on a machine that has it trains them)"
         )
     print(f"{len(plan.jobs)} runs, {len(plan.pending())} pending; plan: {plan.plan_dir / 'plan.json'}")
+    if plan.stopped and plan.pending():
+        print(
+            f"planning stopped in {', '.join(plan.stopped)} at runs not trained yet: runs their later cells need "
+            "(a sensitivity table's) are listed once these are trained; --launch plans again until none is left"
+        )
     if json_out:
         plan.save(json_out)
 
@@ -473,6 +481,30 @@ def _launch_args(args, plan: Plan, gpus, threads: int | None = None) -> int | No
         for f in e.failures:
             print(f"  {f}", file=sys.stderr)
         return 1
+    return None
+
+
+LAUNCH_ROUNDS = 4  # plans after the first: a notebook's run cells that each need the one before (the flagship has 2)
+
+
+def launch_later(args, plan: Plan, pp: dict, gpus, threads: int | None = None) -> int | None:
+    """After a launch: plan again the notebooks whose planning stopped at runs not trained yet (`Plan.stopped`), and
+    launch the runs their later cells need (the flagship's sensitivity columns need its headline first), until a plan
+    stops nowhere or lists no run this machine can train that an earlier round did not; at most `LAUNCH_ROUNDS`
+    plans, each in `<plan dir>/later-<k>`. 1 after naming failed runs (`_launch_args`), else None."""
+    seen = {j.run_dir for j in plan.jobs}
+    for k in range(1, LAUNCH_ROUNDS + 1):
+        if not plan.stopped:
+            return None
+        plan = plan_notebook(plan.stopped, Path(plan.plan_dir) / f"later-{k}", **pp)
+        new = [j for j in plan.pending() if j.run_dir not in seen and not j.unavailable]
+        if not new:
+            return None
+        print(f"dml-reproduce: {', '.join(plan.notebooks)} need {len(new)} more run(s) now that the first are trained")
+        _print_plan(plan, None)
+        seen |= {j.run_dir for j in plan.jobs}
+        if (code := _launch_args(args, plan, gpus, threads)) is not None:
+            return code
     return None
 
 
@@ -527,6 +559,8 @@ def sweep_command(args, root: str | Path | None = None, reproduce=None, policy: 
         _print_plan(plan, args.json_out)
     if args.launch:
         if (code := _launch_args(args, plan, gpus, threads)) is not None:
+            return code
+        if not args.from_plan and (code := launch_later(args, plan, pp, gpus, threads)) is not None:
             return code
         if args.no_collect:
             return 0

@@ -303,6 +303,9 @@ class Plan:
     jobs: list
     notebooks: list
     runs_dir: Path | None = None  # the run cache every job's folder is in (None: the one their folders share)
+    stopped: list = field(
+        default_factory=list
+    )  # notebooks whose planning stopped at runs not trained yet: later cells may need more (`--launch` plans again)
 
     def pending(self) -> list[Job]:
         return [j for j in self.jobs if j.status not in SETTLED]
@@ -337,6 +340,7 @@ class Plan:
             "plan_dir": str(self.plan_dir),
             "runs_dir": None if self.cache() is None else str(self.cache()),
             "notebooks": self.notebooks,
+            "stopped": self.stopped,
             "jobs": [{**asdict(j), "status": j.status, "command": j.command(self.plan_dir)} for j in self.jobs],
         }
         atomic_write(path, json.dumps(data, indent=1) + "\n")
@@ -357,7 +361,7 @@ class Plan:
             keys = set(Job.__dataclass_fields__)
             jobs = [Job(**{k: v for k, v in j.items() if k in keys}) for j in data["jobs"]]
             runs = None if data.get("runs_dir") is None else Path(data["runs_dir"])
-            plan = cls(Path(data["plan_dir"]), jobs, data["notebooks"], runs)
+            plan = cls(Path(data["plan_dir"]), jobs, data["notebooks"], runs, list(data.get("stopped", [])))
         except (KeyError, TypeError, AttributeError) as e:
             raise PlanError(f"plan {path} is not a whole plan (missing or wrong: {one_line(e)}); {again}") from None
         if (problem := plan.problem()) is not None:
@@ -511,15 +515,16 @@ def plan_notebook(
     """Every run `notebooks` need with these parameters, without training: each is executed by papermill with
     `$DML_PLAN` set, so `run_rows` lists its jobs: finished runs are read as usual, and where some are not finished
     the notebook stops after listing them (`PlanStop`: what follows needs them). Figures go to a temporary folder.
-    A notebook whose later `nb.run` depends on the results of an earlier one (none does today) lists those runs
-    once the earlier ones are trained: plan again after a launch, or collect-only names them. The configs are written to
-    `plan_dir/configs/<hash>.yaml`, the plan to `plan_dir/plan.json`."""
+    The runs of a later `nb.run` (the flagship's sensitivity columns, after its headline) are listed once the earlier
+    ones are trained: `Plan.stopped` names the notebooks that stopped, and `dml-reproduce --launch` plans them again
+    after each launch until none stops (`launch.launch_later`); collect-only names any still missing. The configs are
+    written to `plan_dir/configs/<hash>.yaml`, the plan to `plan_dir/plan.json`."""
     root = Path(root) if root is not None else project_root()
     notebooks = [notebooks] if isinstance(notebooks, (str, Path)) else list(notebooks)
     plan_dir = Path(plan_dir)
     (plan_dir / "configs").mkdir(parents=True, exist_ok=True)
     jobs: dict[str, Job] = {}
-    paths = [notebook_path(n, root) for n in notebooks]
+    paths, stopped = [notebook_path(n, root) for n in notebooks], []
     for nb in tqdm(paths, desc="planning", disable=not progress, leave=False):
         params = notebook_parameters(params_file, overrides, seeds, runs_dir)
         figures = Path(tempfile.mkdtemp(prefix="dml_nb_plan_figures_"))
@@ -531,13 +536,15 @@ def plan_notebook(
         try:
             execute(nb, params, plan_dir / "executed" / nb.name, **{PLAN_ENV: records, COLLECT_ENV: None})
         except Exception as e:  # papermill's error for an exception in a cell: `PlanStop` is the expected end
-            if getattr(e, "ename", None) != "PlanStop":
+            if getattr(e, "ename", None) == "PlanStop":
+                stopped.append(nb.stem)
+            else:
                 if getattr(e, "ename", None) is None:
                     raise
                 raise PlanError(one_line(f"planning {nb.stem} stopped: {e.ename}: {e.evalue}")[:2000]) from None
         finally:
             shutil.rmtree(figures, ignore_errors=True)
         _add_jobs(jobs, [json.loads(l) for l in records.read_text().splitlines()], nb.stem, plan_dir)
-    plan = Plan(plan_dir, list(jobs.values()), [p.stem for p in paths])
+    plan = Plan(plan_dir, list(jobs.values()), [p.stem for p in paths], stopped=stopped)
     plan.save()
     return plan
