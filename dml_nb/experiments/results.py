@@ -409,7 +409,8 @@ def _compare_runs(name: str, saved, mine) -> str:
     "One line: how the metrics of the run trained again (`mine`) differ from the saved run's (`saved`)."
     get = lambda info: info.get("metrics", {}) if isinstance(info, dict) else {}
     a, b = get(saved), get(mine)
-    common = [k for k in a if k in b and all(isinstance(v, (int, float)) for v in (a[k], b[k]))]
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    common = [k for k in a if "/" in k and k in b and number(a[k]) and number(b[k])]  # split/metric: not the epoch
     head = f"{name}: trained again here for its embeddings and weights; its numbers stay the results folder's"
     if not common:
         return f"{head} (the two runs share no metric to compare)"

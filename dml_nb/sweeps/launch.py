@@ -497,7 +497,7 @@ def launch_later(args, plan: Plan, pp: dict, gpus, threads: int | None = None) -
         if not plan.stopped:
             return None
         plan = plan_notebook(plan.stopped, Path(plan.plan_dir) / f"later-{k}", **pp)
-        new = [j for j in plan.pending() if j.run_dir not in seen and not j.unavailable]
+        new = [j for j in plan.pending() if (j.run_dir not in seen or j.rebuild) and not j.unavailable]
         if not new:
             return None
         print(f"dml-reproduce: {', '.join(plan.notebooks)} need {len(new)} more run(s) now that the first are trained")
