@@ -21,7 +21,7 @@ from .transfer import file_rows, method_specs, paper_files, transferred_paramete
 # %% auto #0
 __all__ = ['LONGER', 'TEXT_GAMMA', 'DIVA_RATE', 'LOSS_RECIPES', 'PROXY_LOSSES', 'COLUMNS', 'DIAGNOSTIC', 'learnt_rates',
            'rates_tied', 'other_reading', 'sensitivity_rows', 'diagnostic_rows', 'column_table', 'judged',
-           'sensitivity_label', 'Sensitivity', 'sensitivity']
+           'column_lines', 'sensitivity_label', 'Sensitivity', 'sensitivity']
 
 # %% ../../nbs/67c_sensitivity.ipynb #16242ebf
 LONGER = 3  # the "3x training" column: the rule's rows at this many times the regime's epochs
@@ -104,19 +104,30 @@ def other_reading(method: Mapping) -> dict | None:
     return None
 
 
-def sensitivity_rows(stem: str, rows: Mapping[str, Mapping], base: Mapping) -> dict[str, dict[str, dict]]:
+def sensitivity_rows(
+    stem: str, rows: Mapping[str, Mapping], base: Mapping, sources: Mapping[str, str] | None = None
+) -> dict[str, dict[str, dict]]:
     """{column: {row: spec}} of the rows each column of `COLUMNS` changes (a spec of sections: `Row`); a row a
     column leaves alone is the headline's run. `rows`: the notebook's {row: method spec}, as trained; `base`: its
-    base config. "3x training" is `transferred_parameters(stem, 3 x epochs)` for the rows the paper file holds."""
+    base config. `sources`: where each row comes from in the paper file (`method_specs`' path; default
+    `rows/<name>`; Table 2's rows come from its `diva` and `discriminative` sections). "3x training" is the row at 3x
+    the epochs with what `transferred_parameters(stem, 3 x epochs)` changes in its paper-file row (milestones; the
+    rule keeps counts), for the rows the paper file holds."""
     epochs = int(base["train"]["epochs"])
     longer = dict(method_specs(transferred_parameters(stem, LONGER * epochs)))
+    now = dict(method_specs(transferred_parameters(stem, epochs)))
     paper = file_rows(paper_files(stem)[0], stem)
     out = {c: {} for c in COLUMNS}
     for name, spec in rows.items():
-        where, sections = f"rows/{name}", dict(spec) if "method" in spec else {"method": spec}
+        where = (sources or {}).get(name, f"rows/{name}")
+        sections = dict(spec) if "method" in spec else {"method": spec}
         method = sections["method"]
         if where in longer:
-            out["3x training"][name] = {**longer[where], "train": {"epochs": LONGER * epochs}}
+            moved = {
+                k: v for k, v in longer[where]["method"].items() if now.get(where, {}).get("method", {}).get(k) != v
+            }
+            train = {**sections.get("train", {}), **longer[where].get("train", {}), "epochs": LONGER * epochs}
+            out["3x training"][name] = {**sections, "method": {**method, **moved}, "train": train}
         if (m := other_reading(method)) is not None:
             out["the other reading"][name] = {**sections, "method": m}
         ratio = float(base["train"]["lr"]) / float(paper[where].train.lr) if where in paper else None
@@ -146,19 +157,32 @@ def column_table(headline: pd.DataFrame, column: pd.DataFrame | None, metrics) -
     "`summarize` of the headline's per-seed lines with the column's rows in place of the headline's same-named ones."
     from dml_nb.reproduction.repro import summarize
 
-    lines = (
-        headline
-        if column is None or column.empty
-        else pd.concat([headline[~headline["row"].isin(column["row"])], column], ignore_index=True)
-    )
-    return summarize(lines, list(metrics))
+    return summarize(column_lines(headline, column), list(metrics))
 
 
-def judged(judge: Callable, claims, table: pd.DataFrame) -> list[dict]:
-    "The claims `judge(claims, table)` records on `table`, quietly (no verdict lines printed): their items."
+def judged(judge: Callable, claims, table: pd.DataFrame, lines: pd.DataFrame | None = None) -> list[dict]:
+    """The claims `judge(claims, table)` records on `table`, quietly (no verdict lines printed): their items. A judge
+    with a third parameter also gets the per-seed `lines` the table summarises (a claim judged over seeds: Table 2's
+    mean R@1 per number of tasks)."""
     with contextlib.redirect_stdout(io.StringIO()):
-        judge(claims, table)
+        judge(claims, table, lines) if _takes_lines(judge) else judge(claims, table)
     return claims.items
+
+
+def _takes_lines(judge: Callable) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(judge).parameters) >= 3
+    except (TypeError, ValueError):
+        return False
+
+
+def column_lines(headline: pd.DataFrame, column: pd.DataFrame | None) -> pd.DataFrame:
+    "The headline's per-seed lines with the column's lines in place of the headline's same-named rows."
+    if column is None or column.empty:
+        return headline
+    return pd.concat([headline[~headline["row"].isin(column["row"])], column], ignore_index=True)
 
 
 def sensitivity_label(headline: str, verdicts: Mapping[str, str], changed: Mapping[str, bool]) -> str:
@@ -226,21 +250,28 @@ def _rows_of(item: Mapping, table: pd.DataFrame) -> set[str]:
 
 
 def sensitivity(
-    nb, rows: Mapping[str, Mapping], judge: Callable, metrics, columns: Sequence[str] | None = None
+    nb,
+    rows: Mapping[str, Mapping],
+    judge: Callable,
+    metrics,
+    columns: Sequence[str] | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> Sensitivity:
     """Judge notebook `nb`'s claims (`judge(claims, table)`, the function its claims cell calls on the headline
     table) on each column of `COLUMNS`: the rows the column changes (`sensitivity_rows`) are trained (or read) for the
     notebook's seeds and saved as its other runs are, then put in place of the headline's; the `DIAGNOSTIC` columns read
     the headline's runs from one head. `columns`: which of `COLUMNS` (None: all). Call after `nb.run` of the headline
-    rows."""
+    rows. `sources`: where each row comes from in the paper file (`sensitivity_rows`)."""
     from dml_nb.reproduction.repro import Row, run_rows
 
     headline = nb.per_seed
-    base_items = judged(judge, nb.claims(), column_table(headline, None, metrics))
+    base_items = judged(judge, nb.claims(), column_table(headline, None, metrics), headline)
     for c in columns or ():
         if c not in COLUMNS:
             raise unknown_name_error("sensitivity column", c, list(COLUMNS))
-    specs = {c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base).items() if columns is None or c in columns}
+    specs = {
+        c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base, sources).items() if columns is None or c in columns
+    }
     runs = {c: [Row(n, s, group=c) for n, s in v.items()] for c, v in specs.items()}
     runs |= {c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items()}
     every = [r for rs in runs.values() for r in rs]  # one call: a plan lists every column's runs at once
@@ -253,8 +284,9 @@ def sensitivity(
     for column, rs in runs.items():
         mine = per_seed[per_seed["group"] == column] if "group" in per_seed else per_seed.iloc[:0]
         groups = dict(zip(headline["row"], headline["group"])) if "group" in headline else {}
-        tables[column] = column_table(headline, mine.assign(group=mine["row"].map(groups).fillna("")), metrics)
-        verdicts[column] = judged(judge, nb.claims(), tables[column])
+        mine = mine.assign(group=mine["row"].map(groups).fillna(""))
+        tables[column] = column_table(headline, mine, metrics)
+        verdicts[column] = judged(judge, nb.claims(), tables[column], column_lines(headline, mine))
         changed[column] = [r.name for r in rs]
     lines = []
     for i, item in enumerate(base_items):
