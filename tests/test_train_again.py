@@ -94,3 +94,15 @@ def test_a_restored_run_that_fails_its_checks_is_trained_again_with_its_own_numb
     out = run(CFG, runs_dir=run_dir.parent, progress=False, threads=1)
     assert out.metrics["test/recall@1"] == saved["metrics"]["test/recall@1"] + 0.125
     assert not (run_dir / TRAINED_AGAIN).exists()
+
+
+def test_a_record_aside_edited_before_the_run_finishes_is_not_put_back(restored_run, another_machine, capsys):
+    "The copy aside is checked against the checksum its `done` holds: an edited one is dropped, and the run keeps its own."
+    run_dir, saved = restored_run
+    assert clear_restored(run_dir, keep=True)
+    aside = run_dir / RESTORED_RECORD["metrics.json"]
+    aside.write_text(aside.read_text().replace('"config_key"', '"config_key" ', 1))  # one byte more
+    out = run(CFG, runs_dir=run_dir.parent, progress=False, threads=1)
+    assert out.metrics["test/recall@1"] == saved["metrics"]["test/recall@1"] + 0.125
+    assert not any((run_dir / a).exists() for a in RESTORED_RECORD.values()) and not (run_dir / TRAINED_AGAIN).exists()
+    assert "fail their checksum" in capsys.readouterr().err

@@ -392,17 +392,24 @@ def put_back_record(run_dir: str | Path) -> str | None:
     kind of CPU or thread count they differ from the saved run's in the last bits, and so may the figures made from them."""
     run_dir = Path(run_dir)
     aside = {name: run_dir / a for name, a in RESTORED_RECORD.items()}
-    if not aside["done"].is_file() or not aside["metrics.json"].is_file():
+    record = {name: _read(path) for name, path in aside.items()}  # plain files only, never through a link
+    if record["done"] is None or record["metrics.json"] is None:
+        return None
+    sums = [l.split()[-1] for l in record["done"].decode(errors="replace").splitlines() if l.startswith("sha256 ")]
+    files = {"config.yaml": _read(run_dir / "config.yaml"), **{k: record[k] for k in ("metrics.json", "history.csv")}}
+    if sums and sums[-1] != result_checksum(files):  # edited since it was copied aside: not put back
+        for path in aside.values():
+            path.unlink(missing_ok=True)
+        _say(f"{run_dir}: the saved results kept aside fail their checksum; this machine's run is kept instead")
         return None
     mine = _parsed(_read(run_dir / "metrics.json"), json.loads)
-    saved = _parsed(_read(aside["metrics.json"]), json.loads)
     atomic_write(run_dir / TRAINED_AGAIN, _read(run_dir / "metrics.json"))
     for name in ("metrics.json", "history.csv", "done"):  # `done` last: the whole record is back
-        if (data := _read(aside[name])) is not None:
-            atomic_write(run_dir / name, data)
+        if record[name] is not None:
+            atomic_write(run_dir / name, record[name])
     for path in aside.values():
         path.unlink(missing_ok=True)
-    return _compare_runs(run_dir.name, saved, mine)
+    return _compare_runs(run_dir.name, _parsed(record["metrics.json"], json.loads), mine)
 
 
 def _compare_runs(name: str, saved, mine) -> str:
