@@ -47,6 +47,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 METHODS = ("baseline", "diva", "dnc", "sharing", "bspml")
+FUSED_METHODS = (
+    "baseline",
+    "diva",
+)  # also timed at bf16 with train.fused_optimizer (torch's fused Adam; not bit-equal)
 CUB_TRAIN, CUB_TEST, EPOCHS = 5864, 5924, 350  # CUB200's split; DiVA's sample runs train 350 epochs
 
 
@@ -340,7 +344,7 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
     cuda = device.type == "cuda"
     batch, size = (8, 32) if tiny else (112, 224)
     steps, warmup = (2, 1) if tiny else (12, 4)
-    per = limit / (2 * len(METHODS) + len(BARE_VARIANTS) + 1)
+    per = limit / (2 * len(METHODS) + len(FUSED_METHODS) + len(BARE_VARIANTS) + 1)
     for name, kw in BARE_VARIANTS.items():
         bare = bare_rate(device, batch, size, 2 if tiny else 30, cuda, per, warm=1 if tiny else 3, **kw)
         key = {"as is": "bare", "BatchNorm frozen (eval mode)": "bare_eval_bn"}.get(name, "bare_eval_bn_zeros_wd")
@@ -354,14 +358,16 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
     bare_bf16 = bare_rate(device, batch, size, 2 if tiny else 30, cuda, per, bf16=True, warm=1 if tiny else 3)
     results["bare_bf16_img_s"] = bare_bf16
     c.add("training", "bare torchvision ResNet50, bf16, as is", f"{bare_bf16:.1f} img/s", "autocast bf16")
-    for amp in ("paper", "bf16"):
+    for amp in ("paper", "bf16", "bf16_fused"):
         ref = results["bare_img_s"] if amp == "paper" else bare_bf16
-        for m in METHODS:
+        for m in METHODS if amp != "bf16_fused" else FUSED_METHODS:
             if c.left() < per:
                 c.add("training", f"{m} ({amp})", "skipped", "time")
                 continue
             t = time.perf_counter()
-            extra = () if amp == "paper" else ("train.amp=bf16",)
+            extra = {"paper": (), "bf16": ("train.amp=bf16",)}.get(
+                amp, ("train.amp=bf16", "train.fused_optimizer=true")
+            )
             try:
                 rate, peak, learn, note = method_rate(
                     paper_config(m, root, device, tiny, warmup + steps, extra), device, warmup
@@ -369,7 +375,7 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
             except Exception as e:
                 c.add("training", f"{m} ({amp})", "FAILED", f"{type(e).__name__}: {str(e)[:200]}".replace("|", "/"))
                 continue
-            results[f"{m}_img_s" if amp == "paper" else f"{m}_bf16_img_s"] = rate
+            results[f"{m}_img_s" if amp == "paper" else f"{m}_{amp}_img_s"] = rate
             target = {"baseline": 0.15, "diva": 0.45}.get(m)
             c.add(
                 "training",
@@ -380,7 +386,7 @@ def training(c: Check, limit, device, tiny, root: Path, results: dict):
                 f"channels_last {learn.channels_last}, peak GPU memory {'-' if peak is None else f'{peak:.1f} GiB'}; "
                 f"{note}; {time.perf_counter() - t:.0f} s",
             )
-            if m == "diva":
+            if m == "diva" and amp != "bf16_fused":
                 results["diva_learner" if amp == "paper" else "diva_learner_bf16"] = learn
 
 
@@ -879,11 +885,15 @@ def write_results(path: Path, results: dict, device, c: Check) -> None:
         "torchvision": torchvision.__version__,
         "device": device.type,
         "seconds": round(time.perf_counter() - c.t0),
-        "precision": {"paper": "fp32 (the paper files' amp: none)", "bf16": "autocast bf16 (train.amp=bf16)"},
+        "precision": {
+            "paper": "fp32 (the paper files' amp: none)",
+            "bf16": "autocast bf16 (train.amp=bf16)",
+            "bf16_fused": "autocast bf16 with torch's fused Adam (train.amp=bf16, train.fused_optimizer=true)",
+        },
     }
     keys = ["bare", "bare_eval_bn", "bare_eval_bn_zeros_wd", *METHODS]
     for k in keys:
-        for suffix in ("_img_s", "_bf16_img_s"):
+        for suffix in ("_img_s", "_bf16_img_s", "_bf16_fused_img_s"):
             if f"{k}{suffix}" in results:
                 out[f"{k}{suffix}"] = round(results[f"{k}{suffix}"], 2)
     for k in (
@@ -896,7 +906,7 @@ def write_results(path: Path, results: dict, device, c: Check) -> None:
         if k in results:
             out[k] = round(results[k], 3)
     for m in METHODS:
-        for amp, ref in (("", "bare_img_s"), ("_bf16", "bare_bf16_img_s")):
+        for amp, ref in (("", "bare_img_s"), ("_bf16", "bare_bf16_img_s"), ("_bf16_fused", "bare_bf16_img_s")):
             if f"{m}{amp}_img_s" in out and ref in out:
                 out[f"{m}{amp}_overhead"] = round(out[ref] / out[f"{m}{amp}_img_s"] - 1, 4)
     if "profile" in results:

@@ -41,7 +41,7 @@ falls on both alike): each one's median and best, and the speedup as the median 
 range) and as the ratio of the bests;
 `jpeg_crops_2_views` the same for two views per image (DiVA's).
 
-    python benchmarks/step_census.py [--tiny] [--json] [-v] [--batch 32 --size 32 --warmup 3 --steps 2]
+    python benchmarks/step_census.py [--tiny] [--json] [-v] [--batch 32 --size 32 --warmup 3 --steps 2] [--set K=V]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -349,8 +350,9 @@ def bare(census: Census, batch: int, size: int, warmup: int, steps: int):
     return count_steps(run_steps, census, warmup, steps, lambda: mark_state(opt, net, {"x": x}))
 
 
-def recipe_config(recipe: str, root: Path, batch: int, size: int, steps: int):
-    "The paper file as it is, with only the sizes shrunk (and the run's place, device and loader workers set)."
+def recipe_config(recipe: str, root: Path, batch: int, size: int, steps: int, extra: Sequence[str] = ()):
+    """The paper file as it is, with only the sizes shrunk (and the run's place, device and loader workers set);
+    `extra`: more `section.key=value` overrides, last (`--set`)."""
     from dml_nb.core.config import load_config
 
     over = [
@@ -370,14 +372,16 @@ def recipe_config(recipe: str, root: Path, batch: int, size: int, steps: int):
         over += ["method.queue_batches=2"]
     if recipe == "dnc":
         over += ["method.num_learners=2"]
-    return load_config(ROOT / "params" / "train" / f"cub200_{recipe}.yaml", overrides=over)
+    return load_config(ROOT / "params" / "train" / f"cub200_{recipe}.yaml", overrides=[*over, *extra])
 
 
-def recipe(census: Census, name: str, root: Path, batch: int, size: int, warmup: int, steps: int):
+def recipe(
+    census: Census, name: str, root: Path, batch: int, size: int, warmup: int, steps: int, extra: Sequence[str] = ()
+):
     from dml_nb.training.build import build_learner
     from dml_nb.data.batches import JpegImages
 
-    cfg = recipe_config(name, root, batch, size, warmup + steps + 1)
+    cfg = recipe_config(name, root, batch, size, warmup + steps + 1, extra)
     torch.manual_seed(0)
     learn = build_learner(cfg, run_dir=None, progress=False)
     learn.eval_sets = {}
@@ -478,6 +482,15 @@ def main(argv=None):
     ap.add_argument("--jpeg-size", type=int, default=16, help="output px of the jpeg_crops timing")
     ap.add_argument("--repeats", type=int, default=30, help="pairs of jpeg_crops timings (medians are kept)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override of every recipe's paper file, as dml-train's --set (e.g. train.fused_optimizer=true); "
+        "repeatable. The bare loop stays as it is",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every sync with its site, per step")
     args = ap.parse_args(argv)
@@ -509,7 +522,7 @@ def main(argv=None):
             root = write_fake_dataset("cub200", Path(tmp) / "cub", n_classes=16, per_class=8, size=size + 8)
             for r in recipes:
                 t = time.perf_counter()
-                rows = recipe(census, r, root, batch, size, warmup, steps)
+                rows = recipe(census, r, root, batch, size, warmup, steps, args.overrides)
                 result[r] = summarise(rows)
                 log(
                     f"{r}: {result[r]['syncs_per_step']} syncs, {result[r]['kernels_per_step']} kernels per step "
@@ -532,10 +545,12 @@ def main(argv=None):
         "steps": steps,
         "torch": torch.__version__,
         "threads": args.threads,
+        "overrides": list(args.overrides),
     }
     bare_k = result["bare"]["kernels_per_step"]
     lines = [
-        f"# step census: batch {batch}, {size} px, {warmup} warm-up step(s), {steps} counted, torch {torch.__version__}",
+        f"# step census: batch {batch}, {size} px, {warmup} warm-up step(s), {steps} counted, torch {torch.__version__}"
+        + (f"; paper files with {', '.join(args.overrides)}" if args.overrides else ""),
         "",
         "| run | syncs per ordinary step | kernels per step | vs bare | host ops per step | sync sites (all counted steps) |",
         "| --- | ---: | ---: | ---: | ---: | --- |",

@@ -34,6 +34,9 @@ RESULT_KEYS = (
     "bare_bf16_img_s",
     *(f"{m}_img_s" for m in METHODS),
     *(f"{m}_bf16_img_s" for m in METHODS),
+    *(f"{m}_bf16_fused_img_s" for m in ("baseline", "diva")),  # torch's fused Adam (train.fused_optimizer)
+    "baseline_bf16_fused_overhead",
+    "diva_bf16_fused_overhead",
     "eval_embed_img_s",
     "eval_embed_bf16_img_s",
     "diva_cub200_200_epochs_min",
@@ -88,6 +91,8 @@ def test_gpu_check_rehearsal_on_the_cpu(tmp_path):
                 row[1].startswith(m + " ") and amp in row[1] and row[2].endswith("img/s")
                 for row in by_section["training"]
             ), (m, amp)
+    for m in ("baseline", "diva"):  # and with torch's fused Adam
+        assert any(row[1] == f"{m} (params/train/cub200_{m}.yaml, bf16_fused)" for row in by_section["training"]), m
     assert sum(row[1].startswith("bare torchvision ResNet50") for row in by_section["training"]) == 4
     assert any(row[2] == "equal" for row in by_section["resume"])
     assert any(row[2].startswith("OK gloo 1") for row in by_section["torchrun"])
