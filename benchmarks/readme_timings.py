@@ -5,7 +5,7 @@
     python benchmarks/readme_timings.py --only quickstart    # one row (--help lists them), or several
     python benchmarks/readme_timings.py --only tests         # the README's test command (about 20 minutes)
     python benchmarks/readme_timings.py --only tests-slow    # the paper-path tests, `pytest -m slow` (hours)
-    python benchmarks/readme_timings.py --only flagship-train   # the flagship's 35 + 30 runs from an empty run cache
+    python benchmarks/readme_timings.py --only flagship-train   # the flagship's 35 + 65 runs from an empty run cache
     python benchmarks/readme_timings.py --only whole-set    # every notebook from an empty run cache (hours)
     python benchmarks/readme_timings.py --only whole-set-recorded   # the runs in results/, their recorded times summed
 
@@ -109,7 +109,7 @@ def commands(tmp: Path) -> dict:
             {},
         ),
         "flagship-train": (
-            "Flagship from an empty run cache (35 runs, then its sensitivity table's 30, two at a time, then the notebook)",
+            "Flagship from an empty run cache (35 runs, then its sensitivity table's 65, 35 of them of 36 epochs, two at a time, then the notebook)",
             f"dml-reproduce repro_table3 {' '.join(TRAIN_FLAGS)}",
             train_from_empty(py, tmp / "flagship", ["repro_table3"]),
             {},
