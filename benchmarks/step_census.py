@@ -505,6 +505,12 @@ def main(argv=None):
             ap.error(f"{name} {v}: needs at least {lo}")
     if bad := [r for r in recipes if r not in RECIPES]:
         ap.error(f"--recipes: unknown {', '.join(bad)[:200]}; choose from {', '.join(RECIPES)}")
+    for r in recipes if args.overrides else ():  # a bad --set stops here, in one line, before anything is counted
+        try:
+            recipe_config(r, ROOT, batch, size, warmup + steps + 1, args.overrides)
+        except (ValueError, KeyError, TypeError) as e:
+            text = " ".join(str(e).split())[:400]
+            ap.error(text if text.startswith("--set") else f"--set: {text}")
     torch.set_num_threads(args.threads)
     from dml_nb.data.checks import write_fake_dataset
 

@@ -79,3 +79,19 @@ def test_no_recipe_synchronises_in_an_ordinary_step(capsys):
     assert j["max_abs_diff"] < 0.05, j  # normalised units: rounding of the two resamplers, not a different crop
     syncs = {r: out[r]["sync_sites"] for r in RECIPES if out[r]["syncs_per_step"]}
     assert not syncs, syncs
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("train.nosuch=1", "unknown key train.'nosuch'"),
+        ("nokey", "--set expects key=value, got 'nokey'"),
+        ("train.fused_optimizer=maybe", "bad value for train.fused_optimizer"),
+    ],
+)
+def test_a_bad_set_stops_in_one_line_before_anything_is_counted(override, says, capsys):
+    sc = census_module()
+    with pytest.raises(SystemExit) as e:
+        sc.main(["--tiny", "--recipes", "baseline", "--set", override])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and says in err.err and "kernels per step" not in err.out + err.err
