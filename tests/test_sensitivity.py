@@ -83,3 +83,101 @@ def test_the_other_reading_leaves_a_row_that_reads_as_the_text_alone():
     )
     code = {"name": "diva", "tasks": tasks, "embed_weights": {"discriminative": 0.75, "dance": 1.25}}
     assert other_reading(code)["embed_weights"] == {"discriminative": 1.0, "dance": 1.0}
+
+
+def test_rows_named_alike_in_two_columns_keep_their_own_runs_and_reasons(monkeypatch, tmp_path):
+    """`run_rows(by_group=True)` keys each finished run by its column; one column's reason for a run that stopped is not
+    shown on the same-named row of another column (a sensitivity table's rows repeat across its columns)."""
+    import dml_nb.reproduction.repro as R
+    from dml_nb.methods.dnc import ClusterError
+    from dml_nb.reproduction.repro import Row, base_config
+
+    calls = []
+
+    def one(raw, runs_dir, progress=True, threads=None):
+        calls.append(raw)
+        if len(calls) == 1:
+            raise ClusterError("1 of 2 clusters cannot form a batch with negatives")
+        return "the y run"
+
+    monkeypatch.setattr(R, "run_one", one)
+    rows = [Row("A", {"name": "baseline", "embedding_dim": 32}, group=g) for g in ("x", "y")]
+    rows[1] = Row("A", {"name": "baseline", "embedding_dim": 64}, group="y")
+    per_seed, results = R.run_rows(rows, base_config("digits"), [0], runs_dir=tmp_path, progress=False, by_group=True)
+    assert results == {("y", "A", 0): "the y run"}
+    status = dict(zip(per_seed["group"], per_seed["status"]))
+    assert status["x"].startswith("stopped: 1 of 2 clusters"), status
+    assert status["y"].startswith("not run: no finished run"), status  # its folder is empty: not x's reason
+
+
+def test_a_column_reads_its_own_runs_into_a_table_built_from_them(monkeypatch, tmp_path):
+    """A notebook whose claims read a table built from the runs (`sensitivity(table=...)`, Table 5) is judged on the
+    column's own runs in place of the headline's, and the table rows of a changed run are the rows it changed."""
+    import types
+
+    import dml_nb.reproduction.repro as R
+    from dml_nb.experiments.results import RunPolicy
+    from dml_nb.reproduction.repro import base_config
+    from dml_nb.reproduction.sensitivity import _column_results, sensitivity
+
+    rows = {
+        "Margin": {"name": "baseline", "embedding_dim": 128},
+        "Ours (T*)": {"name": "sharing", "embedding_dim": 128},
+    }
+    seeds = [0, 1, 2]
+    lines = pd.DataFrame([{"row": n, "group": "", "seed": s, "status": "ok"} for n in rows for s in seeds])
+    headline = {(n, s): 30.0 + s if n == "Margin" else 40.0 + s for n in rows for s in seeds}  # "a run": its R@1
+
+    def fake_run_rows(every, base, seeds, by_group=False, **kw):
+        assert by_group  # the columns' rows share names
+        got = {(r.group, r.name, s): (50.0 if r.name == "Margin" else 20.0) + s for r in every for s in seeds}
+        out = [{"row": r.name, "group": r.group, "seed": s, "status": "ok"} for r in every for s in seeds]
+        return pd.DataFrame(out), got
+
+    monkeypatch.setattr(R, "run_rows", fake_run_rows)
+
+    def table_of(lines, results):
+        recs = pd.DataFrame(
+            [{"row": f"{n} {rep}", "v": v + d} for (n, s), v in results.items() for rep, d in [("phi", 0), ("f", 1)]]
+        )
+        g = recs.groupby("row", sort=False)["v"]
+        out = pd.DataFrame({"R@1": g.mean(), "R@1 std": g.std(ddof=1), "seeds": g.size()})
+        out.attrs["sources"] = {t: t.rsplit(" ", 1)[0] for t in out.index}
+        return out
+
+    def judge(claims, table):
+        claims.beats("ours phi beats the margin phi", table, "Ours (T*) phi", "Margin phi")
+        return claims
+
+    nb = types.SimpleNamespace(
+        stem="repro_sharing_table5",
+        base=base_config("finegrained_premise"),
+        seeds=seeds,
+        runs=tmp_path,
+        progress=False,
+        threads=1,
+        policy=RunPolicy(),
+        per_seed=lines,
+        run_results=headline,
+        claims=lambda: Claims("repro_sharing_table5", tmp_path),
+        keep=lambda rows: None,
+    )
+    sens = sensitivity(nb, rows, judge, None, ["3x training"], table=table_of)
+    assert sens.changed["3x training"] == ["Margin phi", "Margin f", "Ours (T*) phi", "Ours (T*) f"]
+    assert sens.tables["3x training"].loc["Margin phi", "R@1"] == 51.0  # the column's runs, not the headline's 31
+    assert sens.headline.loc["Margin phi", "R@1"] == 31.0
+    assert sens.frame["headline"][0].startswith("holds") and sens.frame["3x training"][0].startswith("fails")
+    assert sens.labels() == {"ours phi beats the margin phi": "sensitive to 3x training (fails)"}
+    assert list(sens.columns) == ["3x training"]  # no DiVA row: no diagnostic column
+    # a changed run that did not finish is left out, not taken from the headline
+    assert _column_results({("A", 0): 1, ("B", 0): 2}, {("c", "B", 0): 3}, "c", {"A", "B"}) == {("B", 0): 3}
+
+
+def test_a_diagnostic_of_no_row_here_is_no_column():
+    "DiVA's head-alone diagnostic names no row of a table without DiVA (Table 5): `sensitivity` leaves that column out."
+    from dml_nb.reproduction.sensitivity import diagnostic_rows
+
+    assert diagnostic_rows({"Margin": {"name": "baseline"}}) == {"DiVA's discriminative head alone": {}}
+    assert diagnostic_rows({"DiVA": {"name": "diva", "tasks": ["discriminative", "shared"]}}) == {
+        "DiVA's discriminative head alone": {"DiVA": "discriminative"}
+    }

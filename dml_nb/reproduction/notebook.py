@@ -86,6 +86,8 @@ class Reproduction:
         self.per_seed = pd.concat(
             [None if prev is None else prev[~prev["row"].isin(per_seed["row"])], per_seed], ignore_index=True
         )
+        names = {r.name for r in rows}  # {(row, seed): RunResult} of every row run so far (a sensitivity table's hook)
+        self.run_results = {k: v for k, v in getattr(self, "run_results", {}).items() if k[0] not in names} | results
         return per_seed, results
 
     def keep(self, rows: Sequence[Row], base: Mapping | None = None) -> None:

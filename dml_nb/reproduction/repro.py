@@ -327,9 +327,11 @@ def run_rows(
     progress: bool = True,
     threads: int | None = RUN_THREADS,
     policy: RunPolicy | None = None,
+    by_group: bool = False,
 ) -> tuple[pd.DataFrame, dict]:
     """Run every row for every seed (smoke size under nbdev_test), each on `threads` CPU threads (`run_one`). Returns the per-seed frame that `collect_runs`
-    reads from the run folders, and {(row name, seed): RunResult} of the finished runs. In a sweep (`dml_nb.sweeps.sweep`:
+    reads from the run folders, and {(row name, seed): RunResult} of the finished runs; `by_group`: keyed {(row group,
+    row name, seed): RunResult} instead, for rows whose names repeat across groups (a sensitivity column's rows). In a sweep (`dml_nb.sweeps.sweep`:
     a plan, or collect-only) a run not finished is listed, or is an error, instead of trained. A seed given twice
     is an error (`check_seeds`). `policy` (train, plan or collect-only; default: the one in force, `run_policy`) is
     what the notebook's `setup` read at its start: `Reproduction.run` passes its own."""
@@ -337,34 +339,39 @@ def run_rows(
 
     seeds = check_seeds(seeds)  # a seed given twice: refused before anything runs
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
-    results, skipped, mode = {}, {}, sweep_mode(policy)
+    results, skipped, mode = (
+        {},
+        {},
+        sweep_mode(policy),
+    )  # skipped: by (group, name, seed), so no group's reason is another's
     from tqdm.auto import tqdm as bar_class  # read at each call: `terminal_bars` may have replaced it for a run
 
     bar = bar_class([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
     for row, seed in bar:
         raw = job_config(row, base, seed)
         why = availability(raw)
+        key, job = ((row.group, row.name, seed) if by_group else (row.name, seed)), (row.group, row.name, seed)
         if mode is not None and (got := mode.job(row, seed, raw, runs_dir, why)) is not None:
             if isinstance(got, RunResult):
-                results[(row.name, seed)] = got
+                results[key] = got
             else:
-                skipped[(row.name, seed)] = portable(got)
+                skipped[job] = portable(got)
             continue
         if why:
-            skipped[(row.name, seed)] = f"not run: {portable(why)}"
+            skipped[job] = f"not run: {portable(why)}"
             continue
         bar.set_postfix_str(f"{row.name} / seed {seed}")
         restore_run(run_dir_for(make_config(raw), runs_dir), (policy or run_policy()).restore)  # only the runs read
         try:
-            results[(row.name, seed)] = run_one(raw, runs_dir, progress=progress, threads=threads)
+            results[key] = run_one(raw, runs_dir, progress=progress, threads=threads)
         except FileNotFoundError as e:  # a dataset file or weights file that is not here: listed, not dropped
-            skipped[(row.name, seed)] = f"not run: {portable(str(e))}"
+            skipped[job] = f"not run: {portable(str(e))}"
         except (
             BatchFormationError,
             NoTuplesError,
             RunStopped,
         ) as e:  # the method cannot train on this data: shown with the reason
-            skipped[(row.name, seed)] = f"stopped: {portable(str(e))}"
+            skipped[job] = f"stopped: {portable(str(e))}"
     if mode is not None:
         mode.finish()  # collect-only: every run not finished, named in one error
     return collect_runs(runs_dir, rows, base, seeds, skipped), results
@@ -491,6 +498,11 @@ def _row_record(row: Row, seed: int, run_dir: Path, skipped: str | None, cdict: 
     }
 
 
+def _skipped(skipped: Mapping, row: Row, seed: int) -> str | None:
+    "Why `row`'s run of `seed` did not run: `skipped` keyed by (group, row name, seed), else by (row name, seed)."
+    return skipped.get((row.group, row.name, seed), skipped.get((row.name, seed)))
+
+
 def collect_runs(
     runs_dir: str | Path,
     rows: Sequence[Row] | None = None,
@@ -501,7 +513,7 @@ def collect_runs(
     """The collector: run folders under `runs_dir` into a frame.
     Without `rows`: one line per finished run (run, method, dataset, seed, epochs, wall time, every stored metric).
     With `rows` (layered on `base`, over `seeds`): one line per row and seed in that order, read from the folder of
-    its config: row, group, seed, status (`ok`, the reason `skipped[(row, seed)]` gives, the reason a run that
+    its config: row, group, seed, status (`ok`, the reason `skipped[(group, row, seed)]` or `skipped[(row, seed)]` gives, the reason a run that
     stopped by design recorded, a finished run without its results, or no finished run), the
     test metrics of the row's head, its `train/` metrics, wall time, the epoch reported and the run folder."""
     runs_dir = Path(runs_dir)
@@ -512,7 +524,7 @@ def collect_runs(
         cfgs = [make_config(job_config(r, base, s)) for r, s in jobs]
         return pd.DataFrame(
             [
-                _row_record(r, s, run_dir_for(c, runs_dir), (skipped or {}).get((r.name, s)), config_to_dict(c))
+                _row_record(r, s, run_dir_for(c, runs_dir), _skipped(skipped or {}, r, s), config_to_dict(c))
                 for (r, s), c in zip(jobs, cfgs)
             ]
         )

@@ -256,16 +256,25 @@ def sensitivity(
     metrics,
     columns: Sequence[str] | None = None,
     sources: Mapping[str, str] | None = None,
+    table: Callable[[pd.DataFrame, Mapping], pd.DataFrame] | None = None,
 ) -> Sensitivity:
     """Judge notebook `nb`'s claims (`judge(claims, table)`, the function its claims cell calls on the headline
     table) on each column of `COLUMNS`: the rows the column changes (`sensitivity_rows`) are trained (or read) for the
     notebook's seeds and saved as its other runs are, then put in place of the headline's; the `DIAGNOSTIC` columns read
     the headline's runs from one head. `columns`: which of `COLUMNS` (None: all). Call after `nb.run` of the headline
-    rows. `sources`: where each row comes from in the paper file (`sensitivity_rows`)."""
+    rows. `sources`: where each row comes from in the paper file (`sensitivity_rows`).
+
+    `table`: for a notebook whose claims read a table built from the runs themselves rather than from their metrics
+    (Sharing Matters' Table 5: features and re-initialised heads of the trained models), `table(lines, results)` builds
+    it from the per-seed lines and {(row, seed): RunResult} of the finished runs, the column's in place of the
+    headline's same-named rows (default: `column_table` of the lines on `metrics`). Its `attrs["sources"]` ({table
+    row: the run row it comes from}) says which of its rows a column changes; without it the table's rows are the runs'."""
     from dml_nb.reproduction.repro import Row, run_rows
 
     headline = nb.per_seed
-    base_items = judged(judge, nb.claims(), column_table(headline, None, metrics), headline)
+    build = table or (lambda lines, results: column_table(lines, None, metrics))
+    first = build(headline, dict(getattr(nb, "run_results", {})))
+    base_items = judged(judge, nb.claims(), first, headline)
     for c in columns or ():
         if c not in COLUMNS:
             raise unknown_name_error("sensitivity column", c, list(COLUMNS))
@@ -273,11 +282,20 @@ def sensitivity(
         c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base, sources).items() if columns is None or c in columns
     }
     runs = {c: [Row(n, s, group=c) for n, s in v.items()] for c, v in specs.items()}
-    runs |= {c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items()}
+    runs |= {  # a diagnostic of no row here (Table 5 has no DiVA row) is no column
+        c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items() if v
+    }
     every = [r for rs in runs.values() for r in rs]  # one call: a plan lists every column's runs at once
     with nb.policy.applied():
-        per_seed, _ = run_rows(
-            every, nb.base, nb.seeds, runs_dir=nb.runs, progress=nb.progress, threads=nb.threads, policy=nb.policy
+        per_seed, results = run_rows(
+            every,
+            nb.base,
+            nb.seeds,
+            runs_dir=nb.runs,
+            progress=nb.progress,
+            threads=nb.threads,
+            policy=nb.policy,
+            by_group=True,  # a row's name repeats across columns: each column's runs are its own
         )
     nb.keep(every)
     tables, verdicts, changed = {}, {}, {}
@@ -285,9 +303,15 @@ def sensitivity(
         mine = per_seed[per_seed["group"] == column] if "group" in per_seed else per_seed.iloc[:0]
         groups = dict(zip(headline["row"], headline["group"])) if "group" in headline else {}
         mine = mine.assign(group=mine["row"].map(groups).fillna(""))
-        tables[column] = column_table(headline, mine, metrics)
-        verdicts[column] = judged(judge, nb.claims(), tables[column], column_lines(headline, mine))
-        changed[column] = [r.name for r in rs]
+        names = {r.name for r in rs}
+        lines = column_lines(headline, mine)
+        if table is None:
+            tables[column] = column_table(headline, mine, metrics)
+        else:
+            tables[column] = table(lines, _column_results(getattr(nb, "run_results", {}), results, column, names))
+        verdicts[column] = judged(judge, nb.claims(), tables[column], lines)
+        built = tables[column].attrs.get("sources") or first.attrs.get("sources")
+        changed[column] = [t for t, r in built.items() if r in names] if built else [r.name for r in rs]
     lines = []
     for i, item in enumerate(base_items):
         line = {"claim": item["claim"], "headline": _cell(item)}
@@ -302,4 +326,14 @@ def sensitivity(
     frame = pd.DataFrame(lines)
     frame.attrs["seeds"] = len(nb.seeds)
     described = {**COLUMNS, **{c: "a diagnostic, read from the headline's own runs" for c in DIAGNOSTIC}}
-    return Sensitivity(frame, tables, changed, {c: described[c] for c in runs}, column_table(headline, None, metrics))
+    return Sensitivity(frame, tables, changed, {c: described[c] for c in runs}, first)
+
+
+def _column_results(headline: Mapping, results: Mapping, column: str, names: set) -> dict:
+    """{(row, seed): RunResult} of a column: the headline's runs in their order, those of the rows the column changes
+    (`names`) taken from the column's own (`results`, keyed by (group, row, seed)); a changed run not finished is
+    left out, as the headline's are."""
+    mine = {(n, s): r for (g, n, s), r in results.items() if g == column}
+    out = {k: (mine.get(k) if k[0] in names else v) for k, v in headline.items()}
+    out |= {k: v for k, v in mine.items() if k not in out}
+    return {k: v for k, v in out.items() if v is not None}
