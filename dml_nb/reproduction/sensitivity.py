@@ -269,22 +269,13 @@ def sensitivity(
     it from the per-seed lines and {(row, seed): RunResult} of the finished runs, the column's in place of the
     headline's same-named rows (default: `column_table` of the lines on `metrics`). Its `attrs["sources"]` ({table
     row: the run row it comes from}) says which of its rows a column changes; without it the table's rows are the runs'."""
-    from dml_nb.reproduction.repro import Row, run_rows
+    from dml_nb.reproduction.repro import run_rows
 
     headline = nb.per_seed
     build = table or (lambda lines, results: column_table(lines, None, metrics))
     first = build(headline, dict(getattr(nb, "run_results", {})))
     base_items = judged(judge, nb.claims(), first, headline)
-    for c in columns or ():
-        if c not in COLUMNS:
-            raise unknown_name_error("sensitivity column", c, list(COLUMNS))
-    specs = {
-        c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base, sources).items() if columns is None or c in columns
-    }
-    runs = {c: [Row(n, s, group=c) for n, s in v.items()] for c, v in specs.items()}
-    runs |= {  # a diagnostic of no row here (Table 5 has no DiVA row) is no column
-        c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items() if v
-    }
+    specs, runs = _column_runs(nb, rows, columns, sources)
     every = [r for rs in runs.values() for r in rs]  # one call: a plan lists every column's runs at once
     with nb.policy.applied():
         per_seed, results = run_rows(
@@ -312,21 +303,43 @@ def sensitivity(
         verdicts[column] = judged(judge, nb.claims(), tables[column], lines)
         built = tables[column].attrs.get("sources") or first.attrs.get("sources")
         changed[column] = [t for t, r in built.items() if r in names] if built else [r.name for r in rs]
-    lines = []
-    for i, item in enumerate(base_items):
-        line = {"claim": item["claim"], "headline": _cell(item)}
-        touched = {c: bool(_rows_of(item, tables[c]) & set(changed[c])) for c in runs}
-        line |= {c: _cell(verdicts[c][i]) if touched[c] else "same runs" for c in runs}
-        line["label"] = sensitivity_label(
-            item["verdict"],
-            {c: verdicts[c][i]["verdict"] for c in specs},
-            {c: touched[c] for c in specs},
-        )
-        lines.append(line)
-    frame = pd.DataFrame(lines)
+    frame = _verdict_frame(base_items, tables, verdicts, changed, list(runs), list(specs))
     frame.attrs["seeds"] = len(nb.seeds)
     described = {**COLUMNS, **{c: "a diagnostic, read from the headline's own runs" for c in DIAGNOSTIC}}
     return Sensitivity(frame, tables, changed, {c: described[c] for c in runs}, first)
+
+
+def _column_runs(nb, rows: Mapping[str, Mapping], columns: Sequence[str] | None, sources) -> tuple[dict, dict]:
+    """({column: {row: spec}} of the `COLUMNS` asked for, {column: [Row]} of those and of the `DIAGNOSTIC` columns)
+    for notebook `nb`'s `rows`; an unknown column is an error naming the known ones."""
+    from dml_nb.reproduction.repro import Row
+
+    for c in columns or ():
+        if c not in COLUMNS:
+            raise unknown_name_error("sensitivity column", c, list(COLUMNS))
+    specs = {
+        c: v for c, v in sensitivity_rows(nb.stem, rows, nb.base, sources).items() if columns is None or c in columns
+    }
+    runs = {c: [Row(n, s, group=c) for n, s in v.items()] for c, v in specs.items()}
+    runs |= {  # a diagnostic of no row here (Table 5 has no DiVA row) is no column
+        c: [Row(n, rows[n], head=h, group=c) for n, h in v.items()] for c, v in diagnostic_rows(rows).items() if v
+    }
+    return specs, runs
+
+
+def _verdict_frame(base_items, tables, verdicts, changed, columns: list, labelled: list) -> pd.DataFrame:
+    """A line per claim: the headline's verdict, each column's ('same runs' where it changes none of the claim's
+    rows), and the label from the `labelled` columns (not the diagnostics)."""
+    lines = []
+    for i, item in enumerate(base_items):
+        line = {"claim": item["claim"], "headline": _cell(item)}
+        touched = {c: bool(_rows_of(item, tables[c]) & set(changed[c])) for c in columns}
+        line |= {c: _cell(verdicts[c][i]) if touched[c] else "same runs" for c in columns}
+        line["label"] = sensitivity_label(
+            item["verdict"], {c: verdicts[c][i]["verdict"] for c in labelled}, {c: touched[c] for c in labelled}
+        )
+        lines.append(line)
+    return pd.DataFrame(lines)
 
 
 def _column_results(headline: Mapping, results: Mapping, column: str, names: set) -> dict:
