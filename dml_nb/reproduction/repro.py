@@ -339,11 +339,8 @@ def run_rows(
 
     seeds = check_seeds(seeds)  # a seed given twice: refused before anything runs
     runs_dir = output_dirs(runs_dir=runs_dir)[1] if runs_dir is None or in_test() else Path(runs_dir)
-    results, skipped, mode = (
-        {},
-        {},
-        sweep_mode(policy),
-    )  # skipped: by (group, name, seed), so no group's reason is another's
+    # skipped: keyed by (group, name, seed), so that no group's reason shows on another group's same-named row
+    results, skipped, mode = {}, {}, sweep_mode(policy)
     from tqdm.auto import tqdm as bar_class  # read at each call: `terminal_bars` may have replaced it for a run
 
     bar = bar_class([(r, int(s)) for r in rows for s in seeds], desc="runs", disable=not progress, leave=False)
